@@ -1,0 +1,151 @@
+"""`OffloadConfig`: what the user asks for, validated before anything is touched."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import BudgetError, FlexTensorError, NoCudaDeviceError
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+#: What "auto" leaves free on the device for other processes, the CUDA context and fragmentation.
+AUTO_BUDGET_MARGIN_BYTES = 2 * 2**30
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Parse a byte count: an int, or a string such as ``"24GiB"``, ``"500MB"``, ``"1.5 GB"``.
+
+    Decimal suffixes (KB, MB, GB) are powers of ten and binary ones (KiB, MiB, GiB) powers of two,
+    as on a GPU's spec sheet versus in ``nvidia-smi``.
+    """
+    if isinstance(value, bool):
+        raise BudgetError(f"budget must be a byte count or a string like '24GiB', not {value!r}")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise BudgetError(f"budget must be positive, got {value!r}")
+        return int(value)
+    match = _BUDGET_RE.match(str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise BudgetError(
+            f"cannot parse budget {value!r}: use bytes (an int) or a number with a unit such as "
+            "'24GiB', '500MB', or 'auto'"
+        )
+    number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if number <= 0:
+        raise BudgetError(f"budget must be positive, got {value!r}")
+    return int(number)
+
+
+def format_bytes(n: int | float) -> str:
+    """Human-readable binary size, e.g. ``'23.50 GiB'``."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The compute device: CUDA when present (or asked for), else the CPU."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise NoCudaDeviceError(
+                "OffloadConfig(device='cuda') but no CUDA device is visible: install a CUDA build of "
+                "torch and check CUDA_VISIBLE_DEVICES, or pass device='cpu' to run the same plan on the CPU"
+            )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise FlexTensorError(f"unsupported device {device}: use 'cuda', 'cuda:N' or 'cpu'")
+    return device
+
+
+def auto_budget(device: torch.device, already_on_device: int = 0) -> int:
+    """Free device memory (plus what the model already holds there) minus a safety margin."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = free + already_on_device - AUTO_BUDGET_MARGIN_BYTES
+    else:
+        import psutil
+
+        budget = psutil.virtual_memory().available + already_on_device - AUTO_BUDGET_MARGIN_BYTES
+    if budget <= 0:
+        raise BudgetError(
+            f"budget='auto' found only {format_bytes(budget + AUTO_BUDGET_MARGIN_BYTES)} free on {device}: "
+            "free memory on the device or pass an explicit budget"
+        )
+    return budget
+
+
+@dataclass
+class OffloadConfig:
+    """What to stream and under which budget.
+
+    Attributes:
+        include_patterns: fnmatch patterns over ``named_modules()`` names; the outermost module
+            that matches a pattern becomes one streamed *unit* (e.g. ``["blocks.*"]``).
+        gpu_budget: bytes, a string like ``"24GiB"``, or ``"auto"``. It bounds the peak of
+            *allocated* device memory: resident weights + slots + the measured activation peak.
+        device: compute device; ``None`` picks CUDA when available, else the CPU (for tests).
+        profile: path of a saved profile; when it matches model, device and workload, discovery
+            and profiling are skipped.
+        reprofile_on_mismatch: when ``profile`` does not match, profile again instead of raising.
+        profiling_runs: forwards measured after discovery before a plan is made.
+        pin_memory: keep host buffers page-locked (required for asynchronous copies on CUDA).
+        max_slots: upper bound on streaming slots, i.e. on prefetch depth + 1.
+        measure_stalls: record events around waits and copies in steady state, for ``stats()``.
+        activation_margin: fraction added to the measured activation peak when planning, for
+            allocator rounding and fragmentation.
+    """
+
+    include_patterns: list[str]
+    gpu_budget: int | str = "auto"
+    device: str | torch.device | None = None
+    profile: str | Path | None = None
+    reprofile_on_mismatch: bool = False
+    profiling_runs: int = 1
+    pin_memory: bool = True
+    max_slots: int = 6
+    measure_stalls: bool = True
+    activation_margin: float = 0.05
+    exclude_patterns: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.include_patterns, str):
+            self.include_patterns = [self.include_patterns]
+        if not self.include_patterns:
+            raise FlexTensorError("OffloadConfig.include_patterns is empty: name the blocks to stream, e.g. ['blocks.*']")
+        if self.profiling_runs < 1:
+            raise FlexTensorError("OffloadConfig.profiling_runs must be at least 1")
+        if self.max_slots < 2:
+            raise FlexTensorError("OffloadConfig.max_slots must be at least 2 (one computing, one loading)")
+        if not 0 <= self.activation_margin < 1:
+            raise FlexTensorError("OffloadConfig.activation_margin must be in [0, 1)")
+        if not (isinstance(self.gpu_budget, str) and self.gpu_budget.strip().lower() == "auto"):
+            parse_bytes(self.gpu_budget)  # fail now, not at set-up
+
+    def budget_bytes(self, device: torch.device, already_on_device: int = 0) -> int:
+        """The budget in bytes; ``"auto"`` is resolved against the device's free memory now."""
+        if isinstance(self.gpu_budget, str) and self.gpu_budget.strip().lower() == "auto":
+            return auto_budget(device, already_on_device)
+        return parse_bytes(self.gpu_budget)

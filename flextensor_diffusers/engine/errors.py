@@ -1,0 +1,35 @@
+"""Exceptions raised by the engine.
+
+Every error names the fix in its message, so that a user who reads only the last line of a
+traceback knows what to change.
+"""
+
+from __future__ import annotations
+
+
+class FlexTensorError(RuntimeError):
+    """Base class of every error this package raises on purpose."""
+
+
+class PatternError(FlexTensorError, ValueError):
+    """An include pattern matched no module, or matched the whole model."""
+
+
+class BudgetError(FlexTensorError, ValueError):
+    """The GPU budget cannot hold what streaming needs at minimum."""
+
+
+class ProfileMismatchError(FlexTensorError):
+    """A saved profile was recorded for another model, device, dtype or workload."""
+
+
+class OffloadStateError(FlexTensorError):
+    """The module is already offloaded, or the handle was already removed."""
+
+
+class InferenceOnlyError(FlexTensorError):
+    """Autograd would need the streamed weights; streaming is for inference only."""
+
+
+class NoCudaDeviceError(FlexTensorError):
+    """A CUDA device was asked for but none is visible."""

@@ -1,0 +1,254 @@
+"""Planning: which units stay resident and how many streaming slots, from a measured profile.
+
+Pure functions over plain data, so that the decisions can be tested on synthetic profiles on any
+machine in milliseconds. The runtime executes exactly the schedule simulated here:
+
+* every streamed unit has a fixed slot (its first-appearance rank among streamed units, modulo the
+  number of slots), so its parameters are permanent views of that slot;
+* a load into a slot is issued on the copy stream right after the compute of the slot's previous
+  occupant has been enqueued, and waits for that compute to finish;
+* the schedule is cyclic: the last loads of one forward prefetch the first units of the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import format_bytes
+from .errors import BudgetError
+
+
+@dataclass(frozen=True)
+class Call:
+    """One execution of a unit inside a forward, in order."""
+
+    unit: int
+    compute_ms: float
+    gap_before_ms: float = 0.0  # compute outside any unit between the previous call and this one
+
+
+@dataclass
+class WorkloadProfile:
+    """What profiling measured; all a plan depends on."""
+
+    unit_names: list[str]
+    unit_bytes: list[int]
+    calls: list[Call]
+    tail_ms: float  # compute after the last unit call
+    bandwidth_bytes_per_ms: float  # host→device
+    activation_peak_bytes: int  # peak allocated during a forward above what was allocated at its start
+    resident_bytes: int  # weights that are not in any unit (always on the device)
+
+    @property
+    def compute_ms(self) -> float:
+        return sum(c.compute_ms + c.gap_before_ms for c in self.calls) + self.tail_ms
+
+
+@dataclass
+class Plan:
+    """Residency and slots; ``slot_of[u]`` is None for a resident unit."""
+
+    resident: frozenset[int]
+    num_slots: int
+    slot_bytes: int
+    slot_of: list[int | None]
+    predicted_ms: float
+    lower_bound_ms: float
+    memory_bytes: int  # predicted peak allocated: resident weights + residents + slots + activations
+    budget_bytes: int
+    loads: list[tuple[int, int] | None] = field(default_factory=list)  # after call p: (slot, unit) to load
+    first_loads: list[tuple[int, int]] = field(default_factory=list)  # (slot, unit) to prime
+
+    @property
+    def streamed(self) -> list[int]:
+        return [u for u, s in enumerate(self.slot_of) if s is not None]
+
+    def summary(self) -> dict:
+        return {
+            "resident_units": sorted(self.resident),
+            "streamed_units": len(self.streamed),
+            "num_slots": self.num_slots,
+            "slot_bytes": self.slot_bytes,
+            "predicted_ms": round(self.predicted_ms, 3),
+            "lower_bound_ms": round(self.lower_bound_ms, 3),
+            "memory_bytes": self.memory_bytes,
+            "budget_bytes": self.budget_bytes,
+        }
+
+
+def assign_slots(calls: list[Call], resident: frozenset[int], num_slots: int, num_units: int) -> list[int | None]:
+    """Fixed slot per streamed unit: its rank of first appearance among streamed calls, modulo slots."""
+    slot_of: list[int | None] = [None] * num_units
+    rank = 0
+    for call in calls:
+        if call.unit not in resident and slot_of[call.unit] is None:
+            slot_of[call.unit] = rank % num_slots
+            rank += 1
+    for u in range(num_units):  # a unit never called still needs a home for on-demand use
+        if u not in resident and slot_of[u] is None:
+            slot_of[u] = rank % num_slots
+            rank += 1
+    return slot_of
+
+
+def schedule_loads(
+    calls: list[Call], slot_of: list[int | None]
+) -> tuple[list[tuple[int, int] | None], list[tuple[int, int]]]:
+    """Loads to issue after each call, and the loads that prime each slot before the first forward.
+
+    After the call that is a slot's visit, the slot's next visit in cyclic order is loaded, unless it
+    is the same unit (its weights are still there).
+    """
+    visits: dict[int, list[int]] = {}
+    for p, call in enumerate(calls):
+        slot = slot_of[call.unit]
+        if slot is not None:
+            visits.setdefault(slot, []).append(p)
+    loads: list[tuple[int, int] | None] = [None] * len(calls)
+    first: list[tuple[int, int]] = []
+    for slot, positions in sorted(visits.items()):
+        first.append((slot, calls[positions[0]].unit))
+        for i, p in enumerate(positions):
+            nxt = calls[positions[(i + 1) % len(positions)]].unit
+            if nxt != calls[p].unit:
+                loads[p] = (slot, nxt)
+    first.sort(key=lambda sl: next(p for p, c in enumerate(calls) if c.unit == sl[1]))
+    return loads, first
+
+
+def simulate(profile: WorkloadProfile, resident: frozenset[int], num_slots: int, cycles: int = 2) -> float:
+    """Predicted time of one forward in steady state: the last of ``cycles`` simulated forwards.
+
+    Two streams: compute runs calls in order, waiting for a streamed unit's load; copy runs loads in
+    issue order, each waiting for its slot's previous occupant to finish computing.
+    """
+    calls = profile.calls
+    if len(resident) == len(profile.unit_bytes) or not calls:
+        return profile.compute_ms
+    slot_of = assign_slots(calls, resident, num_slots, len(profile.unit_bytes))
+    loads, first = schedule_loads(calls, slot_of)
+    bw = profile.bandwidth_bytes_per_ms
+    copy_t = 0.0
+    ready: dict[int, float] = {}
+    for _slot, unit in first:
+        copy_t += profile.unit_bytes[unit] / bw
+        ready[unit] = copy_t
+    t = 0.0
+    start = 0.0
+    for _ in range(cycles):
+        start = t
+        for p, call in enumerate(calls):
+            t += call.gap_before_ms
+            if slot_of[call.unit] is not None:
+                t = max(t, ready[call.unit])
+            t += call.compute_ms
+            load = loads[p]
+            if load is not None:
+                copy_t = max(copy_t, t) + profile.unit_bytes[load[1]] / bw
+                ready[load[1]] = copy_t
+        t += profile.tail_ms
+    return t - start
+
+
+def streamed_bytes_per_forward(profile: WorkloadProfile, resident: frozenset[int], num_slots: int) -> int:
+    slot_of = assign_slots(profile.calls, resident, num_slots, len(profile.unit_bytes))
+    loads, _ = schedule_loads(profile.calls, slot_of)
+    return sum(profile.unit_bytes[u] for load in loads if load is not None for u in (load[1],))
+
+
+def lower_bound(profile: WorkloadProfile, resident: frozenset[int], num_slots: int) -> float:
+    """No schedule beats max(all compute, streamed bytes / bandwidth)."""
+    copy_ms = streamed_bytes_per_forward(profile, resident, num_slots) / profile.bandwidth_bytes_per_ms
+    return max(profile.compute_ms, copy_ms)
+
+
+def memory_needed(profile: WorkloadProfile, resident: frozenset[int], num_slots: int, margin: float) -> int:
+    streamed = [b for u, b in enumerate(profile.unit_bytes) if u not in resident]
+    slots = num_slots * max(streamed) if streamed else 0
+    residents = sum(profile.unit_bytes[u] for u in resident)
+    activations = int(profile.activation_peak_bytes * (1 + margin))
+    return profile.resident_bytes + residents + slots + activations
+
+
+def minimum_budget(profile: WorkloadProfile, margin: float) -> int:
+    return memory_needed(profile, frozenset(), 2, margin)
+
+
+def plan_residency(profile: WorkloadProfile, budget: int, max_slots: int = 6, margin: float = 0.05) -> Plan:
+    """The plan with the least predicted step time whose memory fits ``budget``.
+
+    Everything resident when it fits. Otherwise, for each slot count, units are made resident one
+    at a time, each time the one whose residency shortens the simulated step most (ties: the
+    largest, which saves the most transfer), while the budget allows. Units whose loads are hardest
+    to hide behind neighbouring compute therefore become resident first.
+    """
+    n = len(profile.unit_bytes)
+    everything = frozenset(range(n))
+    if memory_needed(profile, everything, 0, margin) <= budget:
+        return _make_plan(profile, everything, 0, budget, margin)
+    need = minimum_budget(profile, margin)
+    if need > budget:
+        raise BudgetError(
+            f"budget {format_bytes(budget)} cannot run this workload: it needs at least {format_bytes(need)} "
+            f"(weights outside units {format_bytes(profile.resident_bytes)} + 2 slots of "
+            f"{format_bytes(max(profile.unit_bytes))} + activation peak "
+            f"{format_bytes(profile.activation_peak_bytes)}). Raise gpu_budget to at least {need} bytes, or "
+            "shrink the workload (fewer frames, smaller resolution, VAE tiling)"
+        )
+    best: tuple[float, int, frozenset[int], int] | None = None
+    for slots in range(2, max_slots + 1):
+        if memory_needed(profile, frozenset(), slots, margin) > budget:
+            break
+        resident: frozenset[int] = frozenset()
+        current = simulate(profile, resident, slots)
+        while True:
+            choice: tuple[float, int, int] | None = None
+            for u in range(n):
+                if u in resident:
+                    continue
+                trial = resident | {u}
+                if len(trial) == n or memory_needed(profile, trial, slots, margin) > budget:
+                    continue
+                t = simulate(profile, trial, slots)
+                key = (t, -profile.unit_bytes[u], u)
+                if choice is None or key < choice:
+                    choice = key
+            if choice is None or choice[0] > current + 1e-9:
+                break
+            current = choice[0]
+            resident = resident | {choice[2]}
+        key = (current, memory_needed(profile, resident, slots, margin), resident, slots)
+        if best is None or key[:2] < best[:2]:
+            best = key
+    assert best is not None
+    return _make_plan(profile, best[2], best[3], budget, margin)
+
+
+def _make_plan(profile: WorkloadProfile, resident: frozenset[int], slots: int, budget: int, margin: float) -> Plan:
+    n = len(profile.unit_bytes)
+    if len(resident) == n:
+        return Plan(
+            resident=resident,
+            num_slots=0,
+            slot_bytes=0,
+            slot_of=[None] * n,
+            predicted_ms=profile.compute_ms,
+            lower_bound_ms=profile.compute_ms,
+            memory_bytes=memory_needed(profile, resident, 0, margin),
+            budget_bytes=budget,
+            loads=[None] * len(profile.calls),
+        )
+    slot_of = assign_slots(profile.calls, resident, slots, n)
+    loads, first = schedule_loads(profile.calls, slot_of)
+    return Plan(
+        resident=resident,
+        num_slots=slots,
+        slot_bytes=max(b for u, b in enumerate(profile.unit_bytes) if u not in resident),
+        slot_of=slot_of,
+        predicted_ms=simulate(profile, resident, slots),
+        lower_bound_ms=lower_bound(profile, resident, slots),
+        memory_bytes=memory_needed(profile, resident, slots, margin),
+        budget_bytes=budget,
+        loads=loads,
+        first_loads=first,
+    )

@@ -1,0 +1,122 @@
+"""Profiles on disk: what was measured, for which model, device and workload.
+
+A profile lets a later run skip discovery and profiling. It is only reused when it describes the
+same model (names, shapes and dtypes of every tensor, and the same units), the same device, and the
+same workload (shapes and dtypes of the inputs); otherwise the reason is given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ProfileMismatchError
+from .planner import Call, WorkloadProfile
+
+FORMAT_VERSION = 1
+
+
+def model_fingerprint(model: nn.Module, unit_names: list[str]) -> dict[str, Any]:
+    """A digest of every tensor's name, shape and dtype, and of the unit list."""
+    digest = hashlib.sha256()
+    dtypes: dict[str, int] = {}
+    count = 0
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
+        model.named_buffers(remove_duplicate=False)
+    ):
+        digest.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        dtypes[str(t.dtype)] = dtypes.get(str(t.dtype), 0) + t.numel()
+        count += 1
+    digest.update(("|".join(unit_names)).encode())
+    return {"class": type(model).__name__, "sha256": digest.hexdigest(), "tensors": count, "dtypes": dtypes}
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def workload_signature(args: tuple, kwargs: dict) -> str:
+    """Shapes and dtypes of the tensors passed to the model's forward (scalars by value)."""
+
+    def describe(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return f"T{tuple(x.shape)}:{str(x.dtype).removeprefix('torch.')}"
+        if isinstance(x, (list, tuple)):
+            return [describe(v) for v in x]
+        if isinstance(x, dict):
+            return {str(k): describe(v) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))}
+        if isinstance(x, (int, float, bool, str)) or x is None:
+            return x
+        return type(x).__name__
+
+    return json.dumps({"args": describe(list(args)), "kwargs": describe(kwargs)}, sort_keys=True)
+
+
+@dataclass
+class SavedProfile:
+    fingerprint: dict[str, Any]
+    device: str
+    workload: str
+    profile: WorkloadProfile
+    torch_version: str = torch.__version__
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["profile"]["calls"] = [asdict(c) for c in self.profile.calls]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SavedProfile:
+        if data.get("format_version") != FORMAT_VERSION:
+            raise ProfileMismatchError(
+                f"profile format {data.get('format_version')} is not {FORMAT_VERSION}: delete it to re-profile"
+            )
+        p = dict(data["profile"])
+        p["calls"] = [Call(**c) for c in p["calls"]]
+        return cls(
+            fingerprint=data["fingerprint"],
+            device=data["device"],
+            workload=data["workload"],
+            profile=WorkloadProfile(**p),
+            torch_version=data.get("torch_version", ""),
+            format_version=data["format_version"],
+        )
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> SavedProfile:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ProfileMismatchError(f"cannot read profile {path}: {exc}; delete it to re-profile") from exc
+        return cls.from_json(data)
+
+    def mismatch(self, fingerprint: dict[str, Any], device: str) -> str | None:
+        """Why this profile does not describe ``fingerprint`` on ``device``; None when it does."""
+        mine, theirs = self.fingerprint, fingerprint
+        if mine["class"] != theirs["class"]:
+            return f"it was recorded for a {mine['class']}, this model is a {theirs['class']}"
+        if sorted(mine["dtypes"]) != sorted(theirs["dtypes"]):
+            return f"it was recorded with dtypes {sorted(mine['dtypes'])}, this model has {sorted(theirs['dtypes'])}"
+        if mine["sha256"] != theirs["sha256"]:
+            return (
+                f"it was recorded for another model or unit selection ({mine['tensors']} tensors, digest "
+                f"{mine['sha256'][:12]}; this one: {theirs['tensors']} tensors, {theirs['sha256'][:12]})"
+            )
+        if self.device != device:
+            return f"it was recorded on {self.device!r}, this device is {device!r}"
+        return None

@@ -1,0 +1,73 @@
+"""What happened: bytes moved, stalls, overlap and memory, per handle and per unit."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .config import format_bytes
+
+
+@dataclass
+class UnitStats:
+    name: str
+    nbytes: int
+    placement: str  # "resident", "slot k", or "slot 0 (on demand)" before a plan exists
+    calls_per_forward: int = 0
+    compute_ms_per_forward: float | None = None  # profiled
+    loads: int = 0
+    stall_ms: float = 0.0
+
+
+@dataclass
+class OffloadStats:
+    """A snapshot of one handle. ``overlap_pct`` is the share of copy time hidden behind compute."""
+
+    phase: str
+    device: str
+    budget_bytes: int
+    resident_weight_bytes: int  # weights outside units, always on the device
+    forwards: dict[str, int]
+    bytes_streamed: int = 0
+    loads: int = 0
+    copy_ms: float = 0.0
+    stall_ms: float = 0.0
+    measured_forwards: int = 0
+    peak_allocated_bytes: int | None = None
+    plan: dict[str, Any] | None = None
+    units: list[UnitStats] = field(default_factory=list)
+
+    @property
+    def overlap_pct(self) -> float | None:
+        if self.copy_ms <= 0:
+            return None
+        return max(0.0, 100.0 * (1.0 - self.stall_ms / self.copy_ms))
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["overlap_pct"] = self.overlap_pct
+        return data
+
+    def __str__(self) -> str:
+        overlap = "n/a" if self.overlap_pct is None else f"{self.overlap_pct:.1f}%"
+        peak = "n/a" if self.peak_allocated_bytes is None else format_bytes(self.peak_allocated_bytes)
+        lines = [
+            f"phase {self.phase} on {self.device}, budget {format_bytes(self.budget_bytes)}, peak allocated {peak}",
+            f"streamed {format_bytes(self.bytes_streamed)} in {self.loads} loads; copy {self.copy_ms:.1f} ms, "
+            f"stall {self.stall_ms:.1f} ms, overlap {overlap} (steady forwards measured: {self.measured_forwards})",
+        ]
+        if self.plan:
+            lines.append(
+                f"plan: {self.plan['streamed_units']} streamed, {len(self.plan['resident_units'])} resident, "
+                f"{self.plan['num_slots']} slots; predicted {self.plan['predicted_ms']:.2f} ms/forward, "
+                f"lower bound {self.plan['lower_bound_ms']:.2f} ms"
+            )
+        width = max((len(u.name) for u in self.units), default=4)
+        lines.append(f"{'unit':<{width}}  {'size':>11}  {'placement':<10} calls  compute ms  loads  stall ms")
+        for u in self.units:
+            compute = "" if u.compute_ms_per_forward is None else f"{u.compute_ms_per_forward:.3f}"
+            lines.append(
+                f"{u.name:<{width}}  {format_bytes(u.nbytes):>11}  {u.placement:<10} {u.calls_per_forward:>5}  "
+                f"{compute:>10}  {u.loads:>5}  {u.stall_ms:>8.2f}"
+            )
+        return "\n".join(lines)

@@ -1,0 +1,287 @@
+"""Units: the modules that are streamed, each packed into one flat host buffer.
+
+A *unit* is the outermost module whose name matches an include pattern. All its parameters and
+buffers are copied into one ``uint8`` host buffer, each tensor at an offset aligned to 512 bytes
+(what the CUDA caching allocator guarantees for a native tensor), and the tensors become views of
+that buffer. Streaming a unit is then one host→device copy, and because the same offsets are used
+inside the GPU slot, every kernel sees the alignment it sees natively and picks the same algorithm.
+
+Tensors are re-pointed with ``tensor.data = view``: the ``Parameter`` objects themselves never
+change, so tied weights, optimiser references and ``named_parameters()`` all keep working.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .errors import FlexTensorError, PatternError
+
+logger = logging.getLogger(__name__)
+
+#: Alignment of every tensor inside a flat buffer; the CUDA caching allocator's block alignment.
+ALIGNMENT = 512
+
+
+def align(n: int, alignment: int = ALIGNMENT) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class PackedTensor:
+    """One parameter or buffer of a unit: where it lives in the flat buffer and where it came from."""
+
+    tensor: torch.Tensor  # the Parameter / buffer object whose ``.data`` we re-point
+    names: list[str]  # names relative to the unit (several when tied inside the unit)
+    offset: int
+    nbytes: int
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    origin_device: torch.device
+    persistent: bool  # appears in state_dict()
+
+    def view_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This tensor as a view of ``flat`` (a uint8 buffer laid out like the host buffer)."""
+        return flat[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
+
+
+@dataclass
+class Unit:
+    """A streamed module and its flat host buffer."""
+
+    index: int
+    name: str
+    module: nn.Module
+    tensors: list[PackedTensor] = field(default_factory=list)
+    nbytes: int = 0  # size of the flat buffer (aligned)
+    host: torch.Tensor | None = None  # flat uint8 host buffer, pinned when streaming to CUDA
+    pinned_in_place: bool = False  # registered with cudaHostRegister (must be unregistered)
+
+    def bind(self, flat: torch.Tensor) -> None:
+        """Point every tensor of the unit at its bytes inside ``flat`` (host buffer, slot or resident copy)."""
+        for packed in self.tensors:
+            packed.tensor.data = packed.view_of(flat)
+
+
+# --------------------------------------------------------------------------------------------- finding
+
+
+def find_units(
+    model: nn.Module, include: Sequence[str], exclude: Sequence[str] = ()
+) -> list[tuple[str, nn.Module]]:
+    """The outermost modules whose names match ``include`` (fnmatch) and not ``exclude``.
+
+    Raises `PatternError` for a pattern that matches nothing (listing close names), for a match on
+    the root, and for a container without ``forward`` (ModuleList/ModuleDict), whose children run
+    without passing through it and so could never be streamed correctly.
+    """
+    names = [name for name, _ in model.named_modules()]
+    used: set[str] = set()
+    selected: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        hits = [p for p in include if fnmatch.fnmatchcase(name, p)]
+        used.update(hits)
+        if not hits or any(fnmatch.fnmatchcase(name, p) for p in exclude):
+            continue
+        if name == "":
+            raise PatternError(
+                f"pattern {hits[0]!r} matches the whole model; stream its blocks instead, e.g. 'blocks.*'"
+            )
+        if any(name.startswith(parent + ".") for parent, _ in selected):
+            continue  # inside a unit already chosen: the outermost match wins
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            raise PatternError(
+                f"pattern {hits[0]!r} matches {name!r}, a {type(module).__name__} that is never called "
+                f"itself; match its children instead, e.g. '{name}.*'"
+            )
+        selected.append((name, module))
+    unmatched = [p for p in include if p not in used]
+    if unmatched:
+        pattern = unmatched[0]
+        stem = pattern.replace("*", "").replace("?", "").strip(".")
+        close = difflib.get_close_matches(stem, [n for n in names if n], n=5, cutoff=0.3)
+        hint = f" Close module names: {', '.join(close)}." if close else ""
+        raise PatternError(f"include pattern {pattern!r} matched no module of {type(model).__name__}.{hint}")
+    if not selected:
+        raise PatternError("the include patterns matched only excluded modules: nothing would be streamed")
+    return selected
+
+
+def _owned_tensors(module: nn.Module) -> Iterable[tuple[str, torch.Tensor, bool]]:
+    """(local name, tensor, persistent) of the parameters and buffers a module holds directly."""
+    for name, p in module._parameters.items():
+        if p is not None:
+            yield name, p, True
+    non_persistent = getattr(module, "_non_persistent_buffers_set", set())
+    for name, b in module._buffers.items():
+        if b is not None:
+            yield name, b, name not in non_persistent
+
+
+@dataclass
+class UnitLayout:
+    """What packing will do, computed without touching the model."""
+
+    units: list[Unit]
+    resident_tensors: list[torch.Tensor]  # not in any unit, or shared between places: moved once
+    shared_names: list[str]  # tensors kept resident because they are shared
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(tensor_nbytes(t) for t in self.resident_tensors)
+
+    @property
+    def largest_unit_bytes(self) -> int:
+        return max(u.nbytes for u in self.units)
+
+
+def plan_layout(model: nn.Module, selected: list[tuple[str, nn.Module]]) -> UnitLayout:
+    """Assign every tensor of ``model`` to one unit or to the resident set, and lay out each unit.
+
+    A tensor used by two units, or by a unit and a module outside any unit (tied embeddings, say),
+    stays resident, so that it remains one tensor. Distinct tensors sharing one storage are kept
+    resident too: packing would silently un-share them.
+    """
+    unit_of_module: dict[int, int] = {}
+    for i, (_, module) in enumerate(selected):
+        for sub in module.modules():
+            unit_of_module.setdefault(id(sub), i)
+
+    # Where each tensor is used: the set of unit indices (-1: outside any unit).
+    places: dict[int, set[int]] = {}
+    tensor_by_id: dict[int, torch.Tensor] = {}
+    qualified: dict[int, str] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        place = unit_of_module.get(id(module), -1)
+        for local, t, _ in _owned_tensors(module):
+            places.setdefault(id(t), set()).add(place)
+            tensor_by_id[id(t)] = t
+            qualified.setdefault(id(t), f"{mod_name}.{local}" if mod_name else local)
+
+    storages: dict[int, set[int]] = {}
+    for tid, t in tensor_by_id.items():
+        if t.device.type == "meta":
+            raise FlexTensorError(
+                f"tensor {qualified[tid]!r} is on the meta device: load the weights before offloading"
+            )
+        storages.setdefault(t.untyped_storage().data_ptr(), set()).add(tid)
+    storage_shared = {tid for ids in storages.values() if len(ids) > 1 for tid in ids}
+
+    resident: list[torch.Tensor] = []
+    shared_names: list[str] = []
+    unit_tensor_ids: list[set[int]] = [set() for _ in selected]
+    for tid, where in places.items():
+        if len(where) == 1 and -1 not in where and tid not in storage_shared:
+            unit_tensor_ids[next(iter(where))].add(tid)
+        else:
+            resident.append(tensor_by_id[tid])
+            if len(where) > 1 or tid in storage_shared:
+                shared_names.append(qualified[tid])
+    if shared_names:
+        logger.info("kept resident because shared between modules: %s", ", ".join(sorted(shared_names)))
+
+    units: list[Unit] = []
+    for i, (name, module) in enumerate(selected):
+        unit = Unit(index=i, name=name, module=module)
+        by_id: dict[int, PackedTensor] = {}
+        offset = 0
+        for sub_name, sub in module.named_modules(remove_duplicate=False):
+            for local, t, persistent in _owned_tensors(sub):
+                if id(t) not in unit_tensor_ids[i]:
+                    continue
+                rel = f"{sub_name}.{local}" if sub_name else local
+                if id(t) in by_id:
+                    by_id[id(t)].names.append(rel)
+                    by_id[id(t)].persistent |= persistent
+                    continue
+                if not t.is_contiguous():
+                    logger.debug("%s.%s is not contiguous; it is streamed contiguous", name, rel)
+                packed = PackedTensor(
+                    tensor=t,
+                    names=[rel],
+                    offset=offset,
+                    nbytes=tensor_nbytes(t),
+                    shape=t.shape,
+                    stride=t.stride(),
+                    dtype=t.dtype,
+                    origin_device=t.device,
+                    persistent=persistent,
+                )
+                by_id[id(t)] = packed
+                unit.tensors.append(packed)
+                offset = align(offset + packed.nbytes)
+        unit.nbytes = max(offset, ALIGNMENT)
+        if not unit.tensors:
+            raise PatternError(
+                f"unit {name!r} holds no weights of its own (all shared or none): leave it out of the patterns"
+            )
+        units.append(unit)
+    return UnitLayout(units=units, resident_tensors=resident, shared_names=shared_names)
+
+
+# --------------------------------------------------------------------------------------------- packing
+
+
+def _pin_in_place(buffer: torch.Tensor) -> bool:
+    """Page-lock ``buffer`` without copying it (cudaHostRegister); False when that is unavailable."""
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+    except (AttributeError, RuntimeError) as exc:  # pragma: no cover - depends on the CUDA build
+        logger.debug("cudaHostRegister unavailable: %s", exc)
+        return False
+    return int(getattr(err, "value", err)) == 0
+
+
+def _unpin(buffer: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
+def pack_unit(unit: Unit, pin: bool) -> None:
+    """Copy the unit's tensors into one flat host buffer and make them views of it.
+
+    Tensors are moved one by one, so the original of each is freed as soon as it is copied (when
+    nothing else holds it): host memory grows by at most one unit during set-up.
+    """
+    host = torch.empty(unit.nbytes, dtype=torch.uint8, device="cpu")
+    for packed in unit.tensors:
+        view = packed.view_of(host)
+        view.copy_(packed.tensor.data)
+        packed.tensor.data = view
+    if pin:
+        if _pin_in_place(host):
+            unit.pinned_in_place = True
+        else:
+            host = host.pin_memory()
+            unit.bind(host)
+    unit.host = host
+
+
+def restore_unit(unit: Unit) -> None:
+    """Give every tensor its own storage again, on the device it came from, bit-exact.
+
+    All new tensors are allocated before any is assigned, so a failure (out of memory) leaves the
+    unit exactly as it was: still packed and streamable.
+    """
+    assert unit.host is not None
+    fresh = []
+    for packed in unit.tensors:
+        t = torch.empty_strided(packed.shape, packed.stride, dtype=packed.dtype, device=packed.origin_device)
+        t.copy_(packed.view_of(unit.host))
+        fresh.append(t)
+    for packed, t in zip(unit.tensors, fresh, strict=True):
+        packed.tensor.data = t
+    if unit.pinned_in_place:
+        _unpin(unit.host)
+        unit.pinned_in_place = False
+    unit.host = None

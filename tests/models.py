@@ -1,0 +1,66 @@
+"""Small models for the engine tests: attention blocks, tied weights, buffers, a unit run twice."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int = 2, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(dim, dtype=dtype)
+        self.qkv = nn.Linear(dim, 3 * dim, dtype=dtype)
+        self.out = nn.Linear(dim, dim, dtype=dtype)
+        self.ff = nn.Sequential(nn.Linear(dim, 2 * dim, dtype=dtype), nn.GELU(), nn.Linear(2 * dim, dim, dtype=dtype))
+        self.register_buffer("scale", torch.full((dim,), 0.5, dtype=dtype))
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.gate = nn.Parameter(torch.randn(dim, dtype=torch.float32))  # mixed dtypes in one unit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
+        x = x + self.out(a) * self.scale + self.gate.to(x.dtype) * 0.01
+        return x + self.ff(x)
+
+
+class Stack(nn.Module):
+    """Embedding tied to the head, blocks, and block 1 called a second time at the end."""
+
+    def __init__(self, dim: int = 32, depth: int = 4, vocab: int = 50, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim, dtype=dtype)
+        self.blocks = nn.ModuleList([Block(dim, dtype=dtype) for _ in range(depth)])
+        self.head = nn.Linear(dim, vocab, bias=False, dtype=dtype)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer("pos", torch.randn(1, 64, dim, dtype=dtype))
+        self.repeat = 1
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[:, : tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        for _ in range(self.repeat):
+            x = self.blocks[1](x)
+        return self.head(x)
+
+
+def snapshot(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.device, int]]:
+    """Every parameter and buffer: a copy of its bytes, its device and its object identity."""
+    out = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        out[name] = (t.detach().clone().cpu(), t.device, id(t))
+    return out
+
+
+def assert_same(before: dict, model: nn.Module) -> None:
+    after = snapshot(model)
+    assert before.keys() == after.keys()
+    for name, (data, device, ident) in before.items():
+        data2, device2, ident2 = after[name]
+        assert device2 == device, name
+        assert ident2 == ident, name
+        assert data2.dtype == data.dtype and data2.shape == data.shape, name
+        assert torch.equal(data2.view(torch.uint8) if data2.dim() else data2, data.view(torch.uint8) if data.dim() else data), name

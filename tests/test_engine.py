@@ -1,0 +1,337 @@
+"""The streaming engine end to end on a small model: numerics, restore, profiles, bad input."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from models import Stack, assert_same, snapshot
+
+import flextensor_diffusers as ft
+from flextensor_diffusers.engine import Phase
+from flextensor_diffusers.engine.units import ALIGNMENT
+
+UNIT = 37376  # bytes of one Block(32) in its flat buffer, fp32 (checked below)
+
+
+def make(dtype: torch.dtype = torch.float32, depth: int = 6) -> tuple[Stack, torch.Tensor]:
+    torch.manual_seed(0)
+    return Stack(depth=depth, dtype=dtype), torch.randint(0, 50, (2, 16))
+
+
+def native(model: Stack, x: torch.Tensor, device: str) -> torch.Tensor:
+    model.to(device)
+    with torch.no_grad():
+        out = model(x.to(device)).cpu()
+    model.to("cpu")
+    return out
+
+
+def run(model: Stack, x: torch.Tensor, device: str, n: int) -> list[torch.Tensor]:
+    with torch.inference_mode():
+        return [model(x.to(device)).cpu() for _ in range(n)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("budget_units", [2, 3.5, 5, 100])
+def test_outputs_bitwise_equal_and_restore_exact(device: str, dtype: torch.dtype, budget_units: float) -> None:
+    model, x = make(dtype)
+    ref = native(model, x, device)
+    before = snapshot(model)
+    resident = 14_592 if dtype == torch.float32 else 7_296  # tied embedding + pos buffer, outside units
+    activations = 64 * 1024 if device == "cuda" else 0  # the CPU allocator reports no peak: planned as 0
+    budget = int(resident + budget_units * (UNIT if dtype == torch.float32 else 20992)) + 2048 + activations
+    handle = ft.offload(model, ft.OffloadConfig(include_patterns=["blocks.*"], gpu_budget=budget, device=device))
+    assert handle.resident_weight_bytes == resident
+    outs = run(model, x, device, 5)
+    assert handle.phase is Phase.STEADY
+    assert handle.counters["discovery"] == 1 and handle.counters["profiling"] == 1 and handle.counters["steady"] == 3
+    for out in outs:
+        assert torch.equal(out, ref)
+    plan = handle.plan
+    assert plan is not None and plan.memory_bytes <= budget
+    if budget_units == 100:
+        assert len(plan.resident) == 6 and plan.num_slots == 0
+    elif budget_units == 2 and device == "cpu":
+        assert len(plan.resident) == 0 and plan.num_slots == 2
+    handle.remove()
+    assert_same(before, model)
+
+
+def test_unit_layout_aligned_and_mixed_dtypes() -> None:
+    model, _ = make()
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**9, device="cpu")
+    unit = handle.units[0]
+    assert unit.nbytes == UNIT
+    assert all(p.offset % ALIGNMENT == 0 for p in unit.tensors)
+    assert {p.dtype for p in unit.tensors} == {torch.float32, torch.int64}
+    # every parameter of a unit is a view of one flat buffer: one copy per unit
+    storages = {p.tensor.untyped_storage().data_ptr() for p in unit.tensors}
+    assert len(storages) == 1
+    handle.remove()
+
+
+def test_order_records_repeated_unit_and_tied_weights_stay_shared() -> None:
+    model, x = make()
+    model.repeat = 2
+    ref = native(model, x, "cpu")
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=200_000, device="cpu")
+    outs = run(model, x, "cpu", 4)
+    assert all(torch.equal(o, ref) for o in outs)
+    order = [c.unit for c in handle.profile.calls]
+    assert order == [0, 1, 2, 3, 4, 5, 1, 1]
+    assert model.head.weight is model.embed.weight
+    handle.remove()
+    assert model.head.weight is model.embed.weight
+
+
+def test_order_change_is_detected_and_replanned(caplog: pytest.LogCaptureFixture) -> None:
+    model, x = make()
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=100_000, device="cpu")
+    run(model, x, "cpu", 3)
+    model.repeat = 3  # control flow changes: one more call of block 1
+    ref = native_copy(model, x)
+    with caplog.at_level(logging.WARNING):
+        outs = run(model, x, "cpu", 4)
+    assert all(torch.equal(o, ref) for o in outs)
+    assert handle.counters["desyncs"] == 1
+    assert handle.counters["plans"] == 2
+    assert [c.unit for c in handle.profile.calls][-3:] == [1, 1, 1]
+    assert "ran out of the planned order" in caplog.text
+    handle.remove()
+
+
+def native_copy(model: Stack, x: torch.Tensor) -> torch.Tensor:
+    """Native output of an offloaded model, from a fresh copy of its weights."""
+    clone = Stack(depth=len(model.blocks))
+    clone.load_state_dict(model.state_dict())
+    clone.repeat = model.repeat
+    with torch.no_grad():
+        return clone(x)
+
+
+def test_state_dict_reads_host_weights_while_streaming() -> None:
+    model, x = make()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=100_000, device="cpu")
+    run(model, x, "cpu", 3)  # slots now hold the last units' weights
+    got = model.state_dict()
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    handle.remove()
+
+
+def test_input_shape_change_reprofiles() -> None:
+    model, x = make()
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=100_000, device="cpu")
+    run(model, x, "cpu", 3)
+    x2 = torch.randint(0, 50, (1, 24))
+    ref = native_copy(model, x2)
+    outs = run(model, x2, "cpu", 3)
+    assert all(torch.equal(o, ref) for o in outs)
+    assert handle.counters["profiling"] == 2 and handle.counters["plans"] == 2
+    handle.remove()
+
+
+def test_profile_round_trip_skips_discovery(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "stack.json"
+    model, x = make()
+    ref = native(model, x, "cpu")
+    config = ft.OffloadConfig(include_patterns=["blocks.*"], gpu_budget=100_000, device="cpu", profile=path)
+    handle = ft.offload(model, config)
+    run(model, x, "cpu", 2)
+    assert path.exists()  # saved as soon as profiling finished
+    first_plan = handle.plan.summary()
+    handle.remove()
+
+    handle = ft.offload(model, config)
+    outs = run(model, x, "cpu", 2)
+    assert all(torch.equal(o, ref) for o in outs)
+    assert handle.counters["discovery"] == 0 and handle.counters["profiling"] == 0
+    assert handle.counters["steady"] == 2
+    assert handle.plan.summary()["resident_units"] == first_plan["resident_units"]
+    handle.remove()
+
+
+def test_profile_from_another_model_is_refused(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "p.json"
+    model, x = make(depth=6)
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=100_000, device="cpu")
+    run(model, x, "cpu", 2)
+    handle.save_profile(path)
+    handle.remove()
+
+    other, _ = make(depth=5)
+    before = snapshot(other)
+    with pytest.raises(ft.ProfileMismatchError, match="another model"):
+        ft.offload(other, include_patterns=["blocks.*"], gpu_budget=100_000, device="cpu", profile=path)
+    assert_same(before, other)
+    other_bf16, _ = make(dtype=torch.bfloat16)
+    with pytest.raises(ft.ProfileMismatchError, match="dtypes"):
+        ft.offload(other_bf16, include_patterns=["blocks.*"], gpu_budget=100_000, device="cpu", profile=path)
+    # asked for: profile again instead
+    handle = ft.offload(
+        other, include_patterns=["blocks.*"], gpu_budget=100_000, device="cpu", profile=path, reprofile_on_mismatch=True
+    )
+    run(other, x, "cpu", 2)
+    assert handle.counters["discovery"] == 1
+    handle.remove()
+
+
+def test_profile_for_other_inputs_is_refused(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "p.json"
+    model, x = make()
+    config = ft.OffloadConfig(include_patterns=["blocks.*"], gpu_budget=100_000, device="cpu", profile=path)
+    handle = ft.offload(model, config)
+    run(model, x, "cpu", 2)
+    handle.remove()
+    handle = ft.offload(model, config)
+    with pytest.raises(ft.ProfileMismatchError, match="recorded for inputs"):
+        run(model, torch.randint(0, 50, (1, 8)), "cpu", 1)
+    handle.remove()
+
+
+def test_profile_from_another_device_is_refused(tmp_path) -> None:  # noqa: ANN001
+    import json
+
+    path = tmp_path / "p.json"
+    model, x = make()
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=100_000, device="cpu", profile=path)
+    run(model, x, "cpu", 2)
+    handle.remove()
+    data = json.loads(path.read_text())
+    data["device"] = "NVIDIA H200"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ft.ProfileMismatchError, match="recorded on 'NVIDIA H200'"):
+        ft.offload(model, include_patterns=["blocks.*"], gpu_budget=100_000, device="cpu", profile=path)
+
+
+def test_budget_below_two_slots_names_smallest_budget() -> None:
+    model, _ = make()
+    before = snapshot(model)
+    smallest = 14_592 + 2 * UNIT
+    with pytest.raises(ft.BudgetError, match=f"gpu_budget >= {smallest}"):
+        ft.offload(model, include_patterns=["blocks.*"], gpu_budget=smallest - 1, device="cpu")
+    assert_same(before, model)
+    ft.offload(model, include_patterns=["blocks.*"], gpu_budget=smallest, device="cpu").remove()
+    assert_same(before, model)
+
+
+def test_unknown_pattern_lists_close_names() -> None:
+    model, _ = make()
+    before = snapshot(model)
+    with pytest.raises(ft.PatternError, match=r"'block\.\*' matched no module.*blocks"):
+        ft.offload(model, include_patterns=["block.*"], gpu_budget=10**9, device="cpu")
+    with pytest.raises(ft.PatternError, match="ModuleList"):
+        ft.offload(model, include_patterns=["blocks"], gpu_budget=10**9, device="cpu")
+    assert_same(before, model)
+
+
+@pytest.mark.parametrize("value", ["lots", "-1GiB", 0, "12 parsecs"])
+def test_bad_budget_strings(value: object) -> None:
+    with pytest.raises(ft.BudgetError):
+        ft.OffloadConfig(include_patterns=["blocks.*"], gpu_budget=value)
+
+
+def test_budget_parsing() -> None:
+    from flextensor_diffusers.engine.config import parse_bytes
+
+    assert parse_bytes("24GiB") == 24 * 2**30
+    assert parse_bytes("500MB") == 500 * 10**6
+    assert parse_bytes("1.5 gib") == int(1.5 * 2**30)
+    assert parse_bytes(1234) == 1234
+
+
+def test_offloading_twice_is_refused() -> None:
+    model, _ = make()
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**9, device="cpu")
+    with pytest.raises(ft.OffloadStateError, match="already offloaded"):
+        ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**9, device="cpu")
+    with pytest.raises(ft.OffloadStateError, match="already offloaded"):
+        ft.offload(model.blocks[0], include_patterns=["ff"], gpu_budget=10**9, device="cpu")
+    handle.remove()
+    with pytest.raises(ft.OffloadStateError, match="already removed"):
+        handle.remove()
+    ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**9, device="cpu").remove()
+
+
+def test_autograd_is_refused_with_the_fix() -> None:
+    model, x = make()
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**9, device="cpu")
+    with pytest.raises(ft.InferenceOnlyError, match="no_grad"):
+        model(x)
+    model.requires_grad_(False)
+    model(x)  # fine once nothing needs grad
+    handle.remove()
+
+
+def test_failure_during_set_up_leaves_model_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flextensor_diffusers.engine import runtime
+
+    model, _ = make()
+    before = snapshot(model)
+    calls = {"n": 0}
+    real = runtime.pack_unit
+
+    def failing(unit, pin):  # noqa: ANN001, ANN202
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise MemoryError("simulated: host memory exhausted while packing")
+        real(unit, pin)
+
+    monkeypatch.setattr(runtime, "pack_unit", failing)
+    with pytest.raises(MemoryError):
+        ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**9, device="cpu")
+    assert_same(before, model)
+    assert not model._forward_pre_hooks and not model.blocks[0]._forward_pre_hooks
+    monkeypatch.setattr(runtime, "pack_unit", real)
+    ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**9, device="cpu").remove()  # not "already"
+
+
+def test_failure_during_remove_keeps_model_working(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flextensor_diffusers.engine import runtime
+
+    model, x = make()
+    ref = native(model, x, "cpu")
+    before = snapshot(model)
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=100_000, device="cpu")
+    run(model, x, "cpu", 3)
+    real = runtime.restore_unit
+    calls = {"n": 0}
+
+    def failing(unit):  # noqa: ANN001, ANN202
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise MemoryError("simulated: out of memory while restoring")
+        real(unit)
+
+    monkeypatch.setattr(runtime, "restore_unit", failing)
+    with pytest.raises(ft.OffloadStateError, match="call remove\\(\\) again"):
+        handle.remove()
+    assert all(torch.equal(o, ref) for o in run(model, x, "cpu", 2))  # still correct, half restored
+    monkeypatch.setattr(runtime, "restore_unit", real)
+    handle.remove()
+    assert_same(before, model)
+
+
+def test_stats_report() -> None:
+    model, x = make()
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=100_000, device="cpu")
+    run(model, x, "cpu", 4)
+    stats = handle.stats()
+    assert stats.phase == "steady"
+    assert stats.bytes_streamed > 0 and stats.loads == sum(u.loads for u in stats.units)
+    assert [u.calls_per_forward for u in stats.units] == [1, 2, 1, 1, 1, 1]
+    assert all(u.placement.startswith("slot") for u in stats.units)
+    text = str(stats)
+    assert "blocks.5" in text and "plan:" in text
+    assert stats.as_dict()["plan"]["num_slots"] == 2
+    handle.remove()
+
+
+def test_no_cuda_device_error_names_the_fix() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(ft.NoCudaDeviceError, match="device='cpu'"):
+        ft.offload(Stack(), include_patterns=["blocks.*"], gpu_budget=10**9, device="cuda")
