@@ -18,11 +18,18 @@ from .engine import (
     offload,
 )
 
+from .pipelines import FlexTensorPipelineMixin, attach_to_diffusers
+
 __version__ = "0.1.0"
+
+#: Importing the package gives diffusers' DiffusionPipeline the methods of FlexTensorPipelineMixin
+#: (enable_flextensor_offload, flextensor_report, disable_flextensor_offload); nothing else changes.
+attach_to_diffusers()
 
 __all__ = [
     "BudgetError",
     "FlexTensorError",
+    "FlexTensorPipelineMixin",
     "InferenceOnlyError",
     "NoCudaDeviceError",
     "OffloadConfig",
@@ -32,5 +39,6 @@ __all__ = [
     "PatternError",
     "ProfileMismatchError",
     "__version__",
+    "attach_to_diffusers",
     "offload",
 ]

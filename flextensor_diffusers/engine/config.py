@@ -103,12 +103,15 @@ class OffloadConfig:
 
     Attributes:
         include_patterns: fnmatch patterns over ``named_modules()`` names; the outermost module
-            that matches a pattern becomes one streamed *unit* (e.g. ``["blocks.*"]``).
+            that matches a pattern becomes one streamed *unit* (e.g. ``["blocks.*"]``). Empty: no
+            streaming, the whole model is resident while active (small components, e.g. a VAE).
         gpu_budget: bytes, a string like ``"24GiB"``, or ``"auto"``. It bounds the peak of
             *allocated* device memory: resident weights + slots + the measured activation peak.
         device: compute device; ``None`` picks CUDA when available, else the CPU (for tests).
         profile: path of a saved profile; when it matches model, device and workload, discovery
-            and profiling are skipped.
+            and profiling are skipped. It is written once profiling has finished.
+        profile_dir: a folder of profiles, one file per model, device and workload (the file name
+            says which); a later run with the same inputs reuses its file. Exclusive with ``profile``.
         reprofile_on_mismatch: when ``profile`` does not match, profile again instead of raising.
         profiling_runs: forwards measured after discovery before a plan is made.
         pin_memory: keep host buffers page-locked (required for asynchronous copies on CUDA).
@@ -122,6 +125,7 @@ class OffloadConfig:
     gpu_budget: int | str = "auto"
     device: str | torch.device | None = None
     profile: str | Path | None = None
+    profile_dir: str | Path | None = None
     reprofile_on_mismatch: bool = False
     profiling_runs: int = 1
     pin_memory: bool = True
@@ -133,8 +137,8 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         if isinstance(self.include_patterns, str):
             self.include_patterns = [self.include_patterns]
-        if not self.include_patterns:
-            raise FlexTensorError("OffloadConfig.include_patterns is empty: name the blocks to stream, e.g. ['blocks.*']")
+        if self.profile is not None and self.profile_dir is not None:
+            raise FlexTensorError("pass OffloadConfig.profile or profile_dir, not both")
         if self.profiling_runs < 1:
             raise FlexTensorError("OffloadConfig.profiling_runs must be at least 1")
         if self.max_slots < 2:

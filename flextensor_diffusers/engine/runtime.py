@@ -2,9 +2,10 @@
 
 Life of a handle:
 
-1. **Set-up** (`OffloadHandle.__init__`): weights outside units move to the device once; each unit
-   is packed into one flat host buffer (pinned in place); every unit is bound to one shared
-   *profiling slot*. Any failure undoes all of it.
+1. **Set-up** (`OffloadHandle.__init__`): each unit, and the *base* (every weight outside units),
+   is packed into one flat host buffer, pinned in place. The base is copied to the device once and
+   stays there while the model is active; every unit is bound to one shared *profiling slot*. Any
+   failure undoes all of it.
 2. **Discovery** (first forward): units are loaded on demand, on the compute stream, and the order
    in which they run is recorded (a unit may run several times; the order need not follow
    registration). This forward also warms up kernels and allocator.
@@ -21,11 +22,17 @@ Life of a handle:
 
 If a forward departs from the planned order (other inputs, control flow), the handle waits for the
 copy stream, finishes that forward on demand, and profiles the next forward again.
+
+`release` gives all device memory back (tensors point at their pinned host copies) and
+`activate` takes it again with the same plan: that is how a pipeline keeps only its active
+component on the GPU.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import re
 import time
 import weakref
 from collections.abc import Callable
@@ -96,37 +103,41 @@ class OffloadHandle:
         self.config = config
         self.device = resolve_device(config.device)
         self.cuda = self.device.type == "cuda"
-        selected = find_units(model, config.include_patterns, config.exclude_patterns)
-        layout = plan_layout(model, selected)
+        layout = plan_layout(model, find_units(model, config.include_patterns, config.exclude_patterns))
         self.units: list[Unit] = layout.units
-        self._resident_tensors = layout.resident_tensors
+        self.base: Unit = layout.base
+        self._loose = [(t, t.device) for t in layout.loose]  # (tensor, device it came from)
         self.resident_weight_bytes = layout.resident_bytes
         tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
         on_device = sum(tensor_nbytes(t) for t in tensors.values() if t.device == self.device)
         self.budget_bytes = self._checked_budget(config.budget_bytes(self.device, already_on_device=on_device))
         self.fingerprint = model_fingerprint(model, [u.name for u in self.units])
         self.device_name = device_name(self.device)
-        self._saved: SavedProfile | None = self._load_profile()
+        self._from_file: SavedProfile | None = self._load_profile(config.profile) if config.profile else None
+        self._saved: SavedProfile | None = None  # the profile the current plan was made from
 
-        self.phase = Phase.DISCOVERY
+        self.phase = Phase.DISCOVERY if self.units else Phase.STEADY
         self.plan: Plan | None = None
         self.profile: WorkloadProfile | None = None
-        self.counters = {"discovery": 0, "profiling": 0, "steady": 0, "desyncs": 0, "plans": 0}
+        self.active = False
+        #: Called with this handle before it takes device memory (a pipeline releases the others).
+        self.on_activate: Callable[[OffloadHandle], None] | None = None
+        self.counters = {"discovery": 0, "profiling": 0, "steady": 0, "desyncs": 0, "plans": 0, "activations": 0}
         self._clock = _Clock(self.device)
         self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._moved: list[tuple[torch.Tensor, torch.device]] = []
         self._hooks: list[Any] = []
         self._unit_hooks: dict[int, list[Any]] = {}
+        self._base_buffer: torch.Tensor | None = None
         self._slots: list[torch.Tensor] = []
         self._resident_buffers: dict[int, torch.Tensor] = {}
         self._slot_of: list[int | None] = [0] * len(self.units)
         self._slot_owner: list[int | None] = [None]
         self._dst: list[torch.Tensor | None] = [None] * len(self.units)
         self._bytes = [u.nbytes for u in self.units]
+        self._order: list[int] = []  # planned unit order of one forward
         self._in_forward = False
         self._in_sync = False
         self._pos = 0
-        self._order: list[int] = []  # planned unit order of one forward
         self._signature: str | None = None
         self._observed: list[int] = []
         self._marks: list[list[Any]] = []
@@ -148,7 +159,7 @@ class OffloadHandle:
     # ------------------------------------------------------------------------------------ set-up
 
     def _checked_budget(self, budget: int) -> int:
-        largest = max(u.nbytes for u in self.units)
+        largest = max(self._unit_sizes(), default=0)
         smallest = self.resident_weight_bytes + 2 * largest
         if budget < smallest:
             raise BudgetError(
@@ -159,9 +170,11 @@ class OffloadHandle:
             )
         return budget
 
-    def _load_profile(self) -> SavedProfile | None:
-        path = self.config.profile
-        if path is None or not Path(path).exists():
+    def _unit_sizes(self) -> list[int]:
+        return [u.nbytes for u in self.units]
+
+    def _load_profile(self, path: str | Path) -> SavedProfile | None:
+        if not Path(path).exists():
             return None
         saved = SavedProfile.load(path)
         reason = saved.mismatch(self.fingerprint, self.device_name)
@@ -175,22 +188,23 @@ class OffloadHandle:
         logger.warning("profile %s does not match (%s); profiling again", path, reason)
         return None
 
+    def _profile_path(self, signature: str) -> Path | None:
+        """Where the profile of this model, device and workload lives (None: not kept)."""
+        if self.config.profile is not None:
+            return Path(self.config.profile)
+        if self.config.profile_dir is None:
+            return None
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", self.device_name).strip("-").lower()
+        workload = hashlib.sha256(signature.encode()).hexdigest()[:12]
+        name = f"{type(self.model).__name__}-{self.fingerprint['sha256'][:12]}-{slug}-{workload}.json"
+        return Path(self.config.profile_dir) / name
+
     def _set_up(self) -> None:
+        pin = self.cuda and self.config.pin_memory
         with torch.no_grad(), torch.inference_mode(False):
-            for t in self._resident_tensors:
-                if t.device != self.device:
-                    origin = t.device
-                    t.data = t.data.to(self.device)
-                    self._moved.append((t, origin))
-            pin = self.cuda and self.config.pin_memory
-            desc = "packing + pinning units" if pin else "packing units"
-            for unit in tqdm(self.units, desc=desc, disable=None, leave=False):
+            desc = "packing + pinning weights" if pin else "packing weights"
+            for unit in tqdm([self.base, *self.units], desc=desc, disable=None, leave=False):
                 pack_unit(unit, pin=pin)
-            slot = torch.empty(max(self._bytes), dtype=torch.uint8, device=self.device)
-            self._slots = [slot]
-            for unit in self.units:
-                unit.bind(slot)
-                self._dst[unit.index] = slot[: unit.nbytes]
         self._hooks.append(self.model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True))
         self._hooks.append(self.model.register_forward_hook(self._on_forward_end))
         for unit in self.units:
@@ -199,6 +213,8 @@ class OffloadHandle:
                 unit.module.register_forward_hook(self._post_hook(unit.index)),
                 unit.module._register_state_dict_hook(self._state_dict_hook(unit)),
             ]
+        self._hooks.append(self.model._register_state_dict_hook(self._state_dict_hook(self.base)))
+        self.activate()
 
     def _undo(self) -> None:
         """Put back everything set-up changed; safe to call at any point of set-up."""
@@ -206,13 +222,86 @@ class OffloadHandle:
             hook.remove()
         self._hooks, self._unit_hooks = [], {}
         with torch.no_grad(), torch.inference_mode(False):
-            for unit in self.units:
+            self._drop_device_buffers()
+            for unit in [self.base, *self.units]:
                 if unit.host is not None:
                     restore_unit(unit)
-            for t, origin in reversed(self._moved):
-                t.data = t.data.to(origin)
-        self._moved = []
-        self._slots, self._resident_buffers = [], {}
+
+    # ------------------------------------------------------------------------------------ device memory
+
+    def activate(self) -> None:
+        """Take device memory: the base, then the plan's resident units and slots (or the profiling slot)."""
+        if self.active:
+            return
+        if self.on_activate is not None:
+            self.on_activate(self)
+        with torch.no_grad(), torch.inference_mode(False):
+            buffer = torch.empty(self.base.nbytes, dtype=torch.uint8, device=self.device)
+            buffer.copy_(self.base.host, non_blocking=True)
+            self.base.bind(buffer)
+            self._base_buffer = buffer
+            for t, _ in self._loose:
+                t.data = t.data.to(self.device)
+            self.active = True
+            self._lay_out_units()
+        self.counters["activations"] += 1
+
+    def release(self) -> None:
+        """Give back all device memory; tensors point at their host copies until `activate`."""
+        if not self.active:
+            return
+        with torch.no_grad(), torch.inference_mode(False):
+            self._drop_device_buffers()
+        self.active = False
+
+    def _drop_device_buffers(self) -> None:
+        self._leave_schedule()
+        for unit in [self.base, *self.units]:
+            if unit.host is not None:
+                unit.bind(unit.host)
+        for t, origin in self._loose:
+            t.data = t.data.to(origin)
+        self._base_buffer = None
+        self._slots, self._resident_buffers, self._dst = [], {}, [None] * len(self.units)
+
+    def _lay_out_units(self) -> None:
+        """Device buffers for the units: per the plan, or one shared slot before a plan exists."""
+        self._leave_schedule()
+        for unit in self.units:  # drop old device buffers before taking new ones
+            unit.bind(unit.host)
+        self._slots, self._resident_buffers, self._dst = [], {}, [None] * len(self.units)
+        if not self.units:
+            return
+        plan = self.plan
+        if plan is None:
+            slot = torch.empty(max(self._bytes), dtype=torch.uint8, device=self.device)
+            self._slots = [slot]
+            self._slot_of = [0] * len(self.units)
+            self._slot_owner = [None]
+            for unit in self.units:
+                unit.bind(slot)
+                self._dst[unit.index] = slot[: unit.nbytes]
+            return
+        for index in sorted(plan.resident):
+            buffer = torch.empty(self._bytes[index], dtype=torch.uint8, device=self.device)
+            buffer.copy_(self.units[index].host, non_blocking=True)
+            self.units[index].bind(buffer)
+            self._resident_buffers[index] = buffer
+        self._slots = [torch.empty(plan.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(plan.num_slots)]
+        for index, slot in enumerate(plan.slot_of):
+            if slot is not None:
+                self.units[index].bind(self._slots[slot])
+                self._dst[index] = self._slots[slot][: self._bytes[index]]
+        self._slot_of = list(plan.slot_of)
+        self._slot_owner = [None] * plan.num_slots
+        if self.cuda:
+            # New slots may reuse memory that kernels still queued on the compute stream read.
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            timing = self.config.measure_stalls
+            self._ready = [torch.cuda.Event(enable_timing=timing) for _ in self.units]
+            self._free = [torch.cuda.Event() for _ in range(plan.num_slots)]
+        if self.phase is Phase.STEADY:
+            self._prime()
 
     # ------------------------------------------------------------------------------------ hooks
 
@@ -229,7 +318,7 @@ class OffloadHandle:
         return hook
 
     def _state_dict_hook(self, unit: Unit) -> Callable[..., None]:
-        """state_dict() of a unit reads its host copy: its slot may hold another unit's weights."""
+        """state_dict() reads host copies: a slot may hold another unit's weights."""
 
         def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
             if unit.host is None:
@@ -248,6 +337,8 @@ class OffloadHandle:
                 "streamed weights are for inference only. Run under torch.no_grad() or torch.inference_mode(), "
                 "or call model.requires_grad_(False)"
             )
+        if not self.active:
+            self.activate()  # a unit called on its own, outside the model's forward
         pos = self._pos
         self._pos += 1
         if self._in_sync:
@@ -285,23 +376,19 @@ class OffloadHandle:
             self._marks[-1][3] = self._clock.mark()
 
     def _on_forward_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self.active:
+            self.activate()
         if self._in_forward:  # the previous forward raised before finishing
-            logger.warning("previous forward did not finish; resynchronising")
+            logger.warning("previous forward of %s did not finish; resynchronising", type(self.model).__name__)
             self._leave_schedule()
             self._marks, self._observed = [], []
         self._in_forward = True
         self._pos = 0
-        if self.phase is Phase.ON_DEMAND:
+        if self.phase is Phase.ON_DEMAND or not self.units:
             return
         signature = workload_signature(args, kwargs)
-        if self.phase is Phase.DISCOVERY and self._saved is not None:
-            self._adopt_saved(signature)
-        if self.phase is Phase.STEADY and signature != self._signature:
-            logger.info("inputs differ from the profiled workload; profiling this forward again")
-            self._leave_schedule()
-            self.phase = Phase.PROFILING
-            self._profiled_runs = []
-        self._signature = signature
+        if signature != self._signature:
+            self._new_workload(signature)
         if self.phase is Phase.STEADY:
             if not self._in_sync:
                 self._prime()
@@ -313,6 +400,34 @@ class OffloadHandle:
                     torch.cuda.reset_peak_memory_stats(self.device)
                     self._alloc_at_start = torch.cuda.memory_allocated(self.device)
                 self._forward_start = self._clock.mark()
+
+    def _new_workload(self, signature: str) -> None:
+        """Inputs not seen by the current plan: adopt a saved profile for them, or profile them."""
+        first = self._signature is None
+        self._signature = signature
+        path = self._profile_path(signature)
+        saved = None
+        if first and self._from_file is not None:
+            saved, self._from_file = self._from_file, None
+        elif self.config.profile_dir is not None and path is not None:
+            saved = self._load_profile(path)
+        if saved is not None:
+            if saved.workload == signature:
+                self._saved = saved
+                self._apply(saved.profile)
+                return
+            if not self.config.reprofile_on_mismatch:
+                raise ProfileMismatchError(
+                    f"profile {path} was recorded for inputs {saved.workload}, these are {signature}. "
+                    "Delete it, use profile_dir= to keep one profile per workload, or pass "
+                    "reprofile_on_mismatch=True to profile this workload"
+                )
+            logger.warning("profile %s was recorded for other inputs; profiling again", path)
+        if not first:
+            logger.info("inputs of %s differ from the profiled workload; profiling again", type(self.model).__name__)
+            self._leave_schedule()
+            self.phase = Phase.PROFILING
+            self._profiled_runs = []
 
     def _on_forward_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._in_forward = False
@@ -329,7 +444,7 @@ class OffloadHandle:
             self.counters["steady"] += 1
             if self._in_sync:
                 self._measured_forwards += 1
-            else:
+            elif self.units:
                 self.phase = Phase.PROFILING
                 self._profiled_runs = []
             self._harvest(wait=False)
@@ -465,61 +580,27 @@ class OffloadHandle:
         )
         self._profiled_runs = []
         self._saved = SavedProfile(self.fingerprint, self.device_name, self._signature or "", profile)
-        if self.config.profile is not None:
-            self._saved.save(self.config.profile)
+        path = self._profile_path(self._signature or "")
+        if path is not None:
+            self._saved.save(path)
+            logger.info("saved profile %s", path)
         self._apply(profile)
-
-    def _adopt_saved(self, signature: str) -> None:
-        saved = self._saved
-        assert saved is not None
-        if saved.workload != signature:
-            if not self.config.reprofile_on_mismatch:
-                raise ProfileMismatchError(
-                    f"profile {self.config.profile} was recorded for inputs {saved.workload}, these are {signature}. "
-                    "Delete it or pass reprofile_on_mismatch=True to profile this workload"
-                )
-            logger.warning("profile %s was recorded for other inputs; profiling again", self.config.profile)
-            self._saved = None
-            return
-        self._signature = signature
-        self._apply(saved.profile)
 
     def _apply(self, profile: WorkloadProfile) -> None:
         """Plan under the budget and lay out resident copies and slots accordingly."""
         plan = plan_residency(profile, self.budget_bytes, self.config.max_slots, self.config.activation_margin)
-        with torch.no_grad(), torch.inference_mode(False):
-            self._leave_schedule()
-            for unit in self.units:  # drop old device buffers before taking new ones
-                unit.bind(unit.host)
-            self._slots, self._resident_buffers, self._dst = [], {}, [None] * len(self.units)
-            for index in sorted(plan.resident):
-                buffer = torch.empty(self._bytes[index], dtype=torch.uint8, device=self.device)
-                buffer.copy_(self.units[index].host, non_blocking=True)
-                self.units[index].bind(buffer)
-                self._resident_buffers[index] = buffer
-            self._slots = [
-                torch.empty(plan.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(plan.num_slots)
-            ]
-            for index, slot in enumerate(plan.slot_of):
-                if slot is not None:
-                    self.units[index].bind(self._slots[slot])
-                    self._dst[index] = self._slots[slot][: self._bytes[index]]
-        self._slot_of = list(plan.slot_of)
-        self._slot_owner = [None] * plan.num_slots
-        self._order = [c.unit for c in profile.calls]
-        if self.cuda:
-            # New slots may reuse memory that kernels still queued on the compute stream read.
-            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            timing = self.config.measure_stalls
-            self._ready = [torch.cuda.Event(enable_timing=timing) for _ in self.units]
-            self._free = [torch.cuda.Event() for _ in range(plan.num_slots)]
         self.plan = plan
         self.profile = profile
+        self._order = [c.unit for c in profile.calls]
         self.phase = Phase.STEADY
         self.counters["plans"] += 1
+        if self.active:
+            with torch.no_grad(), torch.inference_mode(False):
+                self._lay_out_units()
         logger.info(
-            "plan: %d resident, %d streamed through %d slots; predicted %.2f ms/forward (lower bound %.2f ms), "
+            "%s plan: %d resident, %d streamed through %d slots; predicted %.2f ms/forward (lower bound %.2f ms), "
             "memory %s of budget %s",
+            type(self.model).__name__,
             len(plan.resident),
             len(plan.streamed),
             plan.num_slots,
@@ -528,7 +609,6 @@ class OffloadHandle:
             format_bytes(plan.memory_bytes),
             format_bytes(self.budget_bytes),
         )
-        self._prime()
 
     # ------------------------------------------------------------------------------------ reporting
 
@@ -625,26 +705,28 @@ class OffloadHandle:
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
         with torch.no_grad(), torch.inference_mode(False):
-            for unit in self.units:
+            for unit in [*self.units, self.base]:
                 if unit.host is None:
                     continue
                 try:
                     restore_unit(unit)
                 except BaseException as exc:
                     raise OffloadStateError(
-                        f"remove() could not restore unit {unit.name!r} ({exc}); the remaining units still stream "
-                        "on demand. Free memory and call remove() again"
+                        f"remove() could not restore {unit.name!r} ({exc}); the rest still streams on demand. "
+                        "Free memory and call remove() again"
                     ) from exc
                 for hook in self._unit_hooks.pop(unit.index, []):
                     hook.remove()
-                self._slot_of[unit.index] = None
-            for t, origin in reversed(self._moved):
+                if unit.index >= 0:
+                    self._slot_of[unit.index] = None
+            for t, origin in self._loose:
                 t.data = t.data.to(origin)
-        self._moved = []
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._base_buffer = None
         self._slots, self._resident_buffers, self._dst = [], {}, []
+        self.active = False
         for module in self.model.modules():
             _OFFLOADED.discard(module)
         self.phase = Phase.REMOVED

@@ -39,7 +39,7 @@ class OffloadStats:
 
     @property
     def overlap_pct(self) -> float | None:
-        if self.copy_ms <= 0:
+        if self.copy_ms <= 0 or self.device == "cpu":  # CPU copies are synchronous: nothing can overlap
             return None
         return max(0.0, 100.0 * (1.0 - self.stall_ms / self.copy_ms))
 

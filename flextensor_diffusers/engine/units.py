@@ -82,6 +82,9 @@ def find_units(
 ) -> list[tuple[str, nn.Module]]:
     """The outermost modules whose names match ``include`` (fnmatch) and not ``exclude``.
 
+    An empty ``include`` selects nothing: the whole model is then one resident block, moved in and
+    out as a whole (what a small component such as a VAE needs).
+
     Raises `PatternError` for a pattern that matches nothing (listing close names), for a match on
     the root, and for a container without ``forward`` (ModuleList/ModuleDict), whose children run
     without passing through it and so could never be streamed correctly.
@@ -113,7 +116,7 @@ def find_units(
         close = difflib.get_close_matches(stem, [n for n in names if n], n=5, cutoff=0.3)
         hint = f" Close module names: {', '.join(close)}." if close else ""
         raise PatternError(f"include pattern {pattern!r} matched no module of {type(model).__name__}.{hint}")
-    if not selected:
+    if include and not selected:
         raise PatternError("the include patterns matched only excluded modules: nothing would be streamed")
     return selected
 
@@ -131,19 +134,21 @@ def _owned_tensors(module: nn.Module) -> Iterable[tuple[str, torch.Tensor, bool]
 
 @dataclass
 class UnitLayout:
-    """What packing will do, computed without touching the model."""
+    """What packing will do, computed without touching the model.
+
+    ``base`` packs every tensor outside the units (and those shared between places) the same way
+    as a unit: it is on the device whenever the model is active, and its pinned host copy makes
+    releasing and re-activating the model cheap. ``loose`` tensors share a storage with another
+    tensor, so packing would un-share them: they are moved with ``.to()`` instead.
+    """
 
     units: list[Unit]
-    resident_tensors: list[torch.Tensor]  # not in any unit, or shared between places: moved once
-    shared_names: list[str]  # tensors kept resident because they are shared
+    base: Unit
+    loose: list[torch.Tensor]
 
     @property
     def resident_bytes(self) -> int:
-        return sum(tensor_nbytes(t) for t in self.resident_tensors)
-
-    @property
-    def largest_unit_bytes(self) -> int:
-        return max(u.nbytes for u in self.units)
+        return self.base.nbytes + sum(tensor_nbytes(t) for t in self.loose)
 
 
 def plan_layout(model: nn.Module, selected: list[tuple[str, nn.Module]]) -> UnitLayout:
@@ -178,56 +183,66 @@ def plan_layout(model: nn.Module, selected: list[tuple[str, nn.Module]]) -> Unit
         storages.setdefault(t.untyped_storage().data_ptr(), set()).add(tid)
     storage_shared = {tid for ids in storages.values() if len(ids) > 1 for tid in ids}
 
-    resident: list[torch.Tensor] = []
+    base_ids: set[int] = set()
+    loose: list[torch.Tensor] = []
     shared_names: list[str] = []
     unit_tensor_ids: list[set[int]] = [set() for _ in selected]
     for tid, where in places.items():
-        if len(where) == 1 and -1 not in where and tid not in storage_shared:
+        if tid in storage_shared:
+            loose.append(tensor_by_id[tid])
+            shared_names.append(qualified[tid])
+        elif len(where) == 1 and -1 not in where:
             unit_tensor_ids[next(iter(where))].add(tid)
         else:
-            resident.append(tensor_by_id[tid])
-            if len(where) > 1 or tid in storage_shared:
+            base_ids.add(tid)
+            if len(where) > 1:
                 shared_names.append(qualified[tid])
     if shared_names:
         logger.info("kept resident because shared between modules: %s", ", ".join(sorted(shared_names)))
 
-    units: list[Unit] = []
+    units = []
     for i, (name, module) in enumerate(selected):
-        unit = Unit(index=i, name=name, module=module)
-        by_id: dict[int, PackedTensor] = {}
-        offset = 0
-        for sub_name, sub in module.named_modules(remove_duplicate=False):
-            for local, t, persistent in _owned_tensors(sub):
-                if id(t) not in unit_tensor_ids[i]:
-                    continue
-                rel = f"{sub_name}.{local}" if sub_name else local
-                if id(t) in by_id:
-                    by_id[id(t)].names.append(rel)
-                    by_id[id(t)].persistent |= persistent
-                    continue
-                if not t.is_contiguous():
-                    logger.debug("%s.%s is not contiguous; it is streamed contiguous", name, rel)
-                packed = PackedTensor(
-                    tensor=t,
-                    names=[rel],
-                    offset=offset,
-                    nbytes=tensor_nbytes(t),
-                    shape=t.shape,
-                    stride=t.stride(),
-                    dtype=t.dtype,
-                    origin_device=t.device,
-                    persistent=persistent,
-                )
-                by_id[id(t)] = packed
-                unit.tensors.append(packed)
-                offset = align(offset + packed.nbytes)
-        unit.nbytes = max(offset, ALIGNMENT)
+        unit = _lay_out(Unit(index=i, name=name, module=module), unit_tensor_ids[i])
         if not unit.tensors:
             raise PatternError(
                 f"unit {name!r} holds no weights of its own (all shared or none): leave it out of the patterns"
             )
         units.append(unit)
-    return UnitLayout(units=units, resident_tensors=resident, shared_names=shared_names)
+    base = _lay_out(Unit(index=-1, name="(outside units)", module=model), base_ids)
+    return UnitLayout(units=units, base=base, loose=loose)
+
+
+def _lay_out(unit: Unit, tensor_ids: set[int]) -> Unit:
+    """Give each of the unit's tensors (those in ``tensor_ids``) its aligned offset, in module order."""
+    by_id: dict[int, PackedTensor] = {}
+    offset = 0
+    for sub_name, sub in unit.module.named_modules(remove_duplicate=False):
+        for local, t, persistent in _owned_tensors(sub):
+            if id(t) not in tensor_ids:
+                continue
+            rel = f"{sub_name}.{local}" if sub_name else local
+            if id(t) in by_id:
+                by_id[id(t)].names.append(rel)
+                by_id[id(t)].persistent |= persistent
+                continue
+            if not t.is_contiguous():
+                logger.debug("%s.%s is not contiguous; it is streamed contiguous", unit.name, rel)
+            packed = PackedTensor(
+                tensor=t,
+                names=[rel],
+                offset=offset,
+                nbytes=tensor_nbytes(t),
+                shape=t.shape,
+                stride=t.stride(),
+                dtype=t.dtype,
+                origin_device=t.device,
+                persistent=persistent,
+            )
+            by_id[id(t)] = packed
+            unit.tensors.append(packed)
+            offset = align(offset + packed.nbytes)
+    unit.nbytes = offset
+    return unit
 
 
 # --------------------------------------------------------------------------------------------- packing

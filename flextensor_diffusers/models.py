@@ -1,0 +1,119 @@
+"""Supported pipelines built from the configs in ``assets/``, with random weights, or loaded from disk.
+
+Nothing here downloads anything. ``tiny`` variants run on a CPU in seconds (tests, the README
+demo); ``full`` variants have the published architecture sizes, for GPU benchmarks. Real weights
+come from a local diffusers folder (`load_pipeline`), loaded on the CPU first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .engine.errors import FlexTensorError
+
+logger = logging.getLogger(__name__)
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+SIZES = ("tiny", "full")
+
+
+def asset_path(*parts: str) -> Path:
+    """A file under the packaged ``assets/`` folder."""
+    path = ASSETS.joinpath(*parts)
+    if not path.exists():
+        raise FlexTensorError(f"asset {path} is missing: reinstall flextensor-diffusers")
+    return path
+
+
+def load_config(model: str, size: str) -> dict[str, Any]:
+    if size not in SIZES:
+        raise FlexTensorError(f"unknown size {size!r}: use one of {', '.join(SIZES)}")
+    return json.loads(asset_path(model, f"{size}.json").read_text())
+
+
+def tokenizer() -> Any:
+    """The small offline tokenizer (T5 special tokens) shipped in assets/tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    folder = asset_path("tokenizer")
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"),
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=512,
+    )
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _random(build: Any, init_device: str | torch.device, dtype: torch.dtype, seed: int) -> Any:
+    """Construct a module with its default random init on ``init_device``, then move it to the CPU.
+
+    Initialising on the GPU makes full-size models quick to build; the weights then live on the
+    CPU, as after a CPU-first load.
+    """
+    torch.manual_seed(seed)
+    with torch.device(init_device):
+        module = build()
+    module = module.to(dtype=dtype)
+    if torch.device(init_device).type != "cpu":
+        module = module.to("cpu")
+    return module.eval().requires_grad_(False)
+
+
+def build_wan22_t2v(size: str = "tiny", seed: int = 0, init_device: str | torch.device = "cpu") -> Any:
+    """A `WanPipeline` with Wan2.2 T2V A14B's structure (two experts, UMT5, Wan VAE), random weights."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    cfg = load_config("wan22_t2v", size)
+    dtype, vae_dtype = _dtype(cfg["dtype"]), _dtype(cfg["vae_dtype"])
+    transformer = _random(lambda: WanTransformer3DModel(**cfg["transformer"]), init_device, dtype, seed)
+    transformer_2 = _random(lambda: WanTransformer3DModel(**cfg["transformer_2"]), init_device, dtype, seed + 1)
+    text_encoder = _random(lambda: UMT5EncoderModel(UMT5Config(**cfg["text_encoder"])), init_device, dtype, seed + 2)
+    vae = _random(lambda: AutoencoderKLWan(**cfg["vae"]), init_device, vae_dtype, seed + 3)
+    scheduler = UniPCMultistepScheduler(**{k: v for k, v in cfg["scheduler"].items() if not k.startswith("_")})
+    return WanPipeline(
+        tokenizer=tokenizer(),
+        text_encoder=text_encoder,
+        transformer=transformer,
+        transformer_2=transformer_2,
+        vae=vae,
+        scheduler=scheduler,
+        boundary_ratio=cfg["boundary_ratio"],
+    )
+
+
+BUILDERS = {"wan22_t2v": build_wan22_t2v}
+
+
+def build_pipeline(model: str, size: str = "tiny", seed: int = 0, init_device: str | torch.device = "cpu") -> Any:
+    """Build a supported pipeline (``wan22_t2v``, ...) with random weights from ``assets/``."""
+    if model not in BUILDERS:
+        raise FlexTensorError(f"unknown model {model!r}: supported are {', '.join(sorted(BUILDERS))}")
+    return BUILDERS[model](size=size, seed=seed, init_device=init_device)
+
+
+def load_pipeline(path: str | Path, pipeline_class: Any, dtype: torch.dtype = torch.bfloat16, **kwargs: Any) -> Any:
+    """Load a local diffusers folder on the CPU, memory-mapped, without a hub.
+
+    safetensors files are memory-mapped and each tensor is materialised once, so host RAM stays
+    near one copy of the weights; offloading then packs them unit by unit.
+    """
+    path = Path(path)
+    if not (path / "model_index.json").exists():
+        raise FlexTensorError(
+            f"{path} is not a diffusers model folder (no model_index.json). Download the weights there first, "
+            "or run with --random-weights tiny|full to use the built-in architectures with random weights"
+        )
+    return pipeline_class.from_pretrained(
+        str(path), torch_dtype=dtype, local_files_only=True, low_cpu_mem_usage=True, **kwargs
+    )

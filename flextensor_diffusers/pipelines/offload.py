@@ -1,0 +1,269 @@
+"""Streaming offload for a whole diffusers pipeline, one budget for all components.
+
+Every component with weights gets an `OffloadHandle` with the whole budget; only one component is
+*active* (holds device memory) at a time. When a component starts computing, the one before it
+releases its device memory and the new one takes its base weights, its resident units and its
+slots, priming the first loads at once. Diffusers is told where inputs belong through the same
+``_hf_hook.execution_device`` attribute accelerate's hooks expose, since weights of an inactive
+component sit in host memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..engine import OffloadConfig, OffloadHandle, format_bytes
+from ..engine.config import resolve_device
+from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
+from .patterns import patterns_for
+
+logger = logging.getLogger(__name__)
+
+#: Below this budget VAE tiling is switched on by ``vae_tiling=None`` (decode activations of a
+#: 81-frame 832x480 Wan video do not fit comfortably in a 24 GB card without it).
+VAE_TILING_BELOW = 40 * 2**30
+#: Entry points of components whose work is not done by ``forward``.
+ENTRY_METHODS = ("encode", "decode")
+
+
+class _ExecutionDevice:
+    """Answers diffusers' ``component._hf_hook.execution_device`` question, as accelerate's hooks do."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.execution_device = device
+
+
+@dataclass
+class PipelineOffload:
+    """The handles of one pipeline, and what must be undone when offload is disabled."""
+
+    pipeline: Any
+    device: torch.device
+    budget_bytes: int
+    handles: dict[str, OffloadHandle] = field(default_factory=dict)
+    vae_tiling: bool = False
+    moved: dict[str, torch.device] = field(default_factory=dict)  # components not handled, moved whole
+    switches: int = 0
+
+    def activate(self, handle: OffloadHandle) -> None:
+        """Called before ``handle`` takes device memory: every other component gives its memory back."""
+        for other in self.handles.values():
+            if other is not handle and other.active:
+                other.release()
+                self.switches += 1
+
+    def report(self) -> dict[str, Any]:
+        components = {}
+        for name, handle in self.handles.items():
+            stats = handle.stats()
+            streamed = [u for u in stats.units if u.placement.startswith("slot")]
+            components[name] = {
+                "class": type(handle.model).__name__,
+                "patterns": handle.config.include_patterns,
+                "phase": stats.phase,
+                "units": len(stats.units),
+                "resident_weight_bytes": stats.resident_weight_bytes
+                + sum(u.nbytes for u in stats.units if u.placement == "resident"),
+                "streamed_units": len(streamed),
+                "streamed_unit_bytes": sum(u.nbytes for u in streamed),
+                "bytes_streamed": stats.bytes_streamed,
+                "stall_ms": round(stats.stall_ms, 3),
+                "copy_ms": round(stats.copy_ms, 3),
+                "overlap_pct": None if stats.overlap_pct is None else round(stats.overlap_pct, 2),
+                "forwards": stats.forwards,
+                "plan": stats.plan,
+            }
+        cuda = self.device.type == "cuda"
+        return {
+            "device": str(self.device),
+            "budget_bytes": self.budget_bytes,
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
+            "vae_tiling": self.vae_tiling,
+            "component_switches": self.switches,
+            "components": components,
+        }
+
+    def disable(self) -> None:
+        """Remove every handle (weights bit-exact, back where they were) and undo the wrappers."""
+        for name, handle in self.handles.items():
+            module = handle.model
+            for method in ENTRY_METHODS:
+                if method in vars(module):
+                    delattr(module, method)
+            if isinstance(getattr(module, "_hf_hook", None), _ExecutionDevice):
+                del module._hf_hook
+            if handle.phase.value != "removed":
+                handle.remove()
+            logger.debug("removed offload of %s", name)
+        for name, origin in self.moved.items():
+            getattr(self.pipeline, name).to(origin)
+        if self.vae_tiling and hasattr(self.pipeline, "vae") and hasattr(self.pipeline.vae, "disable_tiling"):
+            self.pipeline.vae.disable_tiling()
+        self.handles = {}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as a small table, for consoles and logs."""
+    peak = report["peak_allocated_bytes"]
+    lines = [
+        f"device {report['device']}  budget {format_bytes(report['budget_bytes'])}  "
+        f"peak allocated {format_bytes(peak) if peak is not None else 'n/a'}  "
+        f"VAE tiling {'on' if report['vae_tiling'] else 'off'}  switches {report['component_switches']}",
+        f"{'component':<14} {'class':<28} {'resident':>11} {'streamed':>11} {'units':>9} {'stall ms':>9} "
+        f"{'overlap':>8}  phase",
+    ]
+    for name, c in report["components"].items():
+        overlap = "" if c["overlap_pct"] is None else f"{c['overlap_pct']:.1f}%"
+        lines.append(
+            f"{name:<14} {c['class']:<28} {format_bytes(c['resident_weight_bytes']):>11} "
+            f"{format_bytes(c['streamed_unit_bytes']):>11} {c['streamed_units']:>4}/{c['units']:<4} "
+            f"{c['stall_ms']:>9.1f} {overlap:>8}  {c['phase']}"
+        )
+    return "\n".join(lines)
+
+
+def _weighted_components(pipeline: Any) -> dict[str, nn.Module]:
+    return {
+        name: module
+        for name, module in pipeline.components.items()
+        if isinstance(module, nn.Module) and any(True for _ in module.parameters())
+    }
+
+
+def enable(
+    pipeline: Any,
+    budget: int | str = "auto",
+    profile_dir: str | Path | None = None,
+    device: str | torch.device | None = None,
+    components: list[str] | None = None,
+    patterns: dict[str, list[str]] | None = None,
+    vae_tiling: bool | None = None,
+    **config: Any,
+) -> PipelineOffload:
+    """Wrap every component of ``pipeline``; see `FlexTensorPipelineMixin.enable_flextensor_offload`."""
+    if getattr(pipeline, "_flextensor", None) is not None:
+        raise OffloadStateError("flextensor offload is already enabled on this pipeline: disable it first")
+    available = _weighted_components(pipeline)
+    chosen = list(available) if components is None else list(components)
+    unknown = [c for c in chosen + list(patterns or {}) if c not in available]
+    if unknown:
+        raise FlexTensorError(
+            f"unknown component(s) {', '.join(map(repr, unknown))}; this {type(pipeline).__name__} has "
+            f"{', '.join(available)}"
+        )
+    device = resolve_device(device)
+    budget_bytes = OffloadConfig(include_patterns=[], gpu_budget=budget, device=device).budget_bytes(device)
+    state = PipelineOffload(pipeline=pipeline, device=device, budget_bytes=budget_bytes)
+    try:
+        for name in chosen:
+            module = available[name]
+            include = (patterns or {}).get(name) or patterns_for(name, module)
+            cfg = OffloadConfig(
+                include_patterns=include,
+                gpu_budget=budget_bytes,
+                device=device,
+                profile_dir=Path(profile_dir) / name if profile_dir is not None else None,
+                **config,
+            )
+            try:
+                handle = OffloadHandle(module, cfg)
+            except BudgetError as exc:
+                raise BudgetError(f"component {name!r}: {exc}") from exc
+            handle.on_activate = state.activate
+            state.handles[name] = handle
+            handle.release()  # nothing on the device until the component runs
+            module._hf_hook = _ExecutionDevice(device)
+            for method in ENTRY_METHODS:
+                if hasattr(module, method) and callable(getattr(module, method)):
+                    setattr(module, method, _activating(getattr(module, method), handle))
+        for name, module in available.items():
+            if name not in state.handles:
+                state.moved[name] = next(module.parameters()).device
+                module.to(device)
+        vae = getattr(pipeline, "vae", None)
+        state.vae_tiling = bool(vae_tiling if vae_tiling is not None else budget_bytes < VAE_TILING_BELOW)
+        if state.vae_tiling and vae is not None and hasattr(vae, "enable_tiling"):
+            vae.enable_tiling()
+            logger.info("VAE tiling on (budget %s)", format_bytes(budget_bytes))
+        else:
+            state.vae_tiling = False
+    except BaseException:
+        state.disable()
+        raise
+    pipeline._flextensor = state
+    return state
+
+
+def _activating(method: Any, handle: OffloadHandle) -> Any:
+    """``method`` that first makes ``handle``'s component the active one."""
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        handle.activate()
+        return method(*args, **kwargs)
+
+    return call
+
+
+class FlexTensorPipelineMixin:
+    """Adds streaming offload to a diffusers pipeline class (also attached to ``DiffusionPipeline``)."""
+
+    def enable_flextensor_offload(
+        self,
+        budget: int | str = "auto",
+        profile_dir: str | Path | None = None,
+        device: str | torch.device | None = None,
+        components: list[str] | None = None,
+        patterns: dict[str, list[str]] | None = None,
+        vae_tiling: bool | None = None,
+        **config: Any,
+    ) -> PipelineOffload:
+        """Stream every component from host memory under one GPU ``budget``.
+
+        Args:
+            budget: bytes, ``"24GiB"``-style string or ``"auto"``; bounds peak allocated memory.
+            profile_dir: folder for per-component profiles; a later run with the same model,
+                device and shapes skips discovery and profiling.
+            device: compute device (default: CUDA when available, else the CPU).
+            components: names of the components to wrap (default: all with weights); others are
+                moved to the device whole.
+            patterns: per-component include patterns overriding the built-in ones.
+            vae_tiling: diffusers' VAE tiling; ``None`` turns it on below 40 GiB of budget.
+            **config: further `OffloadConfig` fields (``max_slots``, ``profiling_runs``, ...).
+        """
+        return enable(self, budget, profile_dir, device, components, patterns, vae_tiling, **config)
+
+    def flextensor_report(self, as_text: bool = False) -> dict[str, Any] | str:
+        """Per component: resident and streamed bytes, stalls, overlap, plan; pipeline peak memory."""
+        state = getattr(self, "_flextensor", None)
+        if state is None:
+            raise OffloadStateError("flextensor offload is not enabled on this pipeline")
+        report = state.report()
+        return format_report(report) if as_text else report
+
+    def disable_flextensor_offload(self) -> None:
+        """Undo `enable_flextensor_offload`: every weight back, bit-exact, where it was."""
+        state = getattr(self, "_flextensor", None)
+        if state is None:
+            raise OffloadStateError("flextensor offload is not enabled on this pipeline")
+        state.disable()
+        self._flextensor = None
+
+
+def attach_to_diffusers() -> bool:
+    """Give ``diffusers.DiffusionPipeline`` the mixin's methods; pipelines that never call them are unchanged."""
+    try:
+        from diffusers import DiffusionPipeline
+    except ImportError:  # pragma: no cover - diffusers is a dependency
+        return False
+    for name in ("enable_flextensor_offload", "flextensor_report", "disable_flextensor_offload"):
+        if not hasattr(DiffusionPipeline, name):
+            setattr(DiffusionPipeline, name, getattr(FlexTensorPipelineMixin, name))
+    return True

@@ -1,0 +1,153 @@
+"""What every recipe does: arguments, loading, the profiling generation, timing, the summary."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..engine import format_bytes
+
+logger = logging.getLogger(__name__)
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, frames: int, height: int, width: int, steps: int) -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", type=Path, help="local diffusers folder with the real weights")
+    source.add_argument(
+        "--random-weights",
+        choices=("tiny", "full"),
+        help="built-in architecture with random weights: tiny (CPU, seconds) or full (published sizes)",
+    )
+    parser.add_argument("--prompt", default="a red fox running through a snowy forest, cinematic")
+    parser.add_argument("--negative-prompt", default="blurry, low quality, static")
+    parser.add_argument("--frames", type=int, default=frames)
+    parser.add_argument("--height", type=int, default=height)
+    parser.add_argument("--width", type=int, default=width)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--guidance", type=float, default=4.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--budget", default="auto", help="GPU memory budget, e.g. 24GiB (default: free memory)")
+    parser.add_argument("--profile-dir", type=Path, default=Path("profiles"))
+    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
+    parser.add_argument("--no-offload", action="store_true", help="run natively (everything on the device)")
+    parser.add_argument("--json", type=Path, help="also write the summary as JSON here")
+    parser.add_argument("-v", "--verbose", action="store_true")
+
+
+def require_weights(args: argparse.Namespace, recipe: str) -> None:
+    """Stop with instructions when neither real weights nor random weights were asked for."""
+    if args.model is None and args.random_weights is None:
+        sys.exit(
+            f"{recipe}: no weights. Pass --model PATH with a local diffusers folder of the model (download it "
+            "yourself; this package never downloads weights), or --random-weights tiny|full to run the built-in "
+            "architecture with random weights (tiny runs on a CPU in seconds)."
+        )
+
+
+def device_of(args: argparse.Namespace) -> torch.device:
+    if args.device:
+        return torch.device(args.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Timed:
+    seconds: float
+    peak_allocated_bytes: int | None
+    output: Any
+
+
+def timed(device: torch.device, fn: Callable[[], Any]) -> Timed:
+    """Run ``fn`` with peak-memory counters reset; wall time after device synchronisation."""
+    if device.type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    output = fn()
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return Timed(seconds=seconds, peak_allocated_bytes=peak, output=output)
+
+
+def workload_key(pipe: Any, device: torch.device, **shape: Any) -> str:
+    """A digest of the components' fingerprints, the device and the generation's shapes."""
+    state = getattr(pipe, "_flextensor", None)
+    prints = {name: h.fingerprint["sha256"] for name, h in state.handles.items()} if state else {}
+    payload = {"pipeline": type(pipe).__name__, "device": str(device), "components": prints, "shape": shape}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def profiled_before(profile_dir: Path | None, key: str) -> bool:
+    index = (profile_dir / "workloads.json") if profile_dir else None
+    return bool(index and index.exists() and key in json.loads(index.read_text()))
+
+
+def remember_profiled(profile_dir: Path | None, key: str, description: dict[str, Any]) -> None:
+    if profile_dir is None:
+        return
+    index = profile_dir / "workloads.json"
+    data = json.loads(index.read_text()) if index.exists() else {}
+    data[key] = description
+    profile_dir.mkdir(parents=True, exist_ok=True)
+    index.write_text(json.dumps(data, indent=1))
+
+
+def all_steady(pipe: Any) -> bool:
+    state = getattr(pipe, "_flextensor", None)
+    return state is None or all(h.phase.value == "steady" for h in state.handles.values())
+
+
+def summary(
+    args: argparse.Namespace, device: torch.device, generation: Timed, profiling_s: float | None, pipe: Any, output: Path
+) -> dict[str, Any]:
+    state = getattr(pipe, "_flextensor", None)
+    return {
+        "recipe": args.recipe,
+        "weights": str(args.model) if args.model else f"random ({args.random_weights})",
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "offload": not args.no_offload,
+        "budget": args.budget,
+        "frames": args.frames,
+        "height": args.height,
+        "width": args.width,
+        "steps": args.steps,
+        "seed": args.seed,
+        "generation_s": round(generation.seconds, 3),
+        "profiling_generation_s": None if profiling_s is None else round(profiling_s, 3),
+        "peak_allocated_bytes": generation.peak_allocated_bytes,
+        "output": str(output),
+        "offload_report": state.report() if state else None,
+    }
+
+
+def print_summary(info: dict[str, Any], pipe: Any) -> None:
+    peak = info["peak_allocated_bytes"]
+    print(f"wrote {info['output']}")
+    print(
+        f"generation {info['generation_s']:.2f} s (discovery and profiling excluded"
+        + (f"; profiling generation {info['profiling_generation_s']:.2f} s" if info["profiling_generation_s"] else "")
+        + f"), peak allocated GPU memory {format_bytes(peak) if peak is not None else 'n/a (CPU)'}"
+    )
+    if getattr(pipe, "_flextensor", None) is not None:
+        print(pipe.flextensor_report(as_text=True))
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

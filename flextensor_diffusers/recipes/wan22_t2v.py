@@ -1,0 +1,92 @@
+"""Wan2.2 text-to-video (A14B: two experts, UMT5, Wan VAE) under a GPU budget, to an mp4.
+
+    python -m flextensor_diffusers.recipes.wan22_t2v --random-weights tiny --frames 9 --height 32 --width 32 --steps 2
+    python -m flextensor_diffusers.recipes.wan22_t2v --model /models/Wan2.2-T2V-A14B-Diffusers --budget 24GiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..models import build_pipeline, load_pipeline
+from ..video import write_mp4
+from . import common
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_arguments(parser, frames=81, height=480, width=832, steps=40)
+    parser.add_argument("--fps", type=int, default=16)
+    parser.add_argument("--output", type=Path, default=Path("wan-t2v.mp4"))
+    args = parser.parse_args(argv)
+    args.recipe = "wan22_t2v"
+    return args
+
+
+def load(args: argparse.Namespace, device: torch.device) -> Any:
+    if args.model is not None:
+        from diffusers import WanPipeline
+
+        return load_pipeline(args.model, WanPipeline, dtype=torch.bfloat16)
+    init = device if args.random_weights == "full" and device.type == "cuda" else "cpu"
+    return build_pipeline("wan22_t2v", args.random_weights, seed=args.seed, init_device=init)
+
+
+def generate(pipe: Any, args: argparse.Namespace, device: torch.device, steps: int, output_type: str) -> Any:
+    return pipe(
+        prompt=args.prompt,
+        negative_prompt=args.negative_prompt,
+        num_frames=args.frames,
+        height=args.height,
+        width=args.width,
+        num_inference_steps=steps,
+        guidance_scale=args.guidance,
+        generator=torch.Generator(device="cpu").manual_seed(args.seed),
+        output_type=output_type,
+    ).frames
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    common.require_weights(args, "wan22_t2v")
+    device = common.device_of(args)
+    pipe = load(args, device)
+    profiling_s = None
+    if args.no_offload:
+        pipe.to(device)
+    else:
+        pipe.enable_flextensor_offload(budget=args.budget, profile_dir=args.profile_dir, device=device)
+        key = common.workload_key(
+            pipe, device, frames=args.frames, height=args.height, width=args.width, cfg=args.guidance > 1
+        )
+        if not common.profiled_before(args.profile_dir, key):
+            # Each expert must run twice (discovery, profiling): two steps with CFG, four without.
+            steps = 2 if args.guidance > 1 else 4
+            profiling = common.timed(device, lambda: generate(pipe, args, device, steps, "latent"))
+            profiling_s = profiling.seconds
+            if common.all_steady(pipe):
+                common.remember_profiled(args.profile_dir, key, {"frames": args.frames, "height": args.height,
+                                                                 "width": args.width, "recipe": args.recipe})
+    result = common.timed(device, lambda: generate(pipe, args, device, args.steps, "np"))
+    frames = result.output[0]
+    write_mp4(args.output, frames, fps=args.fps)
+    info = common.summary(args, device, result, profiling_s, pipe, args.output)
+    common.print_summary(info, pipe)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(info, indent=1))
+    return info
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    common.setup_logging(args.verbose)
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
