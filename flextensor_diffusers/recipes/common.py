@@ -40,6 +40,10 @@ def add_common_arguments(parser: argparse.ArgumentParser, frames: int, height: i
     parser.add_argument("--profile-dir", type=Path, default=Path("profiles"))
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     parser.add_argument("--no-offload", action="store_true", help="run natively (everything on the device)")
+    parser.add_argument(
+        "--vae-tiling", choices=("auto", "on", "off"), default="auto",
+        help="diffusers' VAE tiling: auto turns it on for budgets under 40 GiB",
+    )
     parser.add_argument("--json", type=Path, help="also write the summary as JSON here")
     parser.add_argument("-v", "--verbose", action="store_true")
 
@@ -52,6 +56,23 @@ def require_weights(args: argparse.Namespace, recipe: str) -> None:
             "yourself; this package never downloads weights), or --random-weights tiny|full to run the built-in "
             "architecture with random weights (tiny runs on a CPU in seconds)."
         )
+
+
+def vae_tiling(args: argparse.Namespace) -> bool | None:
+    return {"auto": None, "on": True, "off": False}[args.vae_tiling]
+
+
+def place_natively(pipe: Any, args: argparse.Namespace, device: torch.device) -> None:
+    """Everything on the device, with the same VAE tiling choice an offloaded run would make."""
+    pipe.to(device)
+    if vae_tiling(args) and hasattr(pipe, "vae"):
+        pipe.vae.enable_tiling()
+
+
+def enable_offload(pipe: Any, args: argparse.Namespace, device: torch.device) -> None:
+    pipe.enable_flextensor_offload(
+        budget=args.budget, profile_dir=args.profile_dir, device=device, vae_tiling=vae_tiling(args)
+    )
 
 
 def device_of(args: argparse.Namespace) -> torch.device:

@@ -37,7 +37,10 @@ def load(args: argparse.Namespace, device: torch.device) -> Any:
     return build_pipeline("wan22_t2v", args.random_weights, seed=args.seed, init_device=init)
 
 
-def generate(pipe: Any, args: argparse.Namespace, device: torch.device, steps: int, output_type: str) -> Any:
+def generate(
+    pipe: Any, args: argparse.Namespace, device: torch.device, steps: int, output_type: str, **extra: Any
+) -> Any:
+    """Frames (or latents) of one generation; ``extra`` goes to the pipeline call (callbacks)."""
     return pipe(
         prompt=args.prompt,
         negative_prompt=args.negative_prompt,
@@ -48,6 +51,7 @@ def generate(pipe: Any, args: argparse.Namespace, device: torch.device, steps: i
         guidance_scale=args.guidance,
         generator=torch.Generator(device="cpu").manual_seed(args.seed),
         output_type=output_type,
+        **extra,
     ).frames
 
 
@@ -57,9 +61,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     pipe = load(args, device)
     profiling_s = None
     if args.no_offload:
-        pipe.to(device)
+        common.place_natively(pipe, args, device)
     else:
-        pipe.enable_flextensor_offload(budget=args.budget, profile_dir=args.profile_dir, device=device)
+        common.enable_offload(pipe, args, device)
         key = common.workload_key(
             pipe, device, frames=args.frames, height=args.height, width=args.width, cfg=args.guidance > 1
         )
