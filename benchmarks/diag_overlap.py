@@ -16,15 +16,16 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import engine_bench as eb  # noqa: E402
+import engine_bench as eb
 
-import flextensor_diffusers as ft  # noqa: E402
+import flextensor_diffusers as ft
 
 
 def main() -> None:
@@ -67,8 +68,8 @@ def main() -> None:
             originals["before"] = handle._before_unit
             originals["after"] = handle._after_unit
 
-            def wrap(name, fn):  # noqa: ANN001, ANN202
-                def inner(*a):  # noqa: ANN002, ANN202
+            def wrap(name: str, fn: Any, spent: dict[str, float] = spent) -> Any:
+                def inner(*a: Any) -> None:
                     t = time.perf_counter()
                     fn(*a)
                     spent[name] += time.perf_counter() - t

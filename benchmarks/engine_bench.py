@@ -28,7 +28,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import flextensor_diffusers as ft  # noqa: E402
+import flextensor_diffusers as ft
 
 WORKLOADS = {
     # name: (batch, latent frames, latent height, latent width) for a VAE of 4x temporal / 8x spatial
@@ -189,9 +189,7 @@ def main() -> None:
     with RssSampler() as rss:
         rss_before = psutil.Process().memory_info().rss
         start = time.perf_counter()
-        handle = ft.offload(
-            model, ft.OffloadConfig(include_patterns=["blocks.*"], gpu_budget=10**15, device=device)
-        )
+        handle = ft.offload(model, ft.OffloadConfig(include_patterns=["blocks.*"], gpu_budget=10**15, device=device))
         setup_s = time.perf_counter() - start
     result["setup"] = {
         "setup_s": round(setup_s, 3),

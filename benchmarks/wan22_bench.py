@@ -3,8 +3,8 @@
 Runs `flextensor_diffusers.compare` (which writes the full report) and distils the numbers the
 pipeline issue asks for into one JSON file.
 
-    python benchmarks/wan22_bench.py --out benchmarks/results/wan22_h200.json --report benchmarks/results/wan22_report \\
-        --steps 4 --budget 11GiB --card 24GB
+    python benchmarks/wan22_bench.py --out benchmarks/results/wan22_h200.json \\
+        --report benchmarks/results/wan22_report --steps 4 --budget 11GiB --card 24GB
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flextensor_diffusers.compare import compare  # noqa: E402
-from flextensor_diffusers.engine.config import parse_bytes  # noqa: E402
+from flextensor_diffusers.compare import compare
+from flextensor_diffusers.engine.config import parse_bytes
 
 
 def main() -> None:
@@ -34,9 +34,22 @@ def main() -> None:
     parser.add_argument("--card", default="24GB", help="memory cap of the emulated card (offloaded run)")
     args = parser.parse_args()
     recipe_argv = [
-        "--random-weights", args.size, "--frames", str(args.frames), "--height", str(args.height),
-        "--width", str(args.width), "--steps", str(args.steps), "--budget", args.budget,
-        "--vae-tiling", "on", "--profile-dir", str(args.report / "profiles"),
+        "--random-weights",
+        args.size,
+        "--frames",
+        str(args.frames),
+        "--height",
+        str(args.height),
+        "--width",
+        str(args.width),
+        "--steps",
+        str(args.steps),
+        "--budget",
+        args.budget,
+        "--vae-tiling",
+        "on",
+        "--profile-dir",
+        str(args.report / "profiles"),
     ]
     report = compare("wan22_t2v", recipe_argv, args.report, offload_memory_cap=args.card)
     native, offloaded = report["runs"]["native"], report["runs"]["offloaded"]

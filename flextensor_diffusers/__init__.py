@@ -17,7 +17,6 @@ from .engine import (
     ProfileMismatchError,
     offload,
 )
-
 from .pipelines import FlexTensorPipelineMixin, attach_to_diffusers
 
 __version__ = "0.1.0"

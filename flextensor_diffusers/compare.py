@@ -46,7 +46,7 @@ class Recorder:
         self._start = time.perf_counter()
         for name, module in pipe.components.items():
             if isinstance(module, torch.nn.Module) and name != "vae":
-                self._hooks.append(module.register_forward_pre_hook(self._enter(name)))
+                self._hooks.append(module.register_forward_pre_hook(self._enter(name), prepend=True))
         vae = getattr(pipe, "vae", None)
         self._vae = vae
         if vae is not None:
@@ -118,18 +118,27 @@ def run_generation(recipe: Any, pipe: Any, args: argparse.Namespace, device: tor
         recorder.start()
         start = time.perf_counter()
         frames = recipe.generate(
-            pipe, args, device, args.steps, "np",
-            callback_on_step_end=recorder.on_step_end, callback_on_step_end_tensor_inputs=["latents"],
+            pipe,
+            args,
+            device,
+            args.steps,
+            "np",
+            callback_on_step_end=recorder.on_step_end,
+            callback_on_step_end_tensor_inputs=["latents"],
         )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
-    except Exception as exc:  # noqa: BLE001 - an OOM is a result; anything else is re-raised below
+    except Exception as exc:
         if not _is_oom(exc):
             raise
         logger.warning("out of memory at %s: %s", recorder.stage, str(exc).splitlines()[0])
-        return {"status": "out of memory", "stage": recorder.stage, "error": str(exc).splitlines()[0],
-                "memory_timeline": recorder.samples}
+        return {
+            "status": "out of memory",
+            "stage": recorder.stage,
+            "error": str(exc).splitlines()[0],
+            "memory_timeline": recorder.samples,
+        }
     finally:
         recorder.close()
     steps = recorder.step_times()
@@ -190,7 +199,7 @@ def compare(
     try:
         common.place_natively(pipe, args, device)
         runs["native"] = run_generation(recipe, pipe, args, device)
-    except Exception as exc:  # noqa: BLE001 - moving the weights in can run out of memory too
+    except Exception as exc:
         if not _is_oom(exc):
             raise
         runs["native"] = {"status": "out of memory", "stage": "loading weights", "error": str(exc).splitlines()[0]}
@@ -220,7 +229,11 @@ def compare(
         "budget": args.budget,
         "memory_cap": memory_cap,
         "offload_memory_cap": offload_memory_cap or memory_cap,
-        "versions": {"torch": torch.__version__, "diffusers": diffusers.__version__, "python": platform.python_version()},
+        "versions": {
+            "torch": torch.__version__,
+            "diffusers": diffusers.__version__,
+            "python": platform.python_version(),
+        },
         "gpu_figures": "available" if device.type == "cuda" else "not available (CPU run)",
     }
     videos = {}
@@ -258,6 +271,19 @@ def compare(
     return report
 
 
+IMAGES = ("memory", "steps", "frames", "strip")
+
+
+def rerender(out: str | Path) -> Path:
+    """Rebuild ``report.html`` from the ``report.json`` and PNGs in ``out`` (after editing or shrinking them)."""
+    out = Path(out)
+    report = json.loads((out / "report.json").read_text())
+    images = {name: (out / f"{name}.png").read_bytes() for name in IMAGES if (out / f"{name}.png").exists()}
+    path = out / "report.html"
+    path.write_text(quality.render_html(report, images))
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe_argv: list[str] = []
@@ -265,11 +291,17 @@ def main(argv: list[str] | None = None) -> None:
         cut = argv.index("--")
         argv, recipe_argv = argv[:cut], argv[cut + 1 :]
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", required=True, choices=RECIPES)
+    parser.add_argument("--recipe", choices=RECIPES)
+    parser.add_argument("--rerender", type=Path, help="only rebuild report.html in this folder")
     parser.add_argument("--out", type=Path, default=Path("report"))
     parser.add_argument("--memory-cap", help="emulate a smaller card for both runs, e.g. 24GB")
     parser.add_argument("--offload-memory-cap", help="emulate a smaller card for the offloaded run only")
     known, rest = parser.parse_known_args(argv)
+    if known.rerender:
+        print(f"wrote {rerender(known.rerender)}")
+        return
+    if known.recipe is None:
+        parser.error("--recipe is required")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     report = compare(known.recipe, rest + recipe_argv, known.out, known.memory_cap, known.offload_memory_cap)
     for name, run in report["runs"].items():

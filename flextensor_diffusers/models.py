@@ -63,11 +63,10 @@ def _random(build: Any, init_device: str | torch.device, dtype: torch.dtype, see
     torch.manual_seed(seed)
     with torch.device(init_device):
         module = build()
-    module = module.to(dtype=dtype)
     keep = getattr(module, "_keep_in_fp32_modules", None) or []
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        if t.is_floating_point() and any(k in name.split(".") for k in keep):
-            t.data = t.data.float()  # as from_pretrained(torch_dtype=...) keeps them
+        if t.is_floating_point():  # fp32 where from_pretrained(torch_dtype=...) would keep it
+            t.data = t.data.to(torch.float32 if any(k in name.split(".") for k in keep) else dtype)
     if torch.device(init_device).type != "cpu":
         module = module.to("cpu")
     return module.eval().requires_grad_(False)

@@ -48,7 +48,7 @@ def ssim(a: np.ndarray, b: np.ndarray, peak: float = 255.0) -> float:
 def lpips_status() -> tuple[Any | None, str]:
     """An LPIPS model when the package and its backbone weights are local, else why not."""
     try:
-        import lpips  # noqa: F401
+        import lpips
     except ImportError as exc:
         return None, f"LPIPS not computed: the lpips package is not importable ({exc}); pip install lpips torchvision"
     checkpoint = Path(torch.hub.get_dir()) / "checkpoints" / "alexnet-owt-7be5be79.pth"
@@ -86,8 +86,12 @@ def frame_metrics(reference: np.ndarray, test: np.ndarray) -> dict[str, Any]:
 def latent_metrics(reference: torch.Tensor, test: torch.Tensor) -> dict[str, Any]:
     same_bits = reference.dtype == test.dtype and reference.shape == test.shape
     if same_bits:
-        same_bits = bool(torch.equal(reference.view(torch.uint8) if reference.dim() else reference,
-                                     test.view(torch.uint8) if test.dim() else test))
+        same_bits = bool(
+            torch.equal(
+                reference.view(torch.uint8) if reference.dim() else reference,
+                test.view(torch.uint8) if test.dim() else test,
+            )
+        )
     diff = (reference.double() - test.double()).abs()
     return {"bitwise_equal": same_bits, "max_abs": float(diff.max()), "mean_abs": float(diff.mean())}
 
@@ -176,8 +180,12 @@ def plot_frames(metrics: dict[str, Any] | None) -> bytes:
     return data
 
 
+#: Width of the frame strip; wider strips are scaled down (a full-size strip would be ~10 MB).
+STRIP_WIDTH = 1600
+
+
 def frame_strip(videos: dict[str, np.ndarray], count: int = 5) -> bytes:
-    """Rows of evenly spaced frames, one row per video, as a PNG."""
+    """Rows of evenly spaced frames, one row per video, as a PNG at most `STRIP_WIDTH` wide."""
     from PIL import Image, ImageDraw
 
     rows = []
@@ -189,8 +197,17 @@ def frame_strip(videos: dict[str, np.ndarray], count: int = 5) -> bytes:
         rows.append(np.asarray(image))
     width = max(r.shape[1] for r in rows)
     rows = [np.pad(r, ((0, 0), (0, width - r.shape[1]), (0, 0))) for r in rows]
+    return shrink_png(Image.fromarray(np.concatenate(rows, axis=0)))
+
+
+def shrink_png(image: Any, width: int = STRIP_WIDTH) -> bytes:
+    """``image`` (PIL) as PNG bytes, scaled down to ``width`` if wider."""
+    from PIL import Image
+
+    if image.width > width:
+        image = image.resize((width, round(image.height * width / image.width)), Image.Resampling.LANCZOS)
     buffer = io.BytesIO()
-    Image.fromarray(np.concatenate(rows, axis=0)).save(buffer, format="PNG")
+    image.save(buffer, format="PNG", optimize=True)
     return buffer.getvalue()
 
 
@@ -244,13 +261,19 @@ def render_html(report: dict[str, Any], images: dict[str, bytes]) -> str:
         f"<h1>Native vs offloaded: {html.escape(report['recipe'])}</h1>",
         f"<p>{html.escape(report['device_name'])} · torch {html.escape(report['versions']['torch'])} · "
         f"diffusers {html.escape(report['versions']['diffusers'])} · budget {html.escape(str(report['budget']))}"
-        f" · memory cap {html.escape(str(report.get('memory_cap') or 'none'))}</p>",
+        f" · memory cap: native {html.escape(str(report.get('memory_cap') or 'none'))}, offloaded "
+        f"{html.escape(str(report.get('offload_memory_cap') or 'none'))}</p>",
         "<h2>Summary</h2>",
         table,
         "<h2>Fidelity</h2>",
         fidelity,
         "<h2>Frames</h2>",
-        _img(images["strip"], "frame strip") if "strip" in images else "<p>no frames</p>",
+        "<p>Evenly spaced frames; one row per completed run, in the order "
+        + html.escape(", ".join(n for n, r in runs.items() if r["status"] == "completed"))
+        + ".</p>"
+        + _img(images["strip"], "frame strip")
+        if "strip" in images
+        else "<p>no frames</p>",
         "<h2>GPU memory</h2>",
         _img(images["memory"], "memory timeline"),
         "<h2>Per-step time</h2>",

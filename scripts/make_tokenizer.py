@@ -15,14 +15,72 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 OUT = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
 
-SUBJECTS = ["a cat", "a dog", "an astronaut", "a red fox", "two children", "a robot", "a sailboat", "a dancer",
-            "an old man", "a hummingbird", "a city street", "a waterfall", "a lighthouse", "a train", "a dragon"]
-ACTIONS = ["walking", "running", "flying", "dancing", "sleeping", "jumping", "swimming", "reading", "painting",
-           "playing", "turning", "glowing", "falling", "rising"]
-PLACES = ["on the beach", "in a forest", "on the moon", "in the rain", "at sunset", "under water", "in a city",
-          "in the snow", "in a desert", "on a mountain", "in a kitchen", "in space", "at night"]
-STYLES = ["cinematic", "slow motion", "close-up", "wide shot", "4k", "film grain", "soft light", "vivid colors",
-          "low angle", "aerial view", "high quality", "realistic", "blurry", "static", "overexposed", "worst quality"]
+SUBJECTS = [
+    "a cat",
+    "a dog",
+    "an astronaut",
+    "a red fox",
+    "two children",
+    "a robot",
+    "a sailboat",
+    "a dancer",
+    "an old man",
+    "a hummingbird",
+    "a city street",
+    "a waterfall",
+    "a lighthouse",
+    "a train",
+    "a dragon",
+]
+ACTIONS = [
+    "walking",
+    "running",
+    "flying",
+    "dancing",
+    "sleeping",
+    "jumping",
+    "swimming",
+    "reading",
+    "painting",
+    "playing",
+    "turning",
+    "glowing",
+    "falling",
+    "rising",
+]
+PLACES = [
+    "on the beach",
+    "in a forest",
+    "on the moon",
+    "in the rain",
+    "at sunset",
+    "under water",
+    "in a city",
+    "in the snow",
+    "in a desert",
+    "on a mountain",
+    "in a kitchen",
+    "in space",
+    "at night",
+]
+STYLES = [
+    "cinematic",
+    "slow motion",
+    "close-up",
+    "wide shot",
+    "4k",
+    "film grain",
+    "soft light",
+    "vivid colors",
+    "low angle",
+    "aerial view",
+    "high quality",
+    "realistic",
+    "blurry",
+    "static",
+    "overexposed",
+    "worst quality",
+]
 
 
 def corpus() -> list[str]:

@@ -63,4 +63,6 @@ def assert_same(before: dict, model: nn.Module) -> None:
         assert device2 == device, name
         assert ident2 == ident, name
         assert data2.dtype == data.dtype and data2.shape == data.shape, name
-        assert torch.equal(data2.view(torch.uint8) if data2.dim() else data2, data.view(torch.uint8) if data.dim() else data), name
+        assert torch.equal(
+            data2.view(torch.uint8) if data2.dim() else data2, data.view(torch.uint8) if data.dim() else data
+        ), name

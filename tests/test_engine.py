@@ -134,7 +134,7 @@ def test_input_shape_change_reprofiles() -> None:
     handle.remove()
 
 
-def test_profile_round_trip_skips_discovery(tmp_path) -> None:  # noqa: ANN001
+def test_profile_round_trip_skips_discovery(tmp_path) -> None:
     path = tmp_path / "stack.json"
     model, x = make()
     ref = native(model, x, "cpu")
@@ -154,7 +154,7 @@ def test_profile_round_trip_skips_discovery(tmp_path) -> None:  # noqa: ANN001
     handle.remove()
 
 
-def test_profile_from_another_model_is_refused(tmp_path) -> None:  # noqa: ANN001
+def test_profile_from_another_model_is_refused(tmp_path) -> None:
     path = tmp_path / "p.json"
     model, x = make(depth=6)
     handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=100_000, device="cpu")
@@ -179,7 +179,7 @@ def test_profile_from_another_model_is_refused(tmp_path) -> None:  # noqa: ANN00
     handle.remove()
 
 
-def test_profile_for_other_inputs_is_refused(tmp_path) -> None:  # noqa: ANN001
+def test_profile_for_other_inputs_is_refused(tmp_path) -> None:
     path = tmp_path / "p.json"
     model, x = make()
     config = ft.OffloadConfig(include_patterns=["blocks.*"], gpu_budget=100_000, device="cpu", profile=path)
@@ -192,7 +192,7 @@ def test_profile_for_other_inputs_is_refused(tmp_path) -> None:  # noqa: ANN001
     handle.remove()
 
 
-def test_profile_from_another_device_is_refused(tmp_path) -> None:  # noqa: ANN001
+def test_profile_from_another_device_is_refused(tmp_path) -> None:
     import json
 
     path = tmp_path / "p.json"
@@ -274,7 +274,7 @@ def test_failure_during_set_up_leaves_model_as_it_was(monkeypatch: pytest.Monkey
     calls = {"n": 0}
     real = runtime.pack_unit
 
-    def failing(unit, pin):  # noqa: ANN001, ANN202
+    def failing(unit, pin):
         calls["n"] += 1
         if calls["n"] == 4:
             raise MemoryError("simulated: host memory exhausted while packing")
@@ -300,7 +300,7 @@ def test_failure_during_remove_keeps_model_working(monkeypatch: pytest.MonkeyPat
     real = runtime.restore_unit
     calls = {"n": 0}
 
-    def failing(unit):  # noqa: ANN001, ANN202
+    def failing(unit):
         calls["n"] += 1
         if calls["n"] == 3:
             raise MemoryError("simulated: out of memory while restoring")
@@ -335,3 +335,46 @@ def test_no_cuda_device_error_names_the_fix() -> None:
         pytest.skip("a CUDA device is present")
     with pytest.raises(ft.NoCudaDeviceError, match="device='cpu'"):
         ft.offload(Stack(), include_patterns=["blocks.*"], gpu_budget=10**9, device="cuda")
+
+
+def test_release_and_activate_keep_the_plan_and_the_numbers(device: str) -> None:
+    model, x = make()
+    ref = native(model, x, device)
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=400_000, device=device)
+    run(model, x, device, 3)
+    plans = handle.counters["plans"]
+    handle.release()
+    assert not handle.active and all(p.device.type == "cpu" for p in model.parameters())
+    assert handle._slots == [] and handle._base_buffer is None
+    outs = run(model, x, device, 2)  # the forward re-activates
+    assert handle.active and handle.counters["plans"] == plans and handle.counters["activations"] == 2
+    assert all(torch.equal(o, ref) for o in outs)
+    handle.remove()
+
+
+def test_no_units_means_whole_module_moved_in_and_out() -> None:
+    model, x = make()
+    ref = native(model, x, "cpu")
+    before = snapshot(model)
+    handle = ft.offload(model, include_patterns=[], gpu_budget=10**9, device="cpu")
+    assert handle.units == [] and handle.phase is Phase.STEADY
+    assert all(torch.equal(o, ref) for o in run(model, x, "cpu", 2))
+    handle.remove()
+    assert_same(before, model)
+
+
+def test_profile_dir_keeps_one_profile_per_workload(tmp_path) -> None:
+    model, x = make()
+    x2 = torch.randint(0, 50, (1, 24))
+    config = ft.OffloadConfig(include_patterns=["blocks.*"], gpu_budget=100_000, device="cpu", profile_dir=tmp_path)
+    handle = ft.offload(model, config)
+    run(model, x, "cpu", 2)
+    run(model, x2, "cpu", 2)
+    handle.remove()
+    files = sorted(tmp_path.glob("Stack-*-cpu-*.json"))
+    assert len(files) == 2
+    handle = ft.offload(model, config)
+    run(model, x2, "cpu", 1)
+    run(model, x, "cpu", 1)
+    assert handle.counters["discovery"] == 0 and handle.counters["profiling"] == 0 and handle.counters["plans"] == 2
+    handle.remove()

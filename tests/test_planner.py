@@ -19,8 +19,14 @@ from flextensor_diffusers.engine.planner import (
 MB = 10**6
 
 
-def profile(sizes: list[int], compute: list[float], bw_bytes_per_ms: float = 50 * MB, act: int = 100 * MB,
-            base: int = 50 * MB, order: list[int] | None = None) -> WorkloadProfile:
+def profile(
+    sizes: list[int],
+    compute: list[float],
+    bw_bytes_per_ms: float = 50 * MB,
+    act: int = 100 * MB,
+    base: int = 50 * MB,
+    order: list[int] | None = None,
+) -> WorkloadProfile:
     order = order if order is not None else list(range(len(sizes)))
     return WorkloadProfile(
         unit_names=[f"b{i}" for i in range(len(sizes))],

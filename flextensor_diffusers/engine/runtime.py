@@ -36,7 +36,7 @@ import re
 import time
 import weakref
 from collections.abc import Callable
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 _OFFLOADED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
-class Phase(str, Enum):
+class Phase(StrEnum):
     DISCOVERY = "discovery"
     PROFILING = "profiling"
     STEADY = "steady"
@@ -287,7 +287,9 @@ class OffloadHandle:
             buffer.copy_(self.units[index].host, non_blocking=True)
             self.units[index].bind(buffer)
             self._resident_buffers[index] = buffer
-        self._slots = [torch.empty(plan.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(plan.num_slots)]
+        self._slots = [
+            torch.empty(plan.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(plan.num_slots)
+        ]
         for index, slot in enumerate(plan.slot_of):
             if slot is not None:
                 self.units[index].bind(self._slots[slot])

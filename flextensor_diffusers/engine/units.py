@@ -77,9 +77,7 @@ class Unit:
 # --------------------------------------------------------------------------------------------- finding
 
 
-def find_units(
-    model: nn.Module, include: Sequence[str], exclude: Sequence[str] = ()
-) -> list[tuple[str, nn.Module]]:
+def find_units(model: nn.Module, include: Sequence[str], exclude: Sequence[str] = ()) -> list[tuple[str, nn.Module]]:
     """The outermost modules whose names match ``include`` (fnmatch) and not ``exclude``.
 
     An empty ``include`` selects nothing: the whole model is then one resident block, moved in and

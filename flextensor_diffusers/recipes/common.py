@@ -41,7 +41,9 @@ def add_common_arguments(parser: argparse.ArgumentParser, frames: int, height: i
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     parser.add_argument("--no-offload", action="store_true", help="run natively (everything on the device)")
     parser.add_argument(
-        "--vae-tiling", choices=("auto", "on", "off"), default="auto",
+        "--vae-tiling",
+        choices=("auto", "on", "off"),
+        default="auto",
         help="diffusers' VAE tiling: auto turns it on for budgets under 40 GiB",
     )
     parser.add_argument("--json", type=Path, help="also write the summary as JSON here")
@@ -76,9 +78,10 @@ def enable_offload(pipe: Any, args: argparse.Namespace, device: torch.device) ->
 
 
 def device_of(args: argparse.Namespace) -> torch.device:
-    if args.device:
-        return torch.device(args.device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The compute device, with its index (``cuda:0``, not ``cuda``)."""
+    from ..engine.config import resolve_device
+
+    return resolve_device(args.device)
 
 
 def synchronize(device: torch.device) -> None:
@@ -135,7 +138,12 @@ def all_steady(pipe: Any) -> bool:
 
 
 def summary(
-    args: argparse.Namespace, device: torch.device, generation: Timed, profiling_s: float | None, pipe: Any, output: Path
+    args: argparse.Namespace,
+    device: torch.device,
+    generation: Timed,
+    profiling_s: float | None,
+    pipe: Any,
+    output: Path,
 ) -> dict[str, Any]:
     state = getattr(pipe, "_flextensor", None)
     return {
@@ -171,4 +179,6 @@ def print_summary(info: dict[str, Any], pipe: Any) -> None:
 
 
 def setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )

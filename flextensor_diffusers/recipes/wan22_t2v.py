@@ -1,7 +1,7 @@
 """Wan2.2 text-to-video (A14B: two experts, UMT5, Wan VAE) under a GPU budget, to an mp4.
 
-    python -m flextensor_diffusers.recipes.wan22_t2v --random-weights tiny --frames 9 --height 32 --width 32 --steps 2
-    python -m flextensor_diffusers.recipes.wan22_t2v --model /models/Wan2.2-T2V-A14B-Diffusers --budget 24GiB
+python -m flextensor_diffusers.recipes.wan22_t2v --random-weights tiny --frames 9 --height 32 --width 32 --steps 2
+python -m flextensor_diffusers.recipes.wan22_t2v --model /models/Wan2.2-T2V-A14B-Diffusers --budget 24GiB
 """
 
 from __future__ import annotations
@@ -73,8 +73,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             profiling = common.timed(device, lambda: generate(pipe, args, device, steps, "latent"))
             profiling_s = profiling.seconds
             if common.all_steady(pipe):
-                common.remember_profiled(args.profile_dir, key, {"frames": args.frames, "height": args.height,
-                                                                 "width": args.width, "recipe": args.recipe})
+                common.remember_profiled(
+                    args.profile_dir,
+                    key,
+                    {"frames": args.frames, "height": args.height, "width": args.width, "recipe": args.recipe},
+                )
     result = common.timed(device, lambda: generate(pipe, args, device, args.steps, "np"))
     frames = result.output[0]
     write_mp4(args.output, frames, fps=args.fps)

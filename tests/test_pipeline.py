@@ -1,0 +1,149 @@
+"""The tiny Wan2.2 pipeline (both experts) offloaded on the CPU: numerics, restore, recipe, profiles."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from models import assert_same, snapshot
+
+import flextensor_diffusers as ft
+from flextensor_diffusers.models import build_pipeline
+from flextensor_diffusers.recipes import wan22_t2v
+from flextensor_diffusers.video import read_mp4
+
+KW = dict(
+    prompt="a cat walking on the beach",
+    negative_prompt="blurry",
+    num_frames=9,
+    height=32,
+    width=32,
+    num_inference_steps=4,
+    guidance_scale=4.0,
+)
+BUDGET = 250_000  # streams the transformer blocks; the tiny VAE and text encoder stay whole
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return build_pipeline("wan22_t2v", "tiny")
+
+
+def latents(pipe, **extra):
+    return pipe(**KW, **extra, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+
+
+def test_offloaded_latents_bitwise_equal_and_disable_restores(pipe) -> None:
+    ref = latents(pipe)
+    before = {name: snapshot(m) for name, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+    pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
+    state = pipe._flextensor
+    assert set(state.handles) == {"text_encoder", "transformer", "transformer_2", "vae"}
+    outs = [latents(pipe) for _ in range(2)]
+    assert all(torch.equal(o, ref) for o in outs)
+    report = pipe.flextensor_report()
+    for expert in ("transformer", "transformer_2"):
+        component = report["components"][expert]
+        assert component["phase"] == "steady" and component["streamed_units"] > 0
+        assert component["forwards"]["discovery"] == 1 and component["forwards"]["profiling"] == 1
+    assert sum(h.active for h in state.handles.values()) <= 1  # one component on the device at a time
+    assert "transformer_2" in pipe.flextensor_report(as_text=True)
+    pipe.disable_flextensor_offload()
+    for name, snap in before.items():
+        assert_same(snap, getattr(pipe, name))
+    assert not hasattr(pipe.transformer, "_hf_hook") and "decode" not in vars(pipe.vae)
+    assert torch.equal(latents(pipe), ref)
+
+
+def test_profiles_are_reused_by_a_later_run(pipe, tmp_path) -> None:
+    ref = latents(pipe)
+    pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", profile_dir=tmp_path)
+    latents(pipe)
+    pipe.disable_flextensor_offload()
+    saved = sorted(p.parent.name for p in tmp_path.rglob("*.json"))
+    assert saved == ["text_encoder", "transformer", "transformer_2"]
+
+    pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", profile_dir=tmp_path)
+    assert torch.equal(latents(pipe), ref)
+    for name in ("text_encoder", "transformer", "transformer_2"):
+        forwards = pipe.flextensor_report()["components"][name]["forwards"]
+        assert forwards["discovery"] == 0 and forwards["profiling"] == 0 and forwards["steady"] > 0
+    pipe.disable_flextensor_offload()
+
+
+def test_wrong_component_and_small_budget_are_clear_errors(pipe) -> None:
+    before = snapshot(pipe.transformer)
+    with pytest.raises(ft.FlexTensorError, match=r"unknown component\(s\) 'transfomer'.*transformer_2"):
+        pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", components=["transfomer"])
+    with pytest.raises(ft.BudgetError, match=r"component 'transformer'.*gpu_budget >="):
+        pipe.enable_flextensor_offload(budget=150_000, device="cpu")
+    assert getattr(pipe, "_flextensor", None) is None
+    assert_same(before, pipe.transformer)
+    assert not hasattr(pipe.text_encoder, "_hf_hook")
+
+
+def test_enabling_twice_is_refused(pipe) -> None:
+    pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
+    with pytest.raises(ft.OffloadStateError, match="already enabled"):
+        pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
+    pipe.disable_flextensor_offload()
+
+
+def test_unknown_model_gets_its_largest_block_list() -> None:
+    from flextensor_diffusers.pipelines import patterns_for
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.small = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(4)])
+
+    assert patterns_for("x", Net()) == ["layers.*"]
+    assert patterns_for("x", torch.nn.Linear(3, 3)) == []
+
+
+def test_recipe_writes_mp4_and_skips_profiling_next_time(tmp_path, capsys) -> None:
+    argv = [
+        "--random-weights",
+        "tiny",
+        "--frames",
+        "9",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--steps",
+        "2",
+        "--budget",
+        str(BUDGET),
+        "--device",
+        "cpu",
+        "--profile-dir",
+        str(tmp_path / "p"),
+        "--output",
+        str(tmp_path / "out.mp4"),
+        "--json",
+        str(tmp_path / "run.json"),
+    ]
+    first = wan22_t2v.run(wan22_t2v.parse_args(argv))
+    video = read_mp4(tmp_path / "out.mp4")
+    assert video.shape == (9, 32, 32, 3)
+    assert first["profiling_generation_s"] is not None
+    second = wan22_t2v.run(wan22_t2v.parse_args(argv))
+    assert second["profiling_generation_s"] is None  # a matching profile existed
+    forwards = second["offload_report"]["components"]["transformer"]["forwards"]
+    assert forwards["discovery"] == 0 and forwards["profiling"] == 0
+    assert json.loads((tmp_path / "run.json").read_text())["frames"] == 9
+    assert "peak allocated GPU memory n/a (CPU)" in capsys.readouterr().out
+
+
+def test_recipe_without_weights_says_how_to_get_them(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        wan22_t2v.run(wan22_t2v.parse_args([]))
+    assert "--random-weights tiny|full" in str(info.value) and "--model PATH" in str(info.value)
+
+
+def test_model_path_without_model_index_is_explained(tmp_path) -> None:
+    with pytest.raises(ft.FlexTensorError, match="--random-weights"):
+        wan22_t2v.run(wan22_t2v.parse_args(["--model", str(tmp_path), "--device", "cpu"]))
