@@ -99,19 +99,28 @@ def latent_metrics(reference: torch.Tensor, test: torch.Tensor) -> dict[str, Any
 # ------------------------------------------------------------------------------------------ plots
 
 
-def _png(fig: Any) -> bytes:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
-    return buffer.getvalue()
-
-
-def plot_memory(runs: dict[str, dict[str, Any]]) -> bytes:
+def _axes() -> tuple[Any, Any]:
+    """A figure and its axes, on the file-only Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 3.2))
+    return plt.subplots(figsize=(8, 3.2))
+
+
+def _png(fig: Any) -> bytes:
+    """The figure as PNG bytes; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def plot_memory(runs: dict[str, dict[str, Any]]) -> bytes:
+    fig, ax = _axes()
     for name, run in runs.items():
         samples = [s for s in run.get("memory_timeline") or [] if s["allocated_bytes"] is not None]
         if samples:
@@ -124,18 +133,11 @@ def plot_memory(runs: dict[str, dict[str, Any]]) -> bytes:
         ax.legend()
     else:
         ax.text(0.5, 0.5, "GPU memory not available (CPU run)", ha="center", va="center", transform=ax.transAxes)
-    data = _png(fig)
-    plt.close(fig)
-    return data
+    return _png(fig)
 
 
 def plot_steps(runs: dict[str, dict[str, Any]]) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 3.2))
+    fig, ax = _axes()
     for name, run in runs.items():
         steps = run.get("step_s") or []
         if steps:
@@ -146,18 +148,11 @@ def plot_steps(runs: dict[str, dict[str, Any]]) -> bytes:
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
-    data = _png(fig)
-    plt.close(fig)
-    return data
+    return _png(fig)
 
 
 def plot_frames(metrics: dict[str, Any] | None) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 3.2))
+    fig, ax = _axes()
     if metrics:
         rows = metrics["frames"]
         finite = [r["psnr_db"] for r in rows if r["psnr_db"] != INF]
@@ -175,9 +170,7 @@ def plot_frames(metrics: dict[str, Any] | None) -> bytes:
     ax.set_xlabel("frame")
     ax.set_title("Per-frame fidelity, offloaded vs native")
     ax.grid(alpha=0.3)
-    data = _png(fig)
-    plt.close(fig)
-    return data
+    return _png(fig)
 
 
 #: Width of the frame strip; wider strips are scaled down (a full-size strip would be ~10 MB).

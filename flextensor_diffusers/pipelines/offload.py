@@ -147,7 +147,19 @@ def enable(
     vae_tiling: bool | None = None,
     **config: Any,
 ) -> PipelineOffload:
-    """Wrap every component of ``pipeline``; see `FlexTensorPipelineMixin.enable_flextensor_offload`."""
+    """Stream every component of ``pipeline`` from host memory under one GPU ``budget``.
+
+    Args:
+        budget: bytes, ``"24GiB"``-style string or ``"auto"``; bounds peak allocated memory.
+        profile_dir: folder for per-component profiles; a later run with the same model,
+            device and shapes skips discovery and profiling.
+        device: compute device (default: CUDA when available, else the CPU).
+        components: names of the components to wrap (default: all with weights); others are
+            moved to the device whole.
+        patterns: per-component include patterns overriding the built-in ones.
+        vae_tiling: diffusers' VAE tiling; ``None`` turns it on below 40 GiB of budget.
+        **config: further `OffloadConfig` fields (``max_slots``, ``profiling_runs``, ...).
+    """
     if getattr(pipeline, "_flextensor", None) is not None:
         raise OffloadStateError("flextensor offload is already enabled on this pipeline: disable it first")
     available = _weighted_components(pipeline)
@@ -215,30 +227,7 @@ def _activating(method: Any, handle: OffloadHandle) -> Any:
 class FlexTensorPipelineMixin:
     """Adds streaming offload to a diffusers pipeline class (also attached to ``DiffusionPipeline``)."""
 
-    def enable_flextensor_offload(
-        self,
-        budget: int | str = "auto",
-        profile_dir: str | Path | None = None,
-        device: str | torch.device | None = None,
-        components: list[str] | None = None,
-        patterns: dict[str, list[str]] | None = None,
-        vae_tiling: bool | None = None,
-        **config: Any,
-    ) -> PipelineOffload:
-        """Stream every component from host memory under one GPU ``budget``.
-
-        Args:
-            budget: bytes, ``"24GiB"``-style string or ``"auto"``; bounds peak allocated memory.
-            profile_dir: folder for per-component profiles; a later run with the same model,
-                device and shapes skips discovery and profiling.
-            device: compute device (default: CUDA when available, else the CPU).
-            components: names of the components to wrap (default: all with weights); others are
-                moved to the device whole.
-            patterns: per-component include patterns overriding the built-in ones.
-            vae_tiling: diffusers' VAE tiling; ``None`` turns it on below 40 GiB of budget.
-            **config: further `OffloadConfig` fields (``max_slots``, ``profiling_runs``, ...).
-        """
-        return enable(self, budget, profile_dir, device, components, patterns, vae_tiling, **config)
+    enable_flextensor_offload = enable
 
     def flextensor_report(self, as_text: bool = False) -> dict[str, Any] | str:
         """Per component: resident and streamed bytes, stalls, overlap, plan; pipeline peak memory."""
