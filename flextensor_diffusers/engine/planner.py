@@ -156,7 +156,7 @@ def simulate(profile: WorkloadProfile, resident: frozenset[int], num_slots: int,
 def streamed_bytes_per_forward(profile: WorkloadProfile, resident: frozenset[int], num_slots: int) -> int:
     slot_of = assign_slots(profile.calls, resident, num_slots, len(profile.unit_bytes))
     loads, _ = schedule_loads(profile.calls, slot_of)
-    return sum(profile.unit_bytes[u] for load in loads if load is not None for u in (load[1],))
+    return sum(profile.unit_bytes[load[1]] for load in loads if load is not None)
 
 
 def lower_bound(profile: WorkloadProfile, resident: frozenset[int], num_slots: int) -> float:

@@ -159,7 +159,7 @@ class OffloadHandle:
     # ------------------------------------------------------------------------------------ set-up
 
     def _checked_budget(self, budget: int) -> int:
-        largest = max(self._unit_sizes(), default=0)
+        largest = max((u.nbytes for u in self.units), default=0)
         smallest = self.resident_weight_bytes + 2 * largest
         if budget < smallest:
             raise BudgetError(
@@ -169,9 +169,6 @@ class OffloadHandle:
                 "or stream smaller units (finer include_patterns)"
             )
         return budget
-
-    def _unit_sizes(self) -> list[int]:
-        return [u.nbytes for u in self.units]
 
     def _load_profile(self, path: str | Path) -> SavedProfile | None:
         if not Path(path).exists():

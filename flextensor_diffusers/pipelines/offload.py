@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine import OffloadConfig, OffloadHandle, format_bytes
+from ..engine import OffloadConfig, OffloadHandle, Phase, format_bytes
 from ..engine.config import resolve_device
 from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
 from .patterns import patterns_for
@@ -99,7 +99,7 @@ class PipelineOffload:
                     delattr(module, method)
             if isinstance(getattr(module, "_hf_hook", None), _ExecutionDevice):
                 del module._hf_hook
-            if handle.phase.value != "removed":
+            if handle.phase is not Phase.REMOVED:
                 handle.remove()
             logger.debug("removed offload of %s", name)
         for name, origin in self.moved.items():

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..engine import format_bytes
+from ..engine import Phase, format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def remember_profiled(profile_dir: Path | None, key: str, description: dict[str,
 
 def all_steady(pipe: Any) -> bool:
     state = getattr(pipe, "_flextensor", None)
-    return state is None or all(h.phase.value == "steady" for h in state.handles.values())
+    return state is None or all(h.phase is Phase.STEADY for h in state.handles.values())
 
 
 def summary(
