@@ -1,0 +1,204 @@
+"""Offloading methods side by side on the engine benchmark's block stack, one fresh process each.
+
+Methods: native; accelerate's model-level hook (what diffusers' ``enable_model_cpu_offload`` uses);
+diffusers leaf-level offload (what ``enable_sequential_cpu_offload`` gives, via accelerate);
+diffusers group offloading (block level, one block per group, streams, with and without
+``record_stream``, with ``low_cpu_mem_usage``); accelerate ``cpu_offload``; NVIDIA flextensor 0.5.0;
+this package at given budgets. For each: peak allocated GPU memory, median step time after
+warm-up, set-up time (pinning included), peak host RSS, bitwise equality with native.
+
+    python benchmarks/peers.py --out benchmarks/results/peers_h200.json --workload 81f_832x480_cfg
+    python benchmarks/peers.py --blocks 2 --dim 256 --heads 4 --ffn 512 --small --methods native flextensor_diffusers
+
+Each method runs in a child process (``--child METHOD``) so that allocator state, pinned memory
+and hooks of one cannot affect the next; the parent collects one JSON line from each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import engine_bench as eb
+
+METHODS = (
+    "native",
+    "model_cpu_offload",
+    "sequential_cpu_offload",
+    "group_offload",
+    "group_offload_record_stream",
+    "group_offload_low_cpu_mem",
+    "accelerate_cpu_offload",
+    "flextensor",
+    "flextensor_diffusers",
+)
+REFERENCE = "native_output.pt"
+
+
+def set_up(method: str, model: torch.nn.Module, device: torch.device, budget: int | None) -> Any:
+    """Apply ``method`` to ``model`` (on the CPU); returns what must stay alive."""
+    if method == "native":
+        return model.to(device)
+    if method == "model_cpu_offload":
+        from accelerate import cpu_offload_with_hook
+
+        return cpu_offload_with_hook(model, execution_device=device)
+    if method in ("sequential_cpu_offload", "accelerate_cpu_offload"):
+        from accelerate import cpu_offload
+
+        # diffusers' enable_sequential_cpu_offload calls accelerate's cpu_offload per component with
+        # offload_buffers when the module has buffers; on a bare stack both come to this call.
+        return cpu_offload(model, execution_device=device, offload_buffers=method == "sequential_cpu_offload")
+    if method.startswith("group_offload"):
+        from diffusers.hooks import apply_group_offloading
+
+        apply_group_offloading(
+            model,
+            onload_device=device,
+            offload_device=torch.device("cpu"),
+            offload_type="block_level",
+            num_blocks_per_group=1,
+            use_stream=True,
+            record_stream=method == "group_offload_record_stream",
+            low_cpu_mem_usage=method == "group_offload_low_cpu_mem",
+        )
+        return None
+    if method == "flextensor":
+        os.environ.setdefault("DISABLE_BEARTYPE", "1")
+        import flextensor
+
+        total = torch.cuda.get_device_properties(device).total_memory
+        config = flextensor.OffloadConfig(
+            include_patterns=["blocks.*"], max_gpu_mem_fraction=min(1.0, budget / total) if budget else None
+        )
+        return flextensor.offload(model, config=config)
+    if method == "flextensor_diffusers":
+        import flextensor_diffusers as ft
+
+        return ft.offload(model, ft.OffloadConfig(include_patterns=["blocks.*"], gpu_budget=budget, device=device))
+    raise SystemExit(f"unknown method {method!r}; one of {', '.join(METHODS)}")
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = eb.build(args, "cpu" if device.type == "cpu" else device).to("cpu")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    x = eb.inputs(args, args.workload, device)
+    with eb.RssSampler() as rss:
+        start = time.perf_counter()
+        keep = set_up(args.child, model, device, args.budget)
+        setup_s = time.perf_counter() - start
+    runner = keep if args.child == "flextensor" else model
+    with torch.inference_mode():
+        for _ in range(args.warmup):  # discovery and profiling for the methods that have them
+            runner(*x)
+        eb.sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        with eb.RssSampler() as rss_run:
+            step_ms, out = eb.time_forwards(runner, x, args.reps, device)
+    out = out.cpu()
+    reference = Path(args.scratch) / REFERENCE
+    if args.child == "native":
+        torch.save(out, reference)
+    equal = bool(torch.equal(torch.load(reference).view(torch.uint8), out.view(torch.uint8)))
+    return {
+        "method": args.child if args.child != "flextensor_diffusers" else f"flextensor_diffusers@{args.budget}",
+        "budget_bytes": args.budget,
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
+        "step_s": round(step_ms / 1e3, 5),
+        "setup_s": round(setup_s, 3),
+        "peak_host_rss_bytes": max(rss.peak, rss_run.peak),
+        "bitwise_equal": equal,
+        "keep": type(keep).__name__,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=40)
+    parser.add_argument("--dim", type=int, default=5120)
+    parser.add_argument("--heads", type=int, default=40)
+    parser.add_argument("--ffn", type=int, default=13824)
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--workload", default="81f_832x480_cfg", choices=list(eb.WORKLOADS))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--budgets", nargs="+", default=["8.6GiB", "20GiB"], help="for flextensor_diffusers")
+    parser.add_argument("--flextensor-budget", default="8.6GiB", help="flextensor's budget, matched to ours")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--scratch", default="/tmp/peers")
+    parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--budget", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(args)), flush=True)
+        return
+
+    from flextensor_diffusers.engine import parse_bytes
+
+    Path(args.scratch).mkdir(parents=True, exist_ok=True)
+    jobs: list[tuple[str, int | None]] = [("native", None)] if "native" in args.methods else []
+    for method in args.methods:
+        if method == "flextensor_diffusers":
+            jobs += [(method, parse_bytes(b)) for b in args.budgets]
+        elif method == "flextensor":
+            jobs.append((method, parse_bytes(args.flextensor_budget)))
+        elif method != "native":
+            jobs.append((method, None))
+    shape = ["--blocks", str(args.blocks), "--dim", str(args.dim), "--heads", str(args.heads), "--ffn", str(args.ffn)]
+    shape += ["--small"] if args.small else []
+    runs = []
+    for method, budget in jobs:
+        cmd = [sys.executable, __file__, "--child", method, "--workload", args.workload, "--scratch", args.scratch]
+        cmd += [*shape, "--warmup", str(args.warmup), "--reps", str(args.reps)]
+        cmd += ["--budget", str(budget)] if budget is not None else []
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
+        except subprocess.TimeoutExpired:
+            runs.append({"method": method, "budget_bytes": budget, "error": f"timed out after {args.timeout} s"})
+            print(f"{method:>34}: timed out", flush=True)
+            continue
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            runs.append({"method": method, "budget_bytes": budget, "error": tail[0]})
+            print(f"{method:>34}: failed: {tail[0]}", flush=True)
+            continue
+        run = json.loads(line.removeprefix("RESULT "))
+        runs.append(run)
+        print(
+            f"{run['method']:>34}: step {run['step_s']:.4f} s  peak {run['peak_allocated_bytes'] / 2**30:6.2f} GiB  "
+            f"set-up {run['setup_s']:7.2f} s  host RSS {run['peak_host_rss_bytes'] / 2**30:6.1f} GiB  "
+            f"equal {run['bitwise_equal']}",
+            flush=True,
+        )
+    result = {
+        "workload": args.workload,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "blocks": args.blocks,
+        "runs": runs,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
