@@ -40,14 +40,7 @@ def tokenizer() -> Any:
     """The small offline tokenizer (T5 special tokens) shipped in assets/tokenizer."""
     from transformers import PreTrainedTokenizerFast
 
-    folder = asset_path("tokenizer")
-    return PreTrainedTokenizerFast(
-        tokenizer_file=str(folder / "tokenizer.json"),
-        pad_token="<pad>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        model_max_length=512,
-    )
+    return PreTrainedTokenizerFast.from_pretrained(str(asset_path("tokenizer")), local_files_only=True)
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -1,7 +1,7 @@
 """Train the small offline tokenizer shipped in assets/tokenizer (used with random-weight models).
 
 A word-level-ish BPE over a few hundred lines of prompt-like English, with T5's special tokens
-(<pad>=0, </s>=1, <unk>=2), so that pipelines which expect a T5/UMT5 tokenizer run without a hub.
+(<pad>=0, </s>=1, <unk>=2) and T5's trailing </s>, so that pipelines which expect a T5/UMT5 tokenizer run without a hub.
 
     python scripts/make_tokenizer.py  # writes assets/tokenizer/tokenizer.json
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 OUT = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
 
@@ -96,6 +96,10 @@ def main() -> None:
     tok.decoder = decoders.Metaspace()
     trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=["<pad>", "</s>", "<unk>"], show_progress=False)
     tok.train_from_iterator(corpus(), trainer=trainer)
+    eos = tok.token_to_id("</s>")
+    tok.post_processor = processors.TemplateProcessing(  # T5 appends </s> to every sequence
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", eos)]
+    )
     OUT.mkdir(parents=True, exist_ok=True)
     tok.save(str(OUT / "tokenizer.json"))
     print(f"wrote {OUT / 'tokenizer.json'} ({tok.get_vocab_size()} tokens)")

@@ -147,3 +147,18 @@ def test_recipe_without_weights_says_how_to_get_them(capsys) -> None:
 def test_model_path_without_model_index_is_explained(tmp_path) -> None:
     with pytest.raises(ft.FlexTensorError, match="--random-weights"):
         wan22_t2v.run(wan22_t2v.parse_args(["--model", str(tmp_path), "--device", "cpu"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pipeline_on_cuda_is_bitwise_native(pipe) -> None:
+    pipe.to("cuda")
+    ref = latents(pipe).cpu()
+    pipe.to("cpu")
+    pipe.enable_flextensor_offload(budget="64MiB", device="cuda")
+    outs = [latents(pipe).cpu() for _ in range(2)]
+    assert all(torch.equal(o, ref) for o in outs)
+    report = pipe.flextensor_report()
+    assert report["peak_allocated_bytes"] is not None and report["components"]["transformer"]["phase"] == "steady"
+    pipe.disable_flextensor_offload()
+    assert all(p.device.type == "cpu" for p in pipe.transformer.parameters())
