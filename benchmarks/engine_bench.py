@@ -123,6 +123,15 @@ class RssSampler:
         self._thread.join()
 
 
+def write_result(path: Path | None, result: dict) -> None:
+    """Save a benchmark's JSON (when a path was given) and say where."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+
+
 def pinned_bandwidth(device: torch.device) -> float:
     if device.type != "cuda":
         return 0.0
@@ -270,10 +279,7 @@ def main() -> None:
     start = time.perf_counter()
     handle.remove()
     result["remove_s"] = round(time.perf_counter() - start, 3)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

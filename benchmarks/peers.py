@@ -194,10 +194,7 @@ def main() -> None:
         "blocks": args.blocks,
         "runs": runs,
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
+    eb.write_result(args.out, result)
 
 
 if __name__ == "__main__":
