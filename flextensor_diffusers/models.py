@@ -33,7 +33,11 @@ def asset_path(*parts: str) -> Path:
 def load_config(model: str, size: str) -> dict[str, Any]:
     if size not in SIZES:
         raise FlexTensorError(f"unknown size {size!r}: use one of {', '.join(SIZES)}")
-    return json.loads(asset_path(model, f"{size}.json").read_text())
+    path = ASSETS / model / f"{size}.json"
+    if not path.exists():
+        shipped = sorted(p.stem for p in (ASSETS / model).glob("*.json"))
+        raise FlexTensorError(f"no {size!r} config for {model} is shipped (have: {', '.join(shipped) or 'none'})")
+    return json.loads(path.read_text())
 
 
 def tokenizer() -> Any:
@@ -88,7 +92,43 @@ def build_wan22_t2v(size: str = "tiny", seed: int = 0, init_device: str | torch.
     )
 
 
-BUILDERS = {"wan22_t2v": build_wan22_t2v}
+def build_ltx2_condition(size: str = "tiny", seed: int = 0, init_device: str | torch.device = "cpu") -> Any:
+    """An `LTX2ConditionPipeline` (video + audio transformer, Gemma3, connectors, VAEs, vocoder), random weights.
+
+    Only ``tiny`` is shipped so far: the published LTX-2 sizes are not yet in ``assets/ltx2``.
+    """
+    from diffusers import (
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        FlowMatchEulerDiscreteScheduler,
+        LTX2ConditionPipeline,
+        LTX2VideoTransformer3DModel,
+    )
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    cfg = load_config("ltx2", size)
+    dtype = _dtype(cfg["dtype"])
+    text_encoder = _random(
+        lambda: Gemma3ForConditionalGeneration(Gemma3Config(**cfg["text_encoder"])), init_device, dtype, seed
+    )
+    vae = _random(lambda: AutoencoderKLLTX2Video(**cfg["vae"]), init_device, dtype, seed + 1)
+    vae.use_framewise_encoding = vae.use_framewise_decoding = False
+    return LTX2ConditionPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        audio_vae=_random(lambda: AutoencoderKLLTX2Audio(**cfg["audio_vae"]), init_device, dtype, seed + 2),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer(),
+        connectors=_random(lambda: LTX2TextConnectors(**cfg["connectors"]), init_device, dtype, seed + 3),
+        transformer=_random(lambda: LTX2VideoTransformer3DModel(**cfg["transformer"]), init_device, dtype, seed + 4),
+        vocoder=_random(lambda: LTX2Vocoder(**cfg["vocoder"]), init_device, dtype, seed + 5),
+        audio_scheduler=None,
+    )
+
+
+BUILDERS = {"wan22_t2v": build_wan22_t2v, "ltx2_condition": build_ltx2_condition}
 
 
 def build_pipeline(model: str, size: str = "tiny", seed: int = 0, init_device: str | torch.device = "cpu") -> Any:
