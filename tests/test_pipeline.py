@@ -83,6 +83,17 @@ def test_wrong_component_and_small_budget_are_clear_errors(pipe) -> None:
     assert not hasattr(pipe.text_encoder, "_hf_hook")
 
 
+def test_pattern_overrides_are_used_as_given(pipe) -> None:
+    ref = latents(pipe)
+    pipe.enable_flextensor_offload(
+        budget=400_000, device="cpu", patterns={"transformer": ["blocks.0", "blocks.1"], "text_encoder": []}
+    )
+    assert torch.equal(latents(pipe), ref)
+    components = pipe.flextensor_report()["components"]
+    assert components["transformer"]["units"] == 2 and components["text_encoder"]["units"] == 0
+    pipe.disable_flextensor_offload()
+
+
 def test_enabling_twice_is_refused(pipe) -> None:
     pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
     with pytest.raises(ft.OffloadStateError, match="already enabled"):

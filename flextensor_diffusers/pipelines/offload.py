@@ -176,7 +176,7 @@ def enable(
     try:
         for name in chosen:
             module = available[name]
-            include = (patterns or {}).get(name) or patterns_for(name, module)
+            include = patterns[name] if patterns and name in patterns else patterns_for(name, module)
             cfg = OffloadConfig(
                 include_patterns=include,
                 gpu_budget=budget_bytes,
