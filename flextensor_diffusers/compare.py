@@ -51,6 +51,7 @@ class Recorder:
         self._vae = vae
         if vae is not None:
             self._vae_decode = vae.decode
+            self._vae_decode_was_own = "decode" in vars(vae)  # e.g. offload's activating wrapper
             vae.decode = self._wrap_decode(vae.decode)
 
     def _sample(self, label: str) -> None:
@@ -102,7 +103,10 @@ class Recorder:
         for hook in self._hooks:
             hook.remove()
         if self._vae is not None and "decode" in vars(self._vae):
-            self._vae.decode = self._vae_decode
+            if self._vae_decode_was_own:
+                self._vae.decode = self._vae_decode
+            else:
+                del self._vae.decode
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -210,9 +214,8 @@ def compare(
 
     _cap(device, offload_memory_cap or memory_cap)
     common.enable_offload(pipe, args, device)
-    steps = 2 if args.guidance > 1 else 4
     start = time.perf_counter()
-    recipe.generate(pipe, args, device, steps, "latent")
+    recipe.profiling_generation(pipe, args, device)
     profiling_s = time.perf_counter() - start
     runs["offloaded"] = run_generation(recipe, pipe, args, device)
     runs["offloaded"]["profiling_s"] = round(profiling_s, 4)

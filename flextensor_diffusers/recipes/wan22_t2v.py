@@ -55,6 +55,14 @@ def generate(
     ).frames
 
 
+def profiling_generation(pipe: Any, args: argparse.Namespace, device: torch.device) -> Any:
+    """The shortest generation of the same shapes that runs each expert twice (discovery, profiling).
+
+    Two steps with CFG (cond and uncond forwards), four without; latents only, no VAE decode.
+    """
+    return generate(pipe, args, device, 2 if args.guidance > 1 else 4, "latent")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     common.require_weights(args, "wan22_t2v")
     device = common.device_of(args)
@@ -68,9 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             pipe, device, frames=args.frames, height=args.height, width=args.width, cfg=args.guidance > 1
         )
         if not common.profiled_before(args.profile_dir, key):
-            # Each expert must run twice (discovery, profiling): two steps with CFG, four without.
-            steps = 2 if args.guidance > 1 else 4
-            profiling = common.timed(device, lambda: generate(pipe, args, device, steps, "latent"))
+            profiling = common.timed(device, lambda: profiling_generation(pipe, args, device))
             profiling_s = profiling.seconds
             if common.all_steady(pipe):
                 common.remember_profiled(
