@@ -146,13 +146,24 @@ def pinned_bandwidth(device: torch.device) -> float:
     return 5 * host.numel() / (time.perf_counter() - start) / 1e9
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
+    """Size of the block stack; defaults are Wan2.2-A14B's."""
     parser.add_argument("--blocks", type=int, default=40)
     parser.add_argument("--dim", type=int, default=5120)
     parser.add_argument("--heads", type=int, default=40)
     parser.add_argument("--ffn", type=int, default=13824)
     parser.add_argument("--small", action="store_true", help="shrink the token counts (quick check)")
+
+
+def stack_argv(args: argparse.Namespace) -> list[str]:
+    """`add_stack_arguments` values back as command-line words, for child processes."""
+    argv = ["--blocks", str(args.blocks), "--dim", str(args.dim), "--heads", str(args.heads), "--ffn", str(args.ffn)]
+    return [*argv, "--small"] if args.small else argv
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_stack_arguments(parser)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--budgets", type=int, default=5)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS))

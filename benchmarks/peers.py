@@ -128,11 +128,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", type=int, default=40)
-    parser.add_argument("--dim", type=int, default=5120)
-    parser.add_argument("--heads", type=int, default=40)
-    parser.add_argument("--ffn", type=int, default=13824)
-    parser.add_argument("--small", action="store_true")
+    eb.add_stack_arguments(parser)
     parser.add_argument("--workload", default="81f_832x480_cfg", choices=list(eb.WORKLOADS))
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--budgets", nargs="+", default=["8.6GiB", "20GiB"], help="for flextensor_diffusers")
@@ -160,8 +156,7 @@ def main() -> None:
             jobs.append((method, parse_bytes(args.flextensor_budget)))
         elif method != "native":
             jobs.append((method, None))
-    shape = ["--blocks", str(args.blocks), "--dim", str(args.dim), "--heads", str(args.heads), "--ffn", str(args.ffn)]
-    shape += ["--small"] if args.small else []
+    shape = eb.stack_argv(args)
     runs = []
     for method, budget in jobs:
         cmd = [sys.executable, __file__, "--child", method, "--workload", args.workload, "--scratch", args.scratch]
