@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from . import quality
+from .recipes import common
 from .video import to_uint8_frames, write_mp4
 
 logger = logging.getLogger(__name__)
@@ -116,23 +117,20 @@ def _is_oom(exc: BaseException) -> bool:
 def run_generation(recipe: Any, pipe: Any, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """One full generation with recording; OOM becomes ``{"status": "out of memory", "stage": ...}``."""
     recorder = Recorder(pipe, device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     try:
         recorder.start()
-        start = time.perf_counter()
-        frames = recipe.generate(
-            pipe,
-            args,
+        generation = common.timed(
             device,
-            args.steps,
-            "np",
-            callback_on_step_end=recorder.on_step_end,
-            callback_on_step_end_tensor_inputs=["latents"],
+            lambda: recipe.generate(
+                pipe,
+                args,
+                device,
+                args.steps,
+                "np",
+                callback_on_step_end=recorder.on_step_end,
+                callback_on_step_end_tensor_inputs=["latents"],
+            ),
         )
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - start
     except Exception as exc:
         if not _is_oom(exc):
             raise
@@ -148,13 +146,13 @@ def run_generation(recipe: Any, pipe: Any, args: argparse.Namespace, device: tor
     steps = recorder.step_times()
     return {
         "status": "completed",
-        "generation_s": round(elapsed, 4),
+        "generation_s": round(generation.seconds, 4),
         "step_s": steps,
         "mean_step_s": round(float(np.mean(steps)), 4) if steps else None,
-        "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "peak_allocated_bytes": generation.peak_allocated_bytes,
         "peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
         "memory_timeline": recorder.samples,
-        "frames": to_uint8_frames(frames[0]),
+        "frames": to_uint8_frames(generation.output[0]),
         "latents": recorder.latents,
     }
 
@@ -192,8 +190,6 @@ def compare(
     args = recipe.parse_args(recipe_argv)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    from .recipes import common
-
     common.require_weights(args, recipe_name)
     device = common.device_of(args)
     _cap(device, memory_cap)

@@ -8,15 +8,12 @@ come from a local diffusers folder (`load_pipeline`), loaded on the CPU first.
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .engine.errors import FlexTensorError
-
-logger = logging.getLogger(__name__)
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 SIZES = ("tiny", "full")

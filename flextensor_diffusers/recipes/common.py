@@ -17,8 +17,6 @@ import torch
 
 from ..engine import Phase, format_bytes
 
-logger = logging.getLogger(__name__)
-
 
 def add_common_arguments(parser: argparse.ArgumentParser, frames: int, height: int, width: int, steps: int) -> None:
     source = parser.add_mutually_exclusive_group()
