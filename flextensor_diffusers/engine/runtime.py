@@ -252,21 +252,24 @@ class OffloadHandle:
         self.active = False
 
     def _drop_device_buffers(self) -> None:
-        self._leave_schedule()
-        for unit in [self.base, *self.units]:
-            if unit.host is not None:
-                unit.bind(unit.host)
+        self._unbind_units()
+        if self.base.host is not None:
+            self.base.bind(self.base.host)
         for t, origin in self._loose:
             t.data = t.data.to(origin)
         self._base_buffer = None
+
+    def _unbind_units(self) -> None:
+        """Point the units at their host copies and drop their slots and resident copies."""
+        self._leave_schedule()
+        for unit in self.units:
+            if unit.host is not None:  # during a failed set-up, not every unit is packed yet
+                unit.bind(unit.host)
         self._slots, self._resident_buffers, self._dst = [], {}, [None] * len(self.units)
 
     def _lay_out_units(self) -> None:
         """Device buffers for the units: per the plan, or one shared slot before a plan exists."""
-        self._leave_schedule()
-        for unit in self.units:  # drop old device buffers before taking new ones
-            unit.bind(unit.host)
-        self._slots, self._resident_buffers, self._dst = [], {}, [None] * len(self.units)
+        self._unbind_units()  # old device buffers go before new ones are taken
         if not self.units:
             return
         plan = self.plan
