@@ -44,6 +44,9 @@ METHODS = (
     "flextensor_diffusers",
 )
 REFERENCE = "native_output.pt"
+# Forwards before timing: methods that profile get discovery + profiling + one steady forward.
+PROFILING_FORWARDS = 1
+WARMUP = {"flextensor": 2 + PROFILING_FORWARDS, "flextensor_diffusers": 2 + PROFILING_FORWARDS}
 
 
 def set_up(method: str, model: torch.nn.Module, device: torch.device, budget: int | None) -> Any:
@@ -79,8 +82,11 @@ def set_up(method: str, model: torch.nn.Module, device: torch.device, budget: in
         import flextensor
 
         total = torch.cuda.get_device_properties(device).total_memory
+        # flextensor profiles 10 forwards by default; one keeps the run short and is what ours does.
         config = flextensor.OffloadConfig(
-            include_patterns=["blocks.*"], max_gpu_mem_fraction=min(1.0, budget / total) if budget else None
+            include_patterns=["blocks.*"],
+            max_gpu_mem_fraction=min(1.0, budget / total) if budget else None,
+            profiling_iters=PROFILING_FORWARDS,
         )
         return flextensor.offload(model, config=config)
     if method == "flextensor_diffusers":
@@ -102,7 +108,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         setup_s = time.perf_counter() - start
     runner = keep if args.child == "flextensor" else model
     with torch.inference_mode():
-        for _ in range(args.warmup):  # discovery and profiling for the methods that have them
+        for _ in range(WARMUP.get(args.child, args.warmup)):  # discovery and profiling where there are
             runner(*x)
         eb.sync(device)
         if device.type == "cuda":
@@ -133,10 +139,11 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--budgets", nargs="+", default=["8.6GiB", "20GiB"], help="for flextensor_diffusers")
     parser.add_argument("--flextensor-budget", default="8.6GiB", help="flextensor's budget, matched to ours")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2, help="for the methods that do not profile")
+    parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--scratch", default="/tmp/peers")
-    parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per method")
+    parser.add_argument("--deadline", type=int, default=0, help="seconds for all; later methods are skipped")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, help=argparse.SUPPRESS)
@@ -158,7 +165,22 @@ def main() -> None:
             jobs.append((method, None))
     shape = eb.stack_argv(args)
     runs = []
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    result = {
+        "workload": args.workload,
+        "device": device,
+        "torch": torch.__version__,
+        "blocks": args.blocks,
+        "runs": runs,
+    }
+    started = time.perf_counter()
     for method, budget in jobs:
+        eb.write_result(args.out, result)  # before each method, so that a cut-off run keeps what it has
+        if args.deadline and time.perf_counter() - started > args.deadline:
+            runs.append(
+                {"method": method, "budget_bytes": budget, "error": f"not run: past --deadline {args.deadline} s"}
+            )
+            continue
         cmd = [sys.executable, __file__, "--child", method, "--workload", args.workload, "--scratch", args.scratch]
         cmd += [*shape, "--warmup", str(args.warmup), "--reps", str(args.reps)]
         cmd += ["--budget", str(budget)] if budget is not None else []
@@ -182,13 +204,6 @@ def main() -> None:
             f"equal {run['bitwise_equal']}",
             flush=True,
         )
-    result = {
-        "workload": args.workload,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
-        "blocks": args.blocks,
-        "runs": runs,
-    }
     eb.write_result(args.out, result)
 
 

@@ -89,10 +89,13 @@ def build_wan22_t2v(size: str = "tiny", seed: int = 0, init_device: str | torch.
     )
 
 
-def build_ltx2_condition(size: str = "tiny", seed: int = 0, init_device: str | torch.device = "cpu") -> Any:
+def build_ltx2_condition(
+    size: str = "tiny", seed: int = 0, init_device: str | torch.device = "cpu", text_encoder: bool = True
+) -> Any:
     """An `LTX2ConditionPipeline` (video + audio transformer, Gemma3, connectors, VAEs, vocoder), random weights.
 
-    Only ``tiny`` is shipped so far: the published LTX-2 sizes are not yet in ``assets/ltx2``.
+    ``text_encoder=False`` leaves Gemma out (``None``): for benchmarks that pass ``prompt_embeds``
+    and would otherwise build 12B parameters they never run.
     """
     from diffusers import (
         AutoencoderKLLTX2Audio,
@@ -107,16 +110,18 @@ def build_ltx2_condition(size: str = "tiny", seed: int = 0, init_device: str | t
 
     cfg = load_config("ltx2", size)
     dtype = _dtype(cfg["dtype"])
-    text_encoder = _random(
-        lambda: Gemma3ForConditionalGeneration(Gemma3Config(**cfg["text_encoder"])), init_device, dtype, seed
-    )
+    gemma = None
+    if text_encoder:
+        gemma = _random(
+            lambda: Gemma3ForConditionalGeneration(Gemma3Config(**cfg["text_encoder"])), init_device, dtype, seed
+        )
     vae = _random(lambda: AutoencoderKLLTX2Video(**cfg["vae"]), init_device, dtype, seed + 1)
-    vae.use_framewise_encoding = vae.use_framewise_decoding = False
+    vae.use_framewise_encoding = vae.use_framewise_decoding = cfg["vae_framewise"]
     return LTX2ConditionPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=vae,
         audio_vae=_random(lambda: AutoencoderKLLTX2Audio(**cfg["audio_vae"]), init_device, dtype, seed + 2),
-        text_encoder=text_encoder,
+        text_encoder=gemma,
         tokenizer=tokenizer(),
         connectors=_random(lambda: LTX2TextConnectors(**cfg["connectors"]), init_device, dtype, seed + 3),
         transformer=_random(lambda: LTX2VideoTransformer3DModel(**cfg["transformer"]), init_device, dtype, seed + 4),
@@ -128,11 +133,16 @@ def build_ltx2_condition(size: str = "tiny", seed: int = 0, init_device: str | t
 BUILDERS = {"wan22_t2v": build_wan22_t2v, "ltx2_condition": build_ltx2_condition}
 
 
-def build_pipeline(model: str, size: str = "tiny", seed: int = 0, init_device: str | torch.device = "cpu") -> Any:
-    """Build a supported pipeline (``wan22_t2v``, ...) with random weights from ``assets/``."""
+def build_pipeline(
+    model: str, size: str = "tiny", seed: int = 0, init_device: str | torch.device = "cpu", **options: Any
+) -> Any:
+    """Build a supported pipeline (``wan22_t2v``, ...) with random weights from ``assets/``.
+
+    ``options`` go to the model's builder (e.g. ``text_encoder=False`` for LTX-2).
+    """
     if model not in BUILDERS:
         raise FlexTensorError(f"unknown model {model!r}: supported are {', '.join(sorted(BUILDERS))}")
-    return BUILDERS[model](size=size, seed=seed, init_device=init_device)
+    return BUILDERS[model](size=size, seed=seed, init_device=init_device, **options)
 
 
 def load_pipeline(path: str | Path, pipeline_class: Any, dtype: torch.dtype = torch.bfloat16, **kwargs: Any) -> Any:
