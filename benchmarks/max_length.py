@@ -241,7 +241,7 @@ def main() -> None:
     parser.add_argument("--text-tokens", type=int, default=1024)
     parser.add_argument("--caps", nargs="+", default=["80GB", "40GB"])
     parser.add_argument("--modes", nargs="+", default=["native", "offload"], choices=("native", "offload"))
-    parser.add_argument("--fit-frames", nargs=2, type=int, default=[97, 193])
+    parser.add_argument("--fit-frames", nargs=2, type=int, default=[193, 385])
     parser.add_argument("--max-frames", type=int, default=2001, help="longest length tried")
     parser.add_argument("--timeout", type=int, default=240, help="seconds per trial")
     parser.add_argument("--deadline", type=int, default=0, help="seconds for the whole search (0: none)")
