@@ -1,13 +1,19 @@
-"""The tiny LTX-2 condition pipeline (video + audio) offloaded on the CPU: bitwise equal to native."""
+"""LTX-2: the tiny condition pipeline offloaded on the CPU (bitwise equal to native), outpainting."""
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 import torch
 from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.models import build_pipeline
+from flextensor_diffusers.models import build_pipeline, load_config
+from flextensor_diffusers.recipes import ltx2_outpaint
+from flextensor_diffusers.recipes.ltx2_outpaint import LTX2OutpaintPipeline, place_on_canvas
+from flextensor_diffusers.video import read_mp4, write_mp4
 
 
 def generate(pipe):
@@ -42,6 +48,108 @@ def test_tiny_ltx2_offloaded_is_bitwise_native() -> None:
     pipe.disable_flextensor_offload()
 
 
-def test_full_ltx2_config_is_not_shipped_yet() -> None:
-    with pytest.raises(ft.FlexTensorError, match="no 'full' config for ltx2"):
-        build_pipeline("ltx2_condition", "full")
+def test_full_ltx2_config_has_the_published_sizes() -> None:
+    from diffusers import AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
+
+    cfg = load_config("ltx2", "full")
+    with torch.device("meta"):
+        vae = AutoencoderKLLTX2Video(**cfg["vae"])
+        transformer = LTX2VideoTransformer3DModel(**cfg["transformer"])
+    assert (vae.spatial_compression_ratio, vae.temporal_compression_ratio) == (32, 8)
+    assert round(sum(p.numel() for p in transformer.parameters()) / 1e9, 2) == 18.88
+    assert len(transformer.transformer_blocks) == 48
+
+
+SOURCE = np.random.default_rng(0).integers(0, 256, size=(9, 32, 32, 3), dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def outpaint():
+    pipe = LTX2OutpaintPipeline.from_pipe(build_pipeline("ltx2_condition", "tiny"))
+    pipe.canvas = place_on_canvas(SOURCE, 64, 64, pipe.vae_spatial_compression_ratio)
+    return pipe
+
+
+def outpaint_latents(pipe):
+    return pipe(
+        prompt="a wide landscape",
+        negative_prompt="blurry",
+        height=64,
+        width=64,
+        num_frames=9,
+        num_inference_steps=2,
+        guidance_scale=2.0,
+        audio_guidance_scale=2.0,
+        stg_scale=0.0,
+        audio_stg_scale=0.0,
+        modality_scale=1.0,
+        audio_modality_scale=1.0,
+        max_sequence_length=16,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+    ).frames
+
+
+def test_outpaint_canvas_conditions_exactly_the_source_tokens(outpaint) -> None:
+    canvas = outpaint.canvas
+    assert (canvas.top, canvas.left) == (16, 16)
+    assert np.array_equal(canvas.pixels[:, canvas.pixel_mask], SOURCE.reshape(9, -1, 3))
+    assert (canvas.pixels[:, ~canvas.pixel_mask] == ltx2_outpaint.FILL).all()
+    known = canvas.token_mask(2)  # the tiny VAE halves height and width
+    expected = torch.zeros(32, 32, dtype=torch.bool)
+    expected[8:24, 8:24] = True
+    assert torch.equal(known, expected)
+
+    g = torch.Generator().manual_seed(0)
+    latents, mask, clean, _ = outpaint.prepare_latents(
+        height=64, width=64, num_frames=9, num_channels_latents=4, dtype=torch.float32, generator=g
+    )
+    assert latents.shape == (1, 5 * 32 * 32, 4) and mask.shape == (1, 5 * 32 * 32, 1)
+    per_token = expected.flatten().repeat(5)  # packed order: frame, row, column
+    assert torch.equal(mask[0, :, 0], per_token.float())
+    encoded = outpaint.encode_canvas(canvas.pixels, torch.device("cpu"), torch.float32, None)
+    packed = outpaint._pack_latents(encoded, 1, 1)
+    assert torch.equal(clean[0, per_token], packed[0, per_token]) and not clean[0, ~per_token].any()
+    assert torch.equal(latents[0, per_token], packed[0, per_token])  # known tokens start clean
+    assert not torch.equal(latents[0, ~per_token], packed[0, ~per_token])  # the rest is noise
+
+
+def test_outpaint_offloaded_is_bitwise_native_and_keeps_the_known_tokens(outpaint) -> None:
+    ref = outpaint_latents(outpaint)
+    packed = outpaint._pack_latents(ref, 1, 1)
+    clean = outpaint._pack_latents(
+        outpaint.encode_canvas(outpaint.canvas.pixels, torch.device("cpu"), torch.float32, None), 1, 1
+    )
+    known = outpaint.canvas.token_mask(2).flatten().repeat(5)
+    assert torch.allclose(packed[0, known], clean[0, known], atol=1e-5)  # the source survives denoising
+    outpaint.enable_flextensor_offload(budget=250_000, device="cpu")
+    try:
+        for _ in range(3):  # discovery, profiling, steady
+            assert torch.equal(outpaint_latents(outpaint), ref)
+        assert outpaint.flextensor_report()["components"]["transformer"]["streamed_units"] > 0
+    finally:
+        outpaint.disable_flextensor_offload()
+
+
+def test_outpaint_recipe_writes_the_canvas_video(tmp_path) -> None:
+    clip = tmp_path / "source.mp4"
+    write_mp4(clip, np.repeat(SOURCE[:1], 17, axis=0), fps=24)
+    out, summary = tmp_path / "out.mp4", tmp_path / "summary.json"
+    argv = ["--random-weights", "tiny", "--input", str(clip), "--canvas", "96x64", "--steps", "2"]
+    argv += ["--output", str(out), "--json", str(summary), "--profile-dir", str(tmp_path / "profiles")]
+    ltx2_outpaint.main(argv)
+    video = read_mp4(out)
+    assert video.shape == (17, 64, 96, 3)  # all 17 source frames (8k+1), on the canvas
+    info = json.loads(summary.read_text())
+    assert info["canvas"]["offset"] == [32, 16] and info["canvas"]["source_size"] == [32, 32]
+    assert info["canvas"]["conditioned_tokens_per_frame"] == 16 * 16
+
+
+def test_outpaint_refuses_a_source_larger_than_the_canvas_and_bad_lengths(tmp_path) -> None:
+    with pytest.raises(ft.FlexTensorError, match="larger than the canvas"):
+        place_on_canvas(SOURCE, 16, 64, 2)
+    clip = tmp_path / "source.mp4"
+    write_mp4(clip, SOURCE, fps=24)
+    args = ltx2_outpaint.parse_args(["--random-weights", "tiny", "--input", str(clip), "--frames", "8"])
+    with pytest.raises(ft.FlexTensorError, match="8k\\+1"):
+        ltx2_outpaint.load_source(args)
