@@ -181,7 +181,7 @@ def run_trial(args: argparse.Namespace, mode: str, frames: int, cap: int) -> dic
     return json.loads(line.removeprefix("RESULT "))
 
 
-def search(args: argparse.Namespace, mode: str, cap: int, guess: int, trials: list, deadline: float) -> dict:
+def search(args: argparse.Namespace, mode: str, cap: int, guess: int, trials: list, deadline: float, save: Any) -> dict:
     """Longest completing length: gallop from ``guess`` by latent frames, then bisect the bracket.
 
     Returns ``max_frames`` (None when nothing completes, or the search was cut short before any
@@ -196,6 +196,7 @@ def search(args: argparse.Namespace, mode: str, cap: int, guess: int, trials: li
                 return None
             t = run_trial(args, mode, frames_of(latent), cap)
             trials.append(t)
+            save()  # after every trial, so that a cut-off run keeps them
             print(json.dumps(t), flush=True)
             if t["completed"] is None:
                 return None
@@ -296,7 +297,9 @@ def main() -> None:
         for mode in args.modes:
             guess = predict(model, mode, cap)
             run[f"{mode}_predicted_frames"] = guess
-            found = search(args, mode, cap, guess, result["trials"], deadline)
+            found = search(
+                args, mode, cap, guess, result["trials"], deadline, lambda: eb.write_result(args.out, result)
+            )
             run[f"{mode}_max_frames"] = found["max_frames"]
             run[f"{mode}_search"] = found
             eb.write_result(args.out, result)
