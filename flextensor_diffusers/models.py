@@ -130,7 +130,53 @@ def build_ltx2_condition(
     )
 
 
-BUILDERS = {"wan22_t2v": build_wan22_t2v, "ltx2_condition": build_ltx2_condition}
+#: A Qwen-style chat template for the offline tokenizer: Cosmos builds its prompt as a conversation.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% for part in message['content'] %}{{ part['text'] }}{% endfor %}<|im_end|>\n{% endfor %}"
+)
+
+
+def build_cosmos_transfer25(
+    size: str = "tiny", seed: int = 0, init_device: str | torch.device = "cpu", safety_checker: Any = None
+) -> Any:
+    """A `Cosmos2_5_TransferPipeline` (transformer, edge ControlNet, Wan VAE, Qwen2.5-VL), random weights.
+
+    ``safety_checker`` is required by the pipeline (it refuses to run without one); the recipe
+    passes Cosmos Guardrail when its package is installed, or says which checks it skipped.
+    """
+    from diffusers import (
+        AutoencoderKLWan,
+        Cosmos2_5_TransferPipeline,
+        CosmosControlNetModel,
+        CosmosTransformer3DModel,
+        UniPCMultistepScheduler,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    if safety_checker is None:
+        raise FlexTensorError("Cosmos2_5_TransferPipeline needs a safety_checker (see recipes/cosmos_transfer25.py)")
+    cfg = load_config("cosmos_transfer25", size)
+    dtype, vae_dtype = _dtype(cfg["dtype"]), _dtype(cfg["vae_dtype"])
+    qwen = Qwen2_5_VLConfig(**cfg["text_encoder"])
+    chat = tokenizer()
+    chat.chat_template = CHAT_TEMPLATE
+    return Cosmos2_5_TransferPipeline(
+        text_encoder=_random(lambda: Qwen2_5_VLForConditionalGeneration(qwen), init_device, dtype, seed),
+        tokenizer=chat,
+        transformer=_random(lambda: CosmosTransformer3DModel(**cfg["transformer"]), init_device, dtype, seed + 1),
+        vae=_random(lambda: AutoencoderKLWan(**cfg["vae"]), init_device, vae_dtype, seed + 2),
+        scheduler=UniPCMultistepScheduler(),
+        controlnet=_random(lambda: CosmosControlNetModel(**cfg["controlnet"]), init_device, dtype, seed + 3),
+        safety_checker=safety_checker,
+    )
+
+
+BUILDERS = {
+    "wan22_t2v": build_wan22_t2v,
+    "ltx2_condition": build_ltx2_condition,
+    "cosmos_transfer25": build_cosmos_transfer25,
+}
 
 
 def build_pipeline(

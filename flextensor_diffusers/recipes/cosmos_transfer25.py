@@ -1,0 +1,167 @@
+"""Cosmos-Transfer2.5 under a GPU budget: a new video that follows the edges of a source clip.
+
+    python -m flextensor_diffusers.recipes.cosmos_transfer25 --random-weights tiny \
+        --frames 5 --height 32 --width 32 --steps 2 --chunk 16
+    python -m flextensor_diffusers.recipes.cosmos_transfer25 --model /models/Cosmos-Transfer2.5-2B --input clip.mp4
+
+The control input is an edge video: OpenCV's Canny on each source frame, scaled to the output
+size first. The pipeline is built on the CPU (text encoder, transformer, ControlNet, VAE) and
+every component is offloaded. Cosmos ships a safety checker (Cosmos Guardrail, package
+``cosmos_guardrail``) that the pipeline requires; when the package is not installed the recipe
+runs without it and says so, in the log and in the summary, every time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..engine.errors import FlexTensorError
+from ..models import ASSETS, build_pipeline, load_pipeline
+from ..video import read_mp4, write_mp4
+from . import common
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_CLIP = ASSETS / "clips" / "sample.mp4"
+GUARDRAIL_SKIPPED = (
+    "safety check skipped: the cosmos_guardrail package is not installed, so Cosmos Guardrail did not check "
+    "the prompt or the generated video. Install it (pip install cosmos_guardrail) to run the checks the "
+    "NVIDIA Open Model License expects."
+)
+GUARDRAIL_ON = "Cosmos Guardrail checked the prompt and the generated video"
+
+
+class SkippedSafetyChecker:
+    """Stands in for Cosmos Guardrail when its package is missing: passes everything, and says so."""
+
+    reason = GUARDRAIL_SKIPPED
+
+    def to(self, *args: Any, **kwargs: Any) -> SkippedSafetyChecker:
+        return self
+
+    def check_text_safety(self, prompt: str) -> bool:
+        return True
+
+    def check_video_safety(self, video: np.ndarray) -> np.ndarray:
+        return video
+
+
+def safety_checker() -> tuple[Any, str]:
+    """Cosmos Guardrail if installed, else a pass-through; with the sentence that says which."""
+    try:
+        from cosmos_guardrail import CosmosSafetyChecker
+    except ImportError:
+        logger.warning(GUARDRAIL_SKIPPED)
+        return SkippedSafetyChecker(), GUARDRAIL_SKIPPED
+    return CosmosSafetyChecker(), GUARDRAIL_ON
+
+
+def canny_edges(frames: np.ndarray, width: int, height: int, low: int = 100, high: int = 200) -> list:
+    """Edge maps (white on black, 3 channels, PIL images) of uint8 RGB ``frames`` at ``width`` x ``height``."""
+    try:
+        import cv2
+    except ImportError:
+        raise FlexTensorError(
+            "the edge control needs OpenCV: pip install opencv-python-headless (or flextensor-diffusers[cosmos])"
+        ) from None
+    from PIL import Image
+
+    edges = []
+    for frame in frames:
+        scaled = cv2.resize(frame, (width, height), interpolation=cv2.INTER_AREA)
+        edge = cv2.Canny(cv2.cvtColor(scaled, cv2.COLOR_RGB2BGR), low, high)
+        edges.append(Image.fromarray(np.repeat(edge[..., None], 3, axis=-1)))
+    return edges
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_arguments(parser, frames=93, height=480, width=640, steps=35)
+    parser.set_defaults(prompt="a robot arm folding a blue cloth on a table, studio light", guidance=3.0)
+    parser.add_argument("--input", type=Path, default=SAMPLE_CLIP, help="source mp4 for the edges")
+    parser.add_argument("--chunk", type=int, default=93, help="frames per chunk (num_frames_per_chunk)")
+    parser.add_argument("--fps", type=int, default=24)
+    parser.add_argument("--output", type=Path, default=Path("cosmos-transfer.mp4"))
+    args = parser.parse_args(argv)
+    args.recipe = "cosmos_transfer25"
+    return args
+
+
+def load(args: argparse.Namespace, device: torch.device, checker: Any) -> Any:
+    if args.model is not None:
+        from diffusers import Cosmos2_5_TransferPipeline
+
+        return load_pipeline(args.model, Cosmos2_5_TransferPipeline, dtype=torch.bfloat16, safety_checker=checker)
+    init = device if args.random_weights == "full" and device.type == "cuda" else "cpu"
+    return build_pipeline(
+        "cosmos_transfer25", args.random_weights, seed=args.seed, init_device=init, safety_checker=checker
+    )
+
+
+def generate(pipe: Any, args: argparse.Namespace, controls: list, steps: int, output_type: str) -> Any:
+    return pipe(
+        controls=controls,
+        prompt=args.prompt,
+        negative_prompt=args.negative_prompt,
+        height=args.height,
+        width=args.width,
+        num_frames=args.frames,
+        num_frames_per_chunk=args.chunk,
+        num_inference_steps=steps,
+        guidance_scale=args.guidance,
+        max_sequence_length=args.max_sequence_length,
+        generator=torch.Generator(device="cpu").manual_seed(args.seed),
+        output_type=output_type,
+    ).frames
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    common.require_weights(args, "cosmos_transfer25")
+    if not args.input.exists():
+        raise FlexTensorError(f"no video at {args.input}: pass --input PATH to an mp4")
+    args.max_sequence_length = 16 if args.random_weights == "tiny" else 512
+    device = common.device_of(args)
+    controls = canny_edges(read_mp4(args.input)[: args.frames], args.width, args.height)
+    checker, safety = safety_checker()
+    pipe = load(args, device, checker)
+    profiling_s = None
+    if args.no_offload:
+        common.place_natively(pipe, args, device)
+    else:
+        common.enable_offload(pipe, args, device)
+        key = common.workload_key(
+            pipe, device, frames=args.frames, height=args.height, width=args.width, cfg=args.guidance > 1
+        )
+        if not common.profiled_before(args.profile_dir, key):
+            # Two steps: the transformer and ControlNet each run twice per step with guidance (discovery, profiling).
+            profiling_s = common.timed(device, lambda: generate(pipe, args, controls, 2, "latent")).seconds
+            if common.all_steady(pipe):
+                common.remember_profiled(args.profile_dir, key, {"frames": args.frames, "recipe": args.recipe})
+    result = common.timed(device, lambda: generate(pipe, args, controls, args.steps, "np"))
+    write_mp4(args.output, result.output[0], fps=args.fps)
+    info = common.summary(args, device, result, profiling_s, pipe, args.output)
+    info["safety_check"] = safety
+    info["control"] = {"kind": "canny edges", "source": str(args.input), "frames": len(controls)}
+    common.print_summary(info, pipe)
+    print(safety)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(info, indent=1))
+    return info
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    common.setup_logging(args.verbose)
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
