@@ -15,7 +15,9 @@ from .engine import (
     OffloadStats,
     PatternError,
     ProfileMismatchError,
+    SharedHostMemory,
     offload,
+    offload_shared,
 )
 from .pipelines import FlexTensorPipelineMixin, attach_to_diffusers
 
@@ -37,7 +39,9 @@ __all__ = [
     "OffloadStats",
     "PatternError",
     "ProfileMismatchError",
+    "SharedHostMemory",
     "__version__",
     "attach_to_diffusers",
     "offload",
+    "offload_shared",
 ]

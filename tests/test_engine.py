@@ -274,11 +274,11 @@ def test_failure_during_set_up_leaves_model_as_it_was(monkeypatch: pytest.Monkey
     calls = {"n": 0}
     real = runtime.pack_unit
 
-    def failing(unit, pin):
+    def failing(unit, pin, **kwargs):
         calls["n"] += 1
         if calls["n"] == 4:
             raise MemoryError("simulated: host memory exhausted while packing")
-        real(unit, pin)
+        real(unit, pin, **kwargs)
 
     monkeypatch.setattr(runtime, "pack_unit", failing)
     with pytest.raises(MemoryError):

@@ -12,6 +12,7 @@ from .errors import (
 )
 from .planner import Call, Plan, WorkloadProfile, plan_residency, simulate
 from .runtime import OffloadHandle, Phase, offload
+from .shared_host import SharedHostMemory, offload_shared
 from .stats import OffloadStats
 
 __all__ = [
@@ -28,9 +29,11 @@ __all__ = [
     "Phase",
     "Plan",
     "ProfileMismatchError",
+    "SharedHostMemory",
     "WorkloadProfile",
     "format_bytes",
     "offload",
+    "offload_shared",
     "parse_bytes",
     "plan_residency",
     "simulate",

@@ -5,10 +5,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import BudgetError, FlexTensorError, NoCudaDeviceError
+
+if TYPE_CHECKING:
+    from .shared_host import SharedHostMemory
 
 _UNITS = {
     "": 1,
@@ -119,6 +123,9 @@ class OffloadConfig:
         measure_stalls: record events around waits and copies in steady state, for ``stats()``.
         activation_margin: fraction added to the measured activation peak when planning, for
             allocator rounding and fragmentation.
+        exclude_patterns: modules never made units, even when an include pattern matches.
+        shared_host: a `SharedHostMemory`: unit buffers live in files shared by every process of
+            the host (one creates, the others attach), instead of private host memory.
     """
 
     include_patterns: list[str]
@@ -133,6 +140,7 @@ class OffloadConfig:
     measure_stalls: bool = True
     activation_margin: float = 0.05
     exclude_patterns: list[str] = field(default_factory=list)
+    shared_host: SharedHostMemory | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.include_patterns, str):

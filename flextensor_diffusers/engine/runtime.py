@@ -45,7 +45,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .config import OffloadConfig, format_bytes, parse_bytes, resolve_device
-from .errors import BudgetError, InferenceOnlyError, OffloadStateError, ProfileMismatchError
+from .errors import BudgetError, FlexTensorError, InferenceOnlyError, OffloadStateError, ProfileMismatchError
 from .planner import Call, Plan, WorkloadProfile, plan_residency
 from .profile import SavedProfile, device_name, model_fingerprint, workload_signature
 from .stats import OffloadStats, UnitStats
@@ -103,7 +103,9 @@ class OffloadHandle:
         self.config = config
         self.device = resolve_device(config.device)
         self.cuda = self.device.type == "cuda"
-        layout = plan_layout(model, find_units(model, config.include_patterns, config.exclude_patterns))
+        attaching = config.shared_host is not None and not config.shared_host.create
+        selected = find_units(model, config.include_patterns, config.exclude_patterns)
+        layout = plan_layout(model, selected, meta_ok=attaching)
         self.units: list[Unit] = layout.units
         self.base: Unit = layout.base
         self._loose = [(t, t.device) for t in layout.loose]  # (tensor, device it came from)
@@ -198,10 +200,23 @@ class OffloadHandle:
 
     def _set_up(self) -> None:
         pin = self.cuda and self.config.pin_memory
+        shared = self.config.shared_host
+        if shared is not None:
+            if self._loose:
+                raise FlexTensorError(
+                    f"shared host memory cannot hold tensors that share storage ({len(self._loose)} here, e.g. "
+                    "weights tied outside one unit): offload without shared_host"
+                )
+            shared.open(self.fingerprint["sha256"], {u.index: u.nbytes for u in [self.base, *self.units]})
         with torch.no_grad(), torch.inference_mode(False):
             desc = "packing + pinning weights" if pin else "packing weights"
+            if shared is not None and not shared.create:
+                desc = "attaching to shared weights"
             for unit in tqdm([self.base, *self.units], desc=desc, disable=None, leave=False):
-                pack_unit(unit, pin=pin)
+                host = shared.buffer(unit.index) if shared is not None else None
+                pack_unit(unit, pin=pin, host=host, filled=shared is not None and not shared.create)
+        if shared is not None and shared.create:
+            shared.publish(self.fingerprint["sha256"])
         self._hooks.append(self.model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True))
         self._hooks.append(self.model.register_forward_hook(self._on_forward_end))
         for unit in self.units:
@@ -223,6 +238,8 @@ class OffloadHandle:
             for unit in [self.base, *self.units]:
                 if unit.host is not None:
                     restore_unit(unit)
+        if self.config.shared_host is not None:
+            self.config.shared_host.release()
 
     # ------------------------------------------------------------------------------------ device memory
 
@@ -731,6 +748,8 @@ class OffloadHandle:
         self.active = False
         for module in self.model.modules():
             _OFFLOADED.discard(module)
+        if self.config.shared_host is not None:
+            self.config.shared_host.release()
         self.phase = Phase.REMOVED
 
 

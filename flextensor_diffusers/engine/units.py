@@ -149,12 +149,13 @@ class UnitLayout:
         return self.base.nbytes + sum(tensor_nbytes(t) for t in self.loose)
 
 
-def plan_layout(model: nn.Module, selected: list[tuple[str, nn.Module]]) -> UnitLayout:
+def plan_layout(model: nn.Module, selected: list[tuple[str, nn.Module]], meta_ok: bool = False) -> UnitLayout:
     """Assign every tensor of ``model`` to one unit or to the resident set, and lay out each unit.
 
     A tensor used by two units, or by a unit and a module outside any unit (tied embeddings, say),
     stays resident, so that it remains one tensor. Distinct tensors sharing one storage are kept
-    resident too: packing would silently un-share them.
+    resident too: packing would silently un-share them. ``meta_ok``: the model may be on the meta
+    device (its bytes come from shared host memory), where storages cannot be compared.
     """
     unit_of_module: dict[int, int] = {}
     for i, (_, module) in enumerate(selected):
@@ -175,8 +176,11 @@ def plan_layout(model: nn.Module, selected: list[tuple[str, nn.Module]]) -> Unit
     storages: dict[int, set[int]] = {}
     for tid, t in tensor_by_id.items():
         if t.device.type == "meta":
+            if meta_ok:
+                continue
             raise FlexTensorError(
-                f"tensor {qualified[tid]!r} is on the meta device: load the weights before offloading"
+                f"tensor {qualified[tid]!r} is on the meta device: load the weights before offloading "
+                "(or attach to weights another process packed: SharedHostMemory(..., create=False))"
             )
         storages.setdefault(t.untyped_storage().data_ptr(), set()).add(tid)
     storage_shared = {tid for ids in storages.values() if len(ids) > 1 for tid in ids}
@@ -260,20 +264,30 @@ def _unpin(buffer: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
-def pack_unit(unit: Unit, pin: bool) -> None:
+def pack_unit(unit: Unit, pin: bool, host: torch.Tensor | None = None, filled: bool = False) -> None:
     """Copy the unit's tensors into one flat host buffer and make them views of it.
 
     Tensors are moved one by one, so the original of each is freed as soon as it is copied (when
-    nothing else holds it): host memory grows by at most one unit during set-up.
+    nothing else holds it): host memory grows by at most one unit during set-up. ``host`` is a
+    buffer to use instead of a new one (shared memory); ``filled``: it already holds this unit's
+    bytes (another process packed them), so the tensors are only pointed at it.
     """
-    host = torch.empty(unit.nbytes, dtype=torch.uint8, device="cpu")
+    if host is None:
+        host = torch.empty(unit.nbytes, dtype=torch.uint8, device="cpu")
     for packed in unit.tensors:
         view = packed.view_of(host)
-        view.copy_(packed.tensor.data)
-        packed.tensor.data = view
+        if not filled:
+            view.copy_(packed.tensor.data)
+        if packed.tensor.device.type == "meta":  # ``.data`` cannot leave the meta device; swap in place
+            new = nn.Parameter(view, packed.tensor.requires_grad) if isinstance(packed.tensor, nn.Parameter) else view
+            torch.utils.swap_tensors(packed.tensor, new)
+        else:
+            packed.tensor.data = view
     if pin:
         if _pin_in_place(host):
             unit.pinned_in_place = True
+        elif filled:  # a private pinned copy would defeat the sharing
+            raise FlexTensorError("cudaHostRegister failed on the shared weights: they cannot be pinned in place")
         else:
             host = host.pin_memory()
             unit.bind(host)
@@ -283,13 +297,16 @@ def pack_unit(unit: Unit, pin: bool) -> None:
 def restore_unit(unit: Unit) -> None:
     """Give every tensor its own storage again, on the device it came from, bit-exact.
 
+    Tensors of a model built on the meta device (attached to shared weights) come back on the CPU.
+
     All new tensors are allocated before any is assigned, so a failure (out of memory) leaves the
     unit exactly as it was: still packed and streamable.
     """
     assert unit.host is not None
     fresh = []
     for packed in unit.tensors:
-        t = torch.empty_strided(packed.shape, packed.stride, dtype=packed.dtype, device=packed.origin_device)
+        device = packed.origin_device if packed.origin_device.type != "meta" else torch.device("cpu")
+        t = torch.empty_strided(packed.shape, packed.stride, dtype=packed.dtype, device=device)
         t.copy_(packed.view_of(unit.host))
         fresh.append(t)
     for packed, t in zip(unit.tensors, fresh, strict=True):

@@ -1,0 +1,116 @@
+"""One host copy of the weights for every process on a host (ranks of one job, or replicas).
+
+Each process streams to its own GPU, but the packed unit buffers they stream from can be the
+same pages: the creating process (local rank 0) packs every unit into a file on a RAM-backed
+filesystem (``/dev/shm``), mapped shared; the other processes map the same files and point their
+tensors at them without copying. Their model may be built on the meta device, so it never holds
+weights of its own. Every process page-locks its own mapping (``cudaHostRegister`` is per
+process; the physical pages are shared), so host RAM holds the weights once, not N times.
+
+Protocol: the creator writes ``manifest.json`` last, after every unit is filled, so a process
+that attaches either finds complete weights for the same model or a clear error. Use
+`offload_shared` under ``torch.distributed``: it orders creator, barrier, followers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import FlexTensorError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from .config import OffloadConfig
+    from .runtime import OffloadHandle
+
+MANIFEST = "manifest.json"
+
+
+class SharedHostMemory:
+    """Unit buffers as shared files under ``root/flextensor-<namespace>/``, one per unit."""
+
+    def __init__(self, namespace: str, create: bool, root: str | Path = "/dev/shm") -> None:
+        if not namespace or "/" in namespace:
+            raise FlexTensorError(f"shared host memory needs a plain, non-empty namespace, got {namespace!r}")
+        self.namespace = namespace
+        self.create = create
+        self.dir = Path(root) / f"flextensor-{namespace}"
+        self._sizes: dict[int, int] = {}
+        self._owns_files = False  # set once this creator has made the folder: only then does it delete it
+
+    def open(self, fingerprint: str, sizes: dict[int, int]) -> None:
+        """Creator: start an empty segment set. Follower: check the creator's is complete and the same model."""
+        self._sizes = dict(sizes)
+        manifest = self.dir / MANIFEST
+        if self.create:
+            if manifest.exists():
+                raise FlexTensorError(
+                    f"shared weights {self.dir} already exist: another job uses namespace {self.namespace!r} "
+                    "(pick another) or a crashed one left them (delete the folder)"
+                )
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._owns_files = True
+            return
+        if not manifest.exists():
+            raise FlexTensorError(
+                f"no shared weights at {self.dir}: the process with create=True must finish offload() first "
+                "(offload_shared() waits for it with torch.distributed.barrier())"
+            )
+        theirs = json.loads(manifest.read_text())
+        if theirs["fingerprint"] != fingerprint or {int(k): v for k, v in theirs["sizes"].items()} != self._sizes:
+            raise FlexTensorError(
+                f"the shared weights at {self.dir} were packed from another model or unit selection "
+                f"(digest {theirs['fingerprint'][:12]}, this model {fingerprint[:12]}): use the same model, "
+                "patterns and dtype in every process"
+            )
+
+    def buffer(self, index: int) -> torch.Tensor:
+        """The flat uint8 buffer of unit ``index`` (-1: the base), mapped shared."""
+        path = self.dir / f"unit{index + 1}.bin"
+        if not self.create and path.stat().st_size != self._sizes[index]:
+            raise FlexTensorError(f"{path} is not {self._sizes[index]} bytes: the shared weights are incomplete")
+        return torch.from_file(str(path), shared=True, size=self._sizes[index], dtype=torch.uint8)
+
+    def publish(self, fingerprint: str) -> None:
+        """Creator: every unit is filled; followers may attach."""
+        tmp = self.dir / f"{MANIFEST}.tmp"
+        tmp.write_text(json.dumps({"fingerprint": fingerprint, "sizes": self._sizes, "pid": os.getpid()}))
+        tmp.replace(self.dir / MANIFEST)
+
+    def release(self) -> None:
+        """Creator: delete the files. Mappings stay valid in every process until it drops its tensors."""
+        if self._owns_files:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self._owns_files = False
+
+
+def offload_shared(
+    model: nn.Module, config: OffloadConfig, namespace: str, group: Any = None, root: str | Path = "/dev/shm"
+) -> OffloadHandle:
+    """`offload` on every process of a ``torch.distributed`` job, with one host copy per host.
+
+    The process with ``LOCAL_RANK`` 0 (or rank 0 when unset) packs; all wait at a barrier; then the
+    others attach. Build the model on the meta device in the attaching processes to skip their
+    own copy of the weights.
+    """
+    import torch.distributed as dist
+
+    from .runtime import offload
+
+    if not dist.is_initialized():
+        raise FlexTensorError("offload_shared needs torch.distributed: call init_process_group first")
+    creator = int(os.environ.get("LOCAL_RANK", dist.get_rank(group))) == 0
+    shared = SharedHostMemory(namespace, create=creator, root=root)
+    handle = offload(model, dataclasses.replace(config, shared_host=shared)) if creator else None
+    dist.barrier(group)
+    if handle is None:
+        handle = offload(model, dataclasses.replace(config, shared_host=shared))
+    return handle
