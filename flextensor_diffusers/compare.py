@@ -30,11 +30,15 @@ from .video import to_uint8_frames, write_mp4
 
 logger = logging.getLogger(__name__)
 
-RECIPES = ("wan22_t2v",)
+RECIPES = ("wan22_t2v", "ltx2_outpaint", "cosmos_transfer25")
 
 
 class Recorder:
-    """Stage and step boundaries of one generation: times, allocated memory, the final latents."""
+    """Stage and step boundaries of one generation: times, allocated memory, per-stage peaks, latents.
+
+    A stage is the component running (text encoder, transformer, ...) or the VAE decode; at each
+    change the allocator's peak since the last change is kept for the stage that ended.
+    """
 
     def __init__(self, pipe: Any, device: torch.device) -> None:
         self.device = device
@@ -43,6 +47,7 @@ class Recorder:
         self.samples: list[dict[str, Any]] = []
         self.step_ends: list[float] = []
         self.latents: torch.Tensor | None = None
+        self.stage_peaks: dict[str, int] = {}
         self._hooks = []
         self._start = time.perf_counter()
         for name, module in pipe.components.items():
@@ -66,17 +71,26 @@ class Recorder:
             }
         )
 
+    def _switch(self, stage: str) -> None:
+        """Close the current stage (keep its peak) and open ``stage``."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.stage_peaks[self.stage] = max(self.stage_peaks.get(self.stage, 0), peak)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.stage = stage
+
     def _enter(self, name: str) -> Any:
         def hook(module: Any, args: Any) -> None:
             if self.stage != name:
-                self.stage = name
+                self._switch(name)
                 self._sample(f"start {name}")
 
         return hook
 
     def _wrap_decode(self, decode: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
-            self.stage = "vae decode"
+            self._switch("vae decode")
             self._sample("start vae decode")
             out = decode(*args, **kwargs)
             self._sample("end vae decode")
@@ -88,7 +102,16 @@ class Recorder:
         self._start = time.perf_counter()
         self.step_ends = []
         self.samples = []
+        self.stage_peaks = {}
+        self.stage = "start"
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
         self._sample("start")
+
+    def finish(self) -> dict[str, int]:
+        """Close the last stage; the peak allocated bytes of every stage (empty on the CPU)."""
+        self._switch("done")
+        return dict(self.stage_peaks)
 
     def on_step_end(self, pipe: Any, step: int, timestep: Any, kwargs: dict) -> dict:
         self._sample(f"step {step + 1}")
@@ -108,6 +131,19 @@ class Recorder:
                 self._vae.decode = self._vae_decode
             else:
                 del self._vae.decode
+
+
+def _arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The recipe's arguments as JSON: paths as strings; inputs it derived (edge frames...) left out."""
+    out = {}
+    for key, value in vars(args).items():
+        value = str(value) if isinstance(value, Path) else value
+        try:
+            json.dumps(value)
+        except TypeError:
+            continue
+        out[key] = value
+    return out
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -135,21 +171,25 @@ def run_generation(recipe: Any, pipe: Any, args: argparse.Namespace, device: tor
         if not _is_oom(exc):
             raise
         logger.warning("out of memory at %s: %s", recorder.stage, str(exc).splitlines()[0])
+        stage = recorder.stage
         return {
             "status": "out of memory",
-            "stage": recorder.stage,
+            "stage": stage,
             "error": str(exc).splitlines()[0],
             "memory_timeline": recorder.samples,
+            "stage_peak_allocated_bytes": recorder.finish(),
         }
     finally:
         recorder.close()
     steps = recorder.step_times()
+    stage_peaks = recorder.finish()
     return {
         "status": "completed",
         "generation_s": round(generation.seconds, 4),
         "step_s": steps,
         "mean_step_s": round(float(np.mean(steps)), 4) if steps else None,
-        "peak_allocated_bytes": generation.peak_allocated_bytes,
+        "peak_allocated_bytes": max(stage_peaks.values()) if stage_peaks else generation.peak_allocated_bytes,
+        "stage_peak_allocated_bytes": stage_peaks,
         "peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
         "memory_timeline": recorder.samples,
         "frames": to_uint8_frames(generation.output[0]),
@@ -222,7 +262,7 @@ def compare(
 
     report: dict[str, Any] = {
         "recipe": recipe_name,
-        "arguments": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "arguments": _arguments(args),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor()})",
         "budget": args.budget,

@@ -166,7 +166,7 @@ def build_cosmos_transfer25(
         tokenizer=chat,
         transformer=_random(lambda: CosmosTransformer3DModel(**cfg["transformer"]), init_device, dtype, seed + 1),
         vae=_random(lambda: AutoencoderKLWan(**cfg["vae"]), init_device, vae_dtype, seed + 2),
-        scheduler=UniPCMultistepScheduler(),
+        scheduler=UniPCMultistepScheduler(**cfg["scheduler"]),
         controlnet=_random(lambda: CosmosControlNetModel(**cfg["controlnet"]), init_device, dtype, seed + 3),
         safety_checker=safety_checker,
     )

@@ -229,6 +229,10 @@ def render_html(report: dict[str, Any], images: dict[str, bytes]) -> str:
         ("peak allocated", [_fmt_bytes(r.get("peak_allocated_bytes")) for r in runs.values()]),
         ("peak reserved", [_fmt_bytes(r.get("peak_reserved_bytes")) for r in runs.values()]),
     ]
+    stages = dict.fromkeys(s for r in runs.values() for s in r.get("stage_peak_allocated_bytes") or {})
+    for stage in stages:  # the allocator's peak while each component (or the VAE decode) ran
+        peaks = [(r.get("stage_peak_allocated_bytes") or {}).get(stage) for r in runs.values()]
+        rows.append((f"peak in {html.escape(stage)}", [_fmt_bytes(v) if v is not None else "—" for v in peaks]))
     table = "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"
     for label, values in rows:
         table += f"<tr><th>{label}</th>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in values) + "</tr>"

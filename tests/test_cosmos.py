@@ -79,3 +79,16 @@ def test_recipe_writes_the_frames_and_says_the_safety_check_was_skipped(tmp_path
 def test_recipe_without_weights_says_how_to_get_them(capsys) -> None:
     with pytest.raises(SystemExit, match="--random-weights"):
         recipe.main([])
+
+
+def test_compare_report_for_cosmos_is_bitwise(tmp_path) -> None:
+    from flextensor_diffusers.compare import compare
+
+    clip = tmp_path / "edges.mp4"
+    write_mp4(clip, SOURCE, fps=24)
+    argv = ["--random-weights", "tiny", "--input", str(clip), "--frames", "5", "--height", "32", "--width", "32"]
+    report = compare("cosmos_transfer25", [*argv, "--steps", "2", "--chunk", "16"], tmp_path / "report")
+    assert report["fidelity"]["latents"]["bitwise_equal"]
+    assert report["runs"]["offloaded"]["status"] == "completed"
+    assert json.loads((tmp_path / "report" / "report.json").read_text())["recipe"] == "cosmos_transfer25"
+    assert "controls" not in report["arguments"]  # derived inputs are not arguments

@@ -1,4 +1,11 @@
-"""What every recipe does: arguments, loading, the profiling generation, timing, the summary."""
+"""What every recipe does: arguments, loading, the profiling generation, timing, the summary.
+
+A recipe module provides ``parse_args(argv)``, ``load(args, device)`` (the pipeline, CPU-first,
+with whatever inputs it derives from the arguments), ``generate(pipe, args, device, steps,
+output_type, **extra)`` and ``profiling_generation(pipe, args, device)``; optionally
+``finish_frames(pipe, args, frames)`` and ``describe(pipe, args)`` (extra summary fields).
+`run_recipe` does the rest, and `flextensor_diffusers.compare` drives the same four functions.
+"""
 
 from __future__ import annotations
 
@@ -162,6 +169,39 @@ def summary(
         "output": str(output),
         "offload_report": state.report() if state else None,
     }
+
+
+def run_recipe(recipe: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Load, offload (or not), profile once per workload, generate, write the mp4 and the summary."""
+    from ..video import to_uint8_frames, write_mp4
+
+    require_weights(args, args.recipe)
+    device = device_of(args)
+    pipe = recipe.load(args, device)
+    profiling_s = None
+    if args.no_offload:
+        place_natively(pipe, args, device)
+    else:
+        enable_offload(pipe, args, device)
+        shape = {"frames": args.frames, "height": args.height, "width": args.width}
+        key = workload_key(pipe, device, **shape, cfg=args.guidance > 1)
+        if not profiled_before(args.profile_dir, key):
+            profiling_s = timed(device, lambda: recipe.profiling_generation(pipe, args, device)).seconds
+            if all_steady(pipe):
+                remember_profiled(args.profile_dir, key, {**shape, "recipe": args.recipe})
+    result = timed(device, lambda: recipe.generate(pipe, args, device, args.steps, "np"))
+    frames = to_uint8_frames(result.output[0])
+    if hasattr(recipe, "finish_frames"):
+        frames = recipe.finish_frames(pipe, args, frames)
+    write_mp4(args.output, frames, fps=args.fps)
+    info = summary(args, device, result, profiling_s, pipe, args.output)
+    if hasattr(recipe, "describe"):
+        info.update(recipe.describe(pipe, args))
+    print_summary(info, pipe)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(info, indent=1))
+    return info
 
 
 def print_summary(info: dict[str, Any], pipe: Any) -> None:

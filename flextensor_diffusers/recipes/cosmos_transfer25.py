@@ -14,8 +14,8 @@ runs without it and says so, in the log and in the summary, every time.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import torch
 
 from ..engine.errors import FlexTensorError
 from ..models import ASSETS, build_pipeline, load_pipeline
-from ..video import read_mp4, write_mp4
+from ..video import read_mp4
 from . import common
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load(args: argparse.Namespace, device: torch.device, checker: Any) -> Any:
+def load(args: argparse.Namespace, device: torch.device) -> Any:
+    """The pipeline, CPU-first, with the safety checker; the edge video goes to ``args.controls``."""
+    if not args.input.exists():
+        raise FlexTensorError(f"no video at {args.input}: pass --input PATH to an mp4")
+    args.max_sequence_length = 16 if args.random_weights == "tiny" else 512
+    args.controls = canny_edges(read_mp4(args.input)[: args.frames], args.width, args.height)
+    checker, args.safety_check = safety_checker()
     if args.model is not None:
         from diffusers import Cosmos2_5_TransferPipeline
 
@@ -105,9 +111,11 @@ def load(args: argparse.Namespace, device: torch.device, checker: Any) -> Any:
     )
 
 
-def generate(pipe: Any, args: argparse.Namespace, controls: list, steps: int, output_type: str) -> Any:
+def generate(
+    pipe: Any, args: argparse.Namespace, device: torch.device, steps: int, output_type: str, **extra: Any
+) -> Any:
     return pipe(
-        controls=controls,
+        controls=args.controls,
         prompt=args.prompt,
         negative_prompt=args.negative_prompt,
         height=args.height,
@@ -119,41 +127,25 @@ def generate(pipe: Any, args: argparse.Namespace, controls: list, steps: int, ou
         max_sequence_length=args.max_sequence_length,
         generator=torch.Generator(device="cpu").manual_seed(args.seed),
         output_type=output_type,
+        **extra,
     ).frames
 
 
+def profiling_generation(pipe: Any, args: argparse.Namespace, device: torch.device) -> Any:
+    """Two steps, latents only: the transformer and ControlNet run at least twice (discovery, profiling)."""
+    return generate(pipe, args, device, 2, "latent")
+
+
+def describe(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "safety_check": args.safety_check,
+        "control": {"kind": "canny edges", "source": str(args.input), "frames": len(args.controls)},
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    common.require_weights(args, "cosmos_transfer25")
-    if not args.input.exists():
-        raise FlexTensorError(f"no video at {args.input}: pass --input PATH to an mp4")
-    args.max_sequence_length = 16 if args.random_weights == "tiny" else 512
-    device = common.device_of(args)
-    controls = canny_edges(read_mp4(args.input)[: args.frames], args.width, args.height)
-    checker, safety = safety_checker()
-    pipe = load(args, device, checker)
-    profiling_s = None
-    if args.no_offload:
-        common.place_natively(pipe, args, device)
-    else:
-        common.enable_offload(pipe, args, device)
-        key = common.workload_key(
-            pipe, device, frames=args.frames, height=args.height, width=args.width, cfg=args.guidance > 1
-        )
-        if not common.profiled_before(args.profile_dir, key):
-            # Two steps: the transformer and ControlNet each run twice per step with guidance (discovery, profiling).
-            profiling_s = common.timed(device, lambda: generate(pipe, args, controls, 2, "latent")).seconds
-            if common.all_steady(pipe):
-                common.remember_profiled(args.profile_dir, key, {"frames": args.frames, "recipe": args.recipe})
-    result = common.timed(device, lambda: generate(pipe, args, controls, args.steps, "np"))
-    write_mp4(args.output, result.output[0], fps=args.fps)
-    info = common.summary(args, device, result, profiling_s, pipe, args.output)
-    info["safety_check"] = safety
-    info["control"] = {"kind": "canny edges", "source": str(args.input), "frames": len(controls)}
-    common.print_summary(info, pipe)
-    print(safety)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(info, indent=1))
+    info = common.run_recipe(sys.modules[__name__], args)
+    print(info["safety_check"])
     return info
 
 

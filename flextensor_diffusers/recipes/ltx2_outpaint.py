@@ -16,7 +16,7 @@ back over the decoded frames (``--no-paste`` keeps the decoded pixels).
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from ..engine.errors import FlexTensorError
 from ..models import ASSETS, build_pipeline, load_pipeline
-from ..video import read_mp4, write_mp4
+from ..video import read_mp4
 from . import common
 
 SAMPLE_CLIP = ASSETS / "clips" / "sample.mp4"
@@ -178,15 +178,22 @@ def load_source(args: argparse.Namespace) -> np.ndarray:
 
 
 def load(args: argparse.Namespace, device: torch.device) -> Any:
+    """The pipeline, CPU-first, with ``pipe.canvas`` made from the source clip."""
+    source = load_source(args)
+    args.max_sequence_length = 1024 if args.random_weights != "tiny" else 32
     if args.model is not None:
-        return load_pipeline(args.model, LTX2OutpaintPipeline, dtype=torch.bfloat16)
-    init = device if args.random_weights == "full" and device.type == "cuda" else "cpu"
-    return LTX2OutpaintPipeline.from_pipe(
-        build_pipeline("ltx2_condition", args.random_weights, seed=args.seed, init_device=init)
-    )
+        pipe = load_pipeline(args.model, LTX2OutpaintPipeline, dtype=torch.bfloat16)
+    else:
+        init = device if args.random_weights == "full" and device.type == "cuda" else "cpu"
+        built = build_pipeline("ltx2_condition", args.random_weights, seed=args.seed, init_device=init)
+        pipe = LTX2OutpaintPipeline.from_pipe(built)
+    pipe.canvas = place_on_canvas(source, args.height, args.width, pipe.vae_spatial_compression_ratio)
+    return pipe
 
 
-def generate(pipe: Any, args: argparse.Namespace, steps: int, output_type: str) -> Any:
+def generate(
+    pipe: Any, args: argparse.Namespace, device: torch.device, steps: int, output_type: str, **extra: Any
+) -> Any:
     """Video frames (or latents) of one outpainting generation; audio is generated and dropped."""
     return pipe(
         prompt=args.prompt,
@@ -205,49 +212,38 @@ def generate(pipe: Any, args: argparse.Namespace, steps: int, output_type: str) 
         max_sequence_length=args.max_sequence_length,
         generator=torch.Generator(device="cpu").manual_seed(args.seed),
         output_type=output_type,
+        **extra,
     ).frames
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    common.require_weights(args, "ltx2_outpaint")
-    args.max_sequence_length = 1024 if args.random_weights != "tiny" else 32
-    device = common.device_of(args)
-    source = load_source(args)
-    pipe = load(args, device)
-    pipe.canvas = place_on_canvas(source, args.height, args.width, pipe.vae_spatial_compression_ratio)
-    profiling_s = None
-    if args.no_offload:
-        common.place_natively(pipe, args, device)
-    else:
-        common.enable_offload(pipe, args, device)
-        key = common.workload_key(
-            pipe, device, frames=args.frames, height=args.height, width=args.width, cfg=args.guidance > 1
-        )
-        if not common.profiled_before(args.profile_dir, key):
-            profiling_s = common.timed(device, lambda: generate(pipe, args, 2, "latent")).seconds
-            if common.all_steady(pipe):
-                common.remember_profiled(args.profile_dir, key, {"frames": args.frames, "recipe": args.recipe})
-    result = common.timed(device, lambda: generate(pipe, args, args.steps, "np"))
-    frames = np.asarray(result.output[0])
-    if frames.dtype != np.uint8:
-        frames = (frames.clip(0, 1) * 255).round().astype(np.uint8)
+def profiling_generation(pipe: Any, args: argparse.Namespace, device: torch.device) -> Any:
+    """Two steps, latents only: the text encoder (prompt, negative) and the transformer run twice each."""
+    return generate(pipe, args, device, 2, "latent")
+
+
+def finish_frames(pipe: Any, args: argparse.Namespace, frames: np.ndarray) -> np.ndarray:
+    """Paste the source pixels back over the decoded frames (unless --no-paste)."""
     if not args.no_paste:
         mask = pipe.canvas.pixel_mask
         frames[:, mask] = pipe.canvas.pixels[: len(frames), mask]
-    write_mp4(args.output, frames, fps=args.fps)
-    info = common.summary(args, device, result, profiling_s, pipe, args.output)
-    info["canvas"] = {
-        "source": str(args.input),
-        "source_size": [pipe.canvas.source_width, pipe.canvas.source_height],
-        "offset": [pipe.canvas.left, pipe.canvas.top],
-        "conditioned_tokens_per_frame": int(pipe.canvas.token_mask(pipe.vae_spatial_compression_ratio).sum()),
-        "pasted": not args.no_paste,
+    return frames
+
+
+def describe(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
+    canvas = pipe.canvas
+    return {
+        "canvas": {
+            "source": str(args.input),
+            "source_size": [canvas.source_width, canvas.source_height],
+            "offset": [canvas.left, canvas.top],
+            "conditioned_tokens_per_frame": int(canvas.token_mask(pipe.vae_spatial_compression_ratio).sum()),
+            "pasted": not args.no_paste,
+        }
     }
-    common.print_summary(info, pipe)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(info, indent=1))
-    return info
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    return common.run_recipe(sys.modules[__name__], args)
 
 
 def main(argv: list[str] | None = None) -> None:

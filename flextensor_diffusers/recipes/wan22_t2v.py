@@ -7,14 +7,13 @@ python -m flextensor_diffusers.recipes.wan22_t2v --model /models/Wan2.2-T2V-A14B
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..models import build_pipeline, load_pipeline
-from ..video import write_mp4
 from . import common
 
 
@@ -64,35 +63,7 @@ def profiling_generation(pipe: Any, args: argparse.Namespace, device: torch.devi
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    common.require_weights(args, "wan22_t2v")
-    device = common.device_of(args)
-    pipe = load(args, device)
-    profiling_s = None
-    if args.no_offload:
-        common.place_natively(pipe, args, device)
-    else:
-        common.enable_offload(pipe, args, device)
-        key = common.workload_key(
-            pipe, device, frames=args.frames, height=args.height, width=args.width, cfg=args.guidance > 1
-        )
-        if not common.profiled_before(args.profile_dir, key):
-            profiling = common.timed(device, lambda: profiling_generation(pipe, args, device))
-            profiling_s = profiling.seconds
-            if common.all_steady(pipe):
-                common.remember_profiled(
-                    args.profile_dir,
-                    key,
-                    {"frames": args.frames, "height": args.height, "width": args.width, "recipe": args.recipe},
-                )
-    result = common.timed(device, lambda: generate(pipe, args, device, args.steps, "np"))
-    frames = result.output[0]
-    write_mp4(args.output, frames, fps=args.fps)
-    info = common.summary(args, device, result, profiling_s, pipe, args.output)
-    common.print_summary(info, pipe)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(info, indent=1))
-    return info
+    return common.run_recipe(sys.modules[__name__], args)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,72 @@
+"""Cosmos-Transfer2.5 at full size under a GPU memory cap: native against offloaded, peak per stage.
+
+The published workload (93 frames, 640x480, edge control) with random weights
+(assets/cosmos_transfer25/full.json: 2.41B transformer, 0.47B ControlNet, Qwen2.5-VL-7B text
+encoder of 15.45 GiB, Wan2.1 VAE), a few steps: memory, not quality, is measured. Both runs go
+through `flextensor_diffusers.compare` (same seed, a native out-of-memory is a result, the
+allocator's peak is kept for each stage); this script writes the summary the results table uses.
+
+    python benchmarks/cosmos_cap.py --out $OUT/cosmos_transfer25_h200.json --report $OUT/cosmos_report \\
+        --cap 32GB --budget 22GiB --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import engine_bench as eb
+
+from flextensor_diffusers.compare import compare
+from flextensor_diffusers.engine import parse_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cap", default="32GB", help="GPU memory cap for both runs (memory fraction)")
+    parser.add_argument("--budget", default="22GiB", help="the offloaded run's budget")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--frames", type=int, default=93)
+    parser.add_argument("--height", type=int, default=480)
+    parser.add_argument("--width", type=int, default=640)
+    parser.add_argument("--size", default="full", choices=("tiny", "full"))
+    parser.add_argument("--report", type=Path, default=Path("cosmos_report"))
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    recipe_argv = ["--random-weights", args.size, "--budget", args.budget, "--steps", str(args.steps)]
+    recipe_argv += ["--frames", str(args.frames), "--height", str(args.height), "--width", str(args.width)]
+    recipe_argv += ["--chunk", str(args.frames)]
+    report = compare("cosmos_transfer25", recipe_argv, args.report, memory_cap=args.cap)
+    native, offloaded = report["runs"]["native"], report["runs"]["offloaded"]
+    result = {
+        "device": report["device_name"],
+        "versions": report["versions"],
+        "cap_bytes": parse_bytes(args.cap),
+        "budget": args.budget,
+        "steps": args.steps,
+        "frames": args.frames,
+        "height": args.height,
+        "width": args.width,
+        "native_completed": native["status"] == "completed",
+        "native_failure_stage": native.get("stage") if native["status"] != "completed" else None,
+        "native_peak_allocated_bytes": native.get("peak_allocated_bytes"),
+        "native_stage_peak_allocated_bytes": native.get("stage_peak_allocated_bytes"),
+        "offload_completed": offloaded["status"] == "completed",
+        "offload_peak_allocated_bytes": offloaded.get("peak_allocated_bytes"),
+        "offload_peak_reserved_bytes": offloaded.get("peak_reserved_bytes"),
+        "offload_stage_peak_allocated_bytes": offloaded.get("stage_peak_allocated_bytes"),
+        "offload_generation_s": offloaded.get("generation_s"),
+        "offload_profiling_s": offloaded.get("profiling_s"),
+        "report": str(args.report / "report.json"),
+    }
+    for key in ("native_completed", "native_failure_stage", "offload_completed", "offload_peak_allocated_bytes"):
+        print(f"{key}: {result[key]}")
+    eb.write_result(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
