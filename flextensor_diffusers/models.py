@@ -61,7 +61,7 @@ def _random(build: Any, init_device: str | torch.device, dtype: torch.dtype, see
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
         if t.is_floating_point():  # fp32 where from_pretrained(torch_dtype=...) would keep it
             t.data = t.data.to(torch.float32 if any(k in name.split(".") for k in keep) else dtype)
-    if torch.device(init_device).type != "cpu":
+    if torch.device(init_device).type not in ("cpu", "meta"):  # meta: shapes only, to attach to shared weights
         module = module.to("cpu")
     return module.eval().requires_grad_(False)
 

@@ -88,3 +88,52 @@ def test_attaching_needs_a_finished_creator_and_the_same_model(tmp_path) -> None
     assert (tmp_path / "flextensor-x" / "manifest.json").exists()  # the refused creator deleted nothing
     creator.remove()
     assert not (tmp_path / "flextensor-x").exists()
+
+
+def pipeline_rank(rank: int, tmp: str) -> None:
+    from flextensor_diffusers.models import build_pipeline
+
+    tmp = Path(tmp)
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=f"file://{tmp / 'pg'}", rank=rank, world_size=2)
+    kw = dict(prompt="a cat", num_frames=9, height=32, width=32, num_inference_steps=4, guidance_scale=4.0)
+
+    def latents(pipe):
+        return pipe(**kw, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+
+    pipe = build_pipeline("wan22_t2v", "tiny", init_device="cpu" if rank == 0 else "meta")
+    if rank == 0:
+        torch.save(latents(pipe), tmp / "native.pt")
+    pipe.enable_flextensor_offload(budget=250_000, device="cpu", shared_host="wan", shared_host_root=tmp)
+    outs = [latents(pipe) for _ in range(2)]
+    dist.barrier()
+    native = torch.load(tmp / "native.pt")
+    report = pipe.flextensor_report()["components"]
+    result = {
+        "equal": all(torch.equal(o, native) for o in outs),
+        "streamed": report["transformer"]["streamed_units"],
+        "shared_folders": sorted(p.name for p in tmp.glob("flextensor-*")),
+    }
+    (tmp / f"pipe{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_pipeline_on_the_meta_device_streams_the_creators_weights(tmp_path) -> None:
+    mp.spawn(pipeline_rank, args=(str(tmp_path),), nprocs=2, join=True)
+    creator, follower = (json.loads((tmp_path / f"pipe{r}.json").read_text()) for r in (0, 1))
+    assert creator["equal"] and follower["equal"] and follower["streamed"] > 0
+    components = ["text_encoder", "transformer", "transformer_2", "vae"]
+    assert follower["shared_folders"] == sorted(f"flextensor-wan-{c}" for c in components)
+
+
+def test_gpus_flag_launches_torchrun_and_names_the_fix_without_gpus(monkeypatch) -> None:
+    from flextensor_diffusers.recipes import parallel, wan22_t2v
+
+    cmd = parallel.torchrun_command("flextensor_diffusers.recipes.wan22_t2v", ["--gpus", "2"], 2)
+    assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+    assert cmd[6:] == ["flextensor_diffusers.recipes.wan22_t2v", "--gpus", "2"]
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ft.NoCudaDeviceError, match="needs 2 CUDA devices on this host; found 0"):
+        wan22_t2v.main(["--random-weights", "tiny", "--gpus", "2"])

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine import OffloadConfig, OffloadHandle, Phase, format_bytes
+from ..engine import OffloadConfig, OffloadHandle, Phase, format_bytes, offload_shared
 from ..engine.config import resolve_device
 from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
 from .patterns import patterns_for
@@ -145,6 +145,8 @@ def enable(
     components: list[str] | None = None,
     patterns: dict[str, list[str]] | None = None,
     vae_tiling: bool | None = None,
+    shared_host: str | None = None,
+    shared_host_root: str | Path = "/dev/shm",
     **config: Any,
 ) -> PipelineOffload:
     """Stream every component of ``pipeline`` from host memory under one GPU ``budget``.
@@ -158,6 +160,10 @@ def enable(
             moved to the device whole.
         patterns: per-component include patterns overriding the built-in ones.
         vae_tiling: diffusers' VAE tiling; ``None`` turns it on below 40 GiB of budget.
+        shared_host: a namespace: every process of a ``torch.distributed`` job on this host
+            streams from one host copy (local rank 0 packs each component into shared memory,
+            the others attach; build their pipeline on the meta device). See `offload_shared`.
+        shared_host_root: where the shared files live (a RAM-backed filesystem).
         **config: further `OffloadConfig` fields (``max_slots``, ``profiling_runs``, ...).
     """
     if getattr(pipeline, "_flextensor", None) is not None:
@@ -185,7 +191,10 @@ def enable(
                 **config,
             )
             try:
-                handle = OffloadHandle(module, cfg)
+                if shared_host is None:
+                    handle = OffloadHandle(module, cfg)
+                else:
+                    handle = offload_shared(module, cfg, f"{shared_host}-{name}", root=shared_host_root)
             except BudgetError as exc:
                 raise BudgetError(f"component {name!r}: {exc}") from exc
             handle.on_activate = state.activate

@@ -51,6 +51,12 @@ def add_common_arguments(parser: argparse.ArgumentParser, frames: int, height: i
         default="auto",
         help="diffusers' VAE tiling: auto turns it on for budgets under 40 GiB",
     )
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="split each generation across N GPUs of this host (context parallelism, launched with torchrun)",
+    )
     parser.add_argument("--json", type=Path, help="also write the summary as JSON here")
     parser.add_argument("-v", "--verbose", action="store_true")
 
@@ -78,8 +84,20 @@ def place_natively(pipe: Any, args: argparse.Namespace, device: torch.device) ->
 
 def enable_offload(pipe: Any, args: argparse.Namespace, device: torch.device) -> None:
     pipe.enable_flextensor_offload(
-        budget=args.budget, profile_dir=args.profile_dir, device=device, vae_tiling=vae_tiling(args)
+        budget=args.budget,
+        profile_dir=args.profile_dir,
+        device=device,
+        vae_tiling=vae_tiling(args),
+        shared_host=getattr(args, "shared_host", None),  # set by --gpus N: one host copy for the ranks
     )
+
+
+def init_device(args: argparse.Namespace, device: torch.device) -> str | torch.device:
+    """Where random weights are made: on the GPU for full sizes (quick), on the meta device for a
+    rank that attaches to another's shared copy, else on the CPU."""
+    if getattr(args, "attach_to_shared", False):
+        return "meta"
+    return device if args.random_weights == "full" and device.type == "cuda" else "cpu"
 
 
 def device_of(args: argparse.Namespace) -> torch.device:
@@ -171,36 +189,52 @@ def summary(
     }
 
 
+def main(recipe: Any, argv: list[str] | None) -> dict[str, Any] | None:
+    """A recipe's command line: parse, re-launch under torchrun for ``--gpus N``, run."""
+    from . import parallel
+
+    args = recipe.parse_args(argv)
+    setup_logging(args.verbose)
+    parallel.launch_if_needed(args, recipe.__spec__.name, sys.argv[1:] if argv is None else argv)
+    return recipe.run(args)
+
+
 def run_recipe(recipe: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Load, offload (or not), profile once per workload, generate, write the mp4 and the summary."""
     from ..video import to_uint8_frames, write_mp4
+    from . import parallel
 
     require_weights(args, args.recipe)
+    me = parallel.set_up(args)
     device = device_of(args)
     pipe = recipe.load(args, device)
+    parallel.split_transformers(pipe, me)
     profiling_s = None
     if args.no_offload:
         place_natively(pipe, args, device)
     else:
         enable_offload(pipe, args, device)
         shape = {"frames": args.frames, "height": args.height, "width": args.width}
-        key = workload_key(pipe, device, **shape, cfg=args.guidance > 1)
+        key = workload_key(pipe, device, **shape, cfg=args.guidance > 1, gpus=me.world_size)
         if not profiled_before(args.profile_dir, key):
             profiling_s = timed(device, lambda: recipe.profiling_generation(pipe, args, device)).seconds
-            if all_steady(pipe):
+            if all_steady(pipe) and me.leader:
                 remember_profiled(args.profile_dir, key, {**shape, "recipe": args.recipe})
     result = timed(device, lambda: recipe.generate(pipe, args, device, args.steps, "np"))
-    frames = to_uint8_frames(result.output[0])
-    if hasattr(recipe, "finish_frames"):
-        frames = recipe.finish_frames(pipe, args, frames)
-    write_mp4(args.output, frames, fps=args.fps)
     info = summary(args, device, result, profiling_s, pipe, args.output)
-    if hasattr(recipe, "describe"):
-        info.update(recipe.describe(pipe, args))
-    print_summary(info, pipe)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(info, indent=1))
+    info["gpus"] = me.world_size
+    if me.leader:  # every rank has the whole video; one writes it
+        frames = to_uint8_frames(result.output[0])
+        if hasattr(recipe, "finish_frames"):
+            frames = recipe.finish_frames(pipe, args, frames)
+        write_mp4(args.output, frames, fps=args.fps)
+        if hasattr(recipe, "describe"):
+            info.update(recipe.describe(pipe, args))
+        print_summary(info, pipe)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(info, indent=1))
+    parallel.finish()
     return info
 
 

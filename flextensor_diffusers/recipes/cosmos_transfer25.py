@@ -105,9 +105,12 @@ def load(args: argparse.Namespace, device: torch.device) -> Any:
         from diffusers import Cosmos2_5_TransferPipeline
 
         return load_pipeline(args.model, Cosmos2_5_TransferPipeline, dtype=torch.bfloat16, safety_checker=checker)
-    init = device if args.random_weights == "full" and device.type == "cuda" else "cpu"
     return build_pipeline(
-        "cosmos_transfer25", args.random_weights, seed=args.seed, init_device=init, safety_checker=checker
+        "cosmos_transfer25",
+        args.random_weights,
+        seed=args.seed,
+        init_device=common.init_device(args, device),
+        safety_checker=checker,
     )
 
 
@@ -145,14 +148,12 @@ def describe(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     info = common.run_recipe(sys.modules[__name__], args)
-    print(info["safety_check"])
+    print(info.get("safety_check", ""))
     return info
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    common.setup_logging(args.verbose)
-    run(args)
+    common.main(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

@@ -184,7 +184,7 @@ def load(args: argparse.Namespace, device: torch.device) -> Any:
     if args.model is not None:
         pipe = load_pipeline(args.model, LTX2OutpaintPipeline, dtype=torch.bfloat16)
     else:
-        init = device if args.random_weights == "full" and device.type == "cuda" else "cpu"
+        init = common.init_device(args, device)
         built = build_pipeline("ltx2_condition", args.random_weights, seed=args.seed, init_device=init)
         pipe = LTX2OutpaintPipeline.from_pipe(built)
     pipe.canvas = place_on_canvas(source, args.height, args.width, pipe.vae_spatial_compression_ratio)
@@ -247,9 +247,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    common.setup_logging(args.verbose)
-    run(args)
+    common.main(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ def load(args: argparse.Namespace, device: torch.device) -> Any:
         from diffusers import WanPipeline
 
         return load_pipeline(args.model, WanPipeline, dtype=torch.bfloat16)
-    init = device if args.random_weights == "full" and device.type == "cuda" else "cpu"
-    return build_pipeline("wan22_t2v", args.random_weights, seed=args.seed, init_device=init)
+    return build_pipeline(
+        "wan22_t2v", args.random_weights, seed=args.seed, init_device=common.init_device(args, device)
+    )
 
 
 def generate(
@@ -67,9 +68,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    common.setup_logging(args.verbose)
-    run(args)
+    common.main(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":
