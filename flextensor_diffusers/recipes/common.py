@@ -61,6 +61,21 @@ def add_common_arguments(parser: argparse.ArgumentParser, frames: int, height: i
     parser.add_argument("-v", "--verbose", action="store_true")
 
 
+def call_arguments(args: argparse.Namespace, steps: int, output_type: str) -> dict[str, Any]:
+    """The pipeline-call arguments every recipe passes the same way (a seeded CPU generator)."""
+    return {
+        "prompt": args.prompt,
+        "negative_prompt": args.negative_prompt,
+        "num_frames": args.frames,
+        "height": args.height,
+        "width": args.width,
+        "num_inference_steps": steps,
+        "guidance_scale": args.guidance,
+        "generator": torch.Generator(device="cpu").manual_seed(args.seed),
+        "output_type": output_type,
+    }
+
+
 def require_weights(args: argparse.Namespace, recipe: str) -> None:
     """Stop with instructions when neither real weights nor random weights were asked for."""
     if args.model is None and args.random_weights is None:

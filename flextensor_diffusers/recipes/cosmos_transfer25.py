@@ -118,18 +118,10 @@ def generate(
     pipe: Any, args: argparse.Namespace, device: torch.device, steps: int, output_type: str, **extra: Any
 ) -> Any:
     return pipe(
+        **common.call_arguments(args, steps, output_type),
         controls=args.controls,
-        prompt=args.prompt,
-        negative_prompt=args.negative_prompt,
-        height=args.height,
-        width=args.width,
-        num_frames=args.frames,
         num_frames_per_chunk=args.chunk,
-        num_inference_steps=steps,
-        guidance_scale=args.guidance,
         max_sequence_length=args.max_sequence_length,
-        generator=torch.Generator(device="cpu").manual_seed(args.seed),
-        output_type=output_type,
         **extra,
     ).frames
 

@@ -196,22 +196,14 @@ def generate(
 ) -> Any:
     """Video frames (or latents) of one outpainting generation; audio is generated and dropped."""
     return pipe(
-        prompt=args.prompt,
-        negative_prompt=args.negative_prompt,
-        height=args.height,
-        width=args.width,
-        num_frames=args.frames,
+        **common.call_arguments(args, steps, output_type),
         frame_rate=float(args.fps),
-        num_inference_steps=steps,
-        guidance_scale=args.guidance,
         audio_guidance_scale=args.guidance,
         stg_scale=0.0,  # spatio-temporal and modality guidance would add transformer calls per step
         audio_stg_scale=0.0,
         modality_scale=1.0,
         audio_modality_scale=1.0,
         max_sequence_length=args.max_sequence_length,
-        generator=torch.Generator(device="cpu").manual_seed(args.seed),
-        output_type=output_type,
         **extra,
     ).frames
 

@@ -41,18 +41,7 @@ def generate(
     pipe: Any, args: argparse.Namespace, device: torch.device, steps: int, output_type: str, **extra: Any
 ) -> Any:
     """Frames (or latents) of one generation; ``extra`` goes to the pipeline call (callbacks)."""
-    return pipe(
-        prompt=args.prompt,
-        negative_prompt=args.negative_prompt,
-        num_frames=args.frames,
-        height=args.height,
-        width=args.width,
-        num_inference_steps=steps,
-        guidance_scale=args.guidance,
-        generator=torch.Generator(device="cpu").manual_seed(args.seed),
-        output_type=output_type,
-        **extra,
-    ).frames
+    return pipe(**common.call_arguments(args, steps, output_type), **extra).frames
 
 
 def profiling_generation(pipe: Any, args: argparse.Namespace, device: torch.device) -> Any:
