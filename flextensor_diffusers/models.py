@@ -89,14 +89,8 @@ def build_wan22_t2v(size: str = "tiny", seed: int = 0, init_device: str | torch.
     )
 
 
-def build_ltx2_condition(
-    size: str = "tiny", seed: int = 0, init_device: str | torch.device = "cpu", text_encoder: bool = True
-) -> Any:
-    """An `LTX2ConditionPipeline` (video + audio transformer, Gemma3, connectors, VAEs, vocoder), random weights.
-
-    ``text_encoder=False`` leaves Gemma out (``None``): for benchmarks that pass ``prompt_embeds``
-    and would otherwise build 12B parameters they never run.
-    """
+def build_ltx2_condition(size: str = "tiny", seed: int = 0, init_device: str | torch.device = "cpu") -> Any:
+    """An `LTX2ConditionPipeline` (video + audio transformer, Gemma3, connectors, VAEs, vocoder), random weights."""
     from diffusers import (
         AutoencoderKLLTX2Audio,
         AutoencoderKLLTX2Video,
@@ -110,11 +104,9 @@ def build_ltx2_condition(
 
     cfg = load_config("ltx2", size)
     dtype = _dtype(cfg["dtype"])
-    gemma = None
-    if text_encoder:
-        gemma = _random(
-            lambda: Gemma3ForConditionalGeneration(Gemma3Config(**cfg["text_encoder"])), init_device, dtype, seed
-        )
+    gemma = _random(
+        lambda: Gemma3ForConditionalGeneration(Gemma3Config(**cfg["text_encoder"])), init_device, dtype, seed
+    )
     vae = _random(lambda: AutoencoderKLLTX2Video(**cfg["vae"]), init_device, dtype, seed + 1)
     vae.use_framewise_encoding = vae.use_framewise_decoding = cfg["vae_framewise"]
     return LTX2ConditionPipeline(
@@ -184,7 +176,7 @@ def build_pipeline(
 ) -> Any:
     """Build a supported pipeline (``wan22_t2v``, ...) with random weights from ``assets/``.
 
-    ``options`` go to the model's builder (e.g. ``text_encoder=False`` for LTX-2).
+    ``options`` go to the model's builder (e.g. ``safety_checker=`` for Cosmos).
     """
     if model not in BUILDERS:
         raise FlexTensorError(f"unknown model {model!r}: supported are {', '.join(sorted(BUILDERS))}")

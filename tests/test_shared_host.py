@@ -137,3 +137,14 @@ def test_gpus_flag_launches_torchrun_and_names_the_fix_without_gpus(monkeypatch)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(ft.NoCudaDeviceError, match="needs 2 CUDA devices on this host; found 0"):
         wan22_t2v.main(["--random-weights", "tiny", "--gpus", "2"])
+
+
+def test_a_full_shared_memory_filesystem_is_refused_before_writing(tmp_path, monkeypatch) -> None:
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    model = Stack(64, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ft.FlexTensorError, match="docker --shm-size"):
+        ft.offload(model, config(ft.SharedHostMemory("full", create=True, root=tmp_path)))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())  # model as it was

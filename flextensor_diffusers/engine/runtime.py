@@ -239,7 +239,7 @@ class OffloadHandle:
                 if unit.host is not None:
                     restore_unit(unit)
         if self.config.shared_host is not None:
-            self.config.shared_host.release()
+            self.config.shared_host.unlink()
 
     # ------------------------------------------------------------------------------------ device memory
 
@@ -749,7 +749,7 @@ class OffloadHandle:
         for module in self.model.modules():
             _OFFLOADED.discard(module)
         if self.config.shared_host is not None:
-            self.config.shared_host.release()
+            self.config.shared_host.unlink()
         self.phase = Phase.REMOVED
 
 

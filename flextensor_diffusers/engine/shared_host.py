@@ -56,7 +56,14 @@ class SharedHostMemory:
                     f"shared weights {self.dir} already exist: another job uses namespace {self.namespace!r} "
                     "(pick another) or a crashed one left them (delete the folder)"
                 )
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.dir.parent.mkdir(parents=True, exist_ok=True)
+            needed, free = sum(sizes.values()), shutil.disk_usage(self.dir.parent).free
+            if needed > free:  # writing past a full tmpfs kills the process (SIGBUS) instead of raising
+                raise FlexTensorError(
+                    f"shared weights need {needed / 2**30:.2f} GiB in {self.dir.parent}, which has "
+                    f"{free / 2**30:.2f} GiB free: enlarge it (e.g. docker --shm-size) or pick another root"
+                )
+            self.dir.mkdir(exist_ok=True)
             self._owns_files = True
             return
         if not manifest.exists():
@@ -85,7 +92,7 @@ class SharedHostMemory:
         tmp.write_text(json.dumps({"fingerprint": fingerprint, "sizes": self._sizes, "pid": os.getpid()}))
         tmp.replace(self.dir / MANIFEST)
 
-    def release(self) -> None:
+    def unlink(self) -> None:
         """Creator: delete the files. Mappings stay valid in every process until it drops its tensors."""
         if self._owns_files:
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -109,8 +116,15 @@ def offload_shared(
         raise FlexTensorError("offload_shared needs torch.distributed: call init_process_group first")
     creator = int(os.environ.get("LOCAL_RANK", dist.get_rank(group))) == 0
     shared = SharedHostMemory(namespace, create=creator, root=root)
-    handle = offload(model, dataclasses.replace(config, shared_host=shared)) if creator else None
+    handle, error = None, None
+    if creator:
+        try:
+            handle = offload(model, dataclasses.replace(config, shared_host=shared))
+        except Exception as exc:  # reach the barrier anyway, so that the others fail instead of waiting
+            error = exc
     dist.barrier(group)
-    if handle is None:
+    if error is not None:
+        raise error
+    if handle is None:  # raises "no shared weights" when the creator failed
         handle = offload(model, dataclasses.replace(config, shared_host=shared))
     return handle

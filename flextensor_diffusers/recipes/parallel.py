@@ -81,9 +81,10 @@ def set_up(args: argparse.Namespace) -> Rank:
     torch.cuda.set_device(me.local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", me.local_rank))
     args.device = f"cuda:{me.local_rank}"
-    args.attach_to_shared = not me.creator
-    # One namespace per job: torchrun gives every job its own run id.
-    args.shared_host = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ.get('MASTER_PORT', '0')}"
+    if not args.no_offload:  # natively every rank holds its own weights on its GPU
+        args.attach_to_shared = not me.creator
+        # One namespace per job: torchrun gives every job its own run id.
+        args.shared_host = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ.get('MASTER_PORT', '0')}"
     return me
 
 
