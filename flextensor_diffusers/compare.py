@@ -255,7 +255,11 @@ def compare(
     profiling_s = time.perf_counter() - start
     runs["offloaded"] = run_generation(recipe, pipe, args, device)
     runs["offloaded"]["profiling_s"] = round(profiling_s, 4)
-    runs["offloaded"]["offload_report"] = pipe.flextensor_report()
+    offload_report = pipe.flextensor_report()
+    # The Recorder reset the allocator's peak counter at every stage, so the pipeline's own reading
+    # covers the last stage only; the run's peak is the largest stage peak.
+    offload_report["peak_allocated_bytes"] = runs["offloaded"].get("peak_allocated_bytes")
+    runs["offloaded"]["offload_report"] = offload_report
     pipe.disable_flextensor_offload()
 
     import diffusers
