@@ -119,21 +119,33 @@ def _png(fig: Any) -> bytes:
     return buffer.getvalue()
 
 
+def _finish(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, empty: str | None = None) -> bytes:
+    """Labels, grid and a legend of one line per run (or ``empty`` when no run had data), as PNG."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    elif empty is not None:
+        ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes)
+    return _png(fig)
+
+
 def plot_memory(runs: dict[str, dict[str, Any]]) -> bytes:
     fig, ax = _axes()
     for name, run in runs.items():
         samples = [s for s in run.get("memory_timeline") or [] if s["allocated_bytes"] is not None]
         if samples:
             ax.plot([s["t_s"] for s in samples], [s["allocated_bytes"] / 2**30 for s in samples], label=name, lw=1.5)
-    ax.set_xlabel("time since generation start (s)")
-    ax.set_ylabel("GPU allocated (GiB)")
-    ax.set_title("GPU memory over time")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    else:
-        ax.text(0.5, 0.5, "GPU memory not available (CPU run)", ha="center", va="center", transform=ax.transAxes)
-    return _png(fig)
+    return _finish(
+        fig,
+        ax,
+        "time since generation start (s)",
+        "GPU allocated (GiB)",
+        "GPU memory over time",
+        empty="GPU memory not available (CPU run)",
+    )
 
 
 def plot_steps(runs: dict[str, dict[str, Any]]) -> bytes:
@@ -142,13 +154,7 @@ def plot_steps(runs: dict[str, dict[str, Any]]) -> bytes:
         steps = run.get("step_s") or []
         if steps:
             ax.plot(range(1, len(steps) + 1), steps, marker="o", label=name)
-    ax.set_xlabel("denoising step")
-    ax.set_ylabel("time (s)")
-    ax.set_title("Per-step time")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    return _png(fig)
+    return _finish(fig, ax, "denoising step", "time (s)", "Per-step time")
 
 
 def plot_frames(metrics: dict[str, Any] | None) -> bytes:

@@ -47,6 +47,25 @@ class Stack(nn.Module):
         return self.head(x)
 
 
+#: Recipe arguments for the tiny Wan2.2 pipeline on the CPU; the budget streams its transformer blocks.
+TINY_WAN_ARGV = [
+    "--random-weights",
+    "tiny",
+    "--frames",
+    "9",
+    "--height",
+    "32",
+    "--width",
+    "32",
+    "--steps",
+    "2",
+    "--budget",
+    "250000",
+    "--device",
+    "cpu",
+]
+
+
 def snapshot(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.device, int]]:
     """Every parameter and buffer: a copy of its bytes, its device and its object identity."""
     out = {}

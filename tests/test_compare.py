@@ -8,29 +8,13 @@ import math
 import numpy as np
 import pytest
 import torch
+from models import TINY_WAN_ARGV
 
 from flextensor_diffusers import compare, quality
 
-TINY = [
-    "--random-weights",
-    "tiny",
-    "--frames",
-    "9",
-    "--height",
-    "32",
-    "--width",
-    "32",
-    "--steps",
-    "2",
-    "--budget",
-    "250000",
-    "--device",
-    "cpu",
-]
-
 
 def test_report_files_exist_parse_and_identical_outputs_read_as_such(tmp_path) -> None:
-    report = compare.compare("wan22_t2v", [*TINY, "--profile-dir", str(tmp_path / "p")], tmp_path)
+    report = compare.compare("wan22_t2v", [*TINY_WAN_ARGV, "--profile-dir", str(tmp_path / "p")], tmp_path)
     for name in ("native.mp4", "offloaded.mp4", "strip.png", "memory.png", "steps.png", "frames.png", "report.html"):
         assert (tmp_path / name).stat().st_size > 0, name
     data = json.loads((tmp_path / "report.json").read_text())  # strict JSON: no Infinity/NaN tokens
@@ -76,7 +60,7 @@ def test_native_out_of_memory_is_a_result(tmp_path, monkeypatch) -> None:
         return real(recipe, pipe, args, device)
 
     monkeypatch.setattr(compare, "run_generation", native_runs_out)
-    report = compare.compare("wan22_t2v", [*TINY, "--profile-dir", str(tmp_path / "p")], tmp_path)
+    report = compare.compare("wan22_t2v", [*TINY_WAN_ARGV, "--profile-dir", str(tmp_path / "p")], tmp_path)
     assert report["runs"]["native"]["status"] == "out of memory"
     assert report["runs"]["native"]["stage"] == "transformer"
     assert report["runs"]["offloaded"]["status"] == "completed"

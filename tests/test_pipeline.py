@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from models import assert_same, snapshot
+from models import TINY_WAN_ARGV, assert_same, snapshot
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.models import build_pipeline
@@ -115,21 +115,9 @@ def test_unknown_model_gets_its_largest_block_list() -> None:
 
 
 def test_recipe_writes_mp4_and_skips_profiling_next_time(tmp_path, capsys) -> None:
+    assert TINY_WAN_ARGV[TINY_WAN_ARGV.index("--budget") + 1] == str(BUDGET)
     argv = [
-        "--random-weights",
-        "tiny",
-        "--frames",
-        "9",
-        "--height",
-        "32",
-        "--width",
-        "32",
-        "--steps",
-        "2",
-        "--budget",
-        str(BUDGET),
-        "--device",
-        "cpu",
+        *TINY_WAN_ARGV,
         "--profile-dir",
         str(tmp_path / "p"),
         "--output",
