@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,8 @@ class Canvas:
     left: int
     source_height: int
     source_width: int
+    #: Encoded canvas latents by (frames, device, dtype): the VAE encode runs once, not per generation.
+    latents: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def pixel_mask(self) -> np.ndarray:
@@ -110,7 +112,10 @@ class LTX2OutpaintPipeline(LTX2ConditionPipeline):
                 f"the canvas is {canvas.pixels.shape[2]}x{canvas.pixels.shape[1]} with {canvas.pixels.shape[0]} "
                 f"frames; the call asks for {width}x{height} with {num_frames}"
             )
-        clean = self.encode_canvas(canvas.pixels[:num_frames], device, dtype, generator)  # (B=1, C, F', H', W')
+        key = (num_frames, str(device), dtype)
+        if key not in canvas.latents:  # (B=1, C, F', H', W'); the encode is deterministic (argmax)
+            canvas.latents[key] = self.encode_canvas(canvas.pixels[:num_frames], device, dtype, generator)
+        clean = canvas.latents[key]
         known = canvas.token_mask(self.vae_spatial_compression_ratio).to(device)
         mask = known.to(clean.dtype).expand(1, 1, clean.shape[2], *known.shape)
         patch, patch_t = self.transformer_spatial_patch_size, self.transformer_temporal_patch_size
