@@ -22,6 +22,7 @@ bounds the lengths tried (attention time grows with the square of the length): a
 completes there is reported as "at least" that length.
 
     python benchmarks/max_length.py --out $OUT/ltx2_max_length_h200.json --caps 80GB 40GB
+    python benchmarks/max_length.py --caps 40GB --resume benchmarks/results/ltx2_max_length_h200.json ...
     python benchmarks/max_length.py --size tiny --height 64 --width 64 --caps 1GB  # CPU check of the flow
 """
 
@@ -184,10 +185,16 @@ def run_trial(args: argparse.Namespace, mode: str, frames: int, cap: int) -> dic
 def search(args: argparse.Namespace, mode: str, cap: int, guess: int, trials: list, deadline: float, save: Any) -> dict:
     """Longest completing length: gallop from ``guess`` by latent frames, then bisect the bracket.
 
-    Returns ``max_frames`` (None when nothing completes, or the search was cut short before any
-    trial completed) and ``bracket``: the longest completed and the shortest failed length found.
+    Trials already in ``trials`` for this mode and cap (from ``--resume``) are outcomes known
+    without running again. Returns ``max_frames`` (None when nothing completes, or the search was
+    cut short before any trial completed) and ``bracket``: the longest completed and the shortest
+    failed length found.
     """
-    outcomes: dict[int, bool] = {}
+    outcomes = {
+        latent_frames_of(t["frames"]): t["completed"]
+        for t in trials
+        if t["mode"] == mode and t["cap_bytes"] == cap and t["completed"] is not None
+    }
     limit = latent_frames_of(args.max_frames)
 
     def completes(latent: int) -> bool | None:
@@ -233,6 +240,36 @@ def search(args: argparse.Namespace, mode: str, cap: int, guess: int, trials: li
     return answer(good, bad, "found")
 
 
+def run_fit(args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", "fit", "--size", args.size, "--height", str(args.height)]
+    cmd += ["--width", str(args.width), "--text-tokens", str(args.text_tokens), "--fit-frames"]
+    proc = subprocess.run([*cmd, *map(str, args.fit_frames)], capture_output=True, text=True, check=False)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise SystemExit(f"the fit run failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def resumed(path: Path, workload: dict[str, Any], device: str) -> dict[str, Any]:
+    """The fit, the trials and the other caps' runs of an earlier run of this workload on this GPU.
+
+    A search cut short by its deadline goes on from there instead of paying again for the fit and
+    for lengths already tried; each carried trial is marked ``"resumed": true``. The modes searched
+    now are searched again at their caps (from the carried trials); the rest is kept as it was.
+    """
+    earlier = json.loads(path.read_text())
+    theirs = {k: v for k, v in earlier["workload"].items() if k != "transformer_parameters"}
+    differ = sorted(k for k in {*theirs, *workload} if theirs.get(k) != workload.get(k))
+    if differ or earlier["device"] != device:
+        what = ", ".join(differ) + (" device" if earlier["device"] != device else "")
+        raise SystemExit(f"{path} was measured on another workload or GPU ({what}); run without --resume")
+    return {
+        "fit": earlier["fit"],
+        "trials": [{**t, "resumed": True} for t in earlier["trials"]],
+        "runs": earlier["runs"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="full", choices=("tiny", "full"))
@@ -247,6 +284,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=240, help="seconds per trial")
     parser.add_argument("--deadline", type=int, default=0, help="seconds for the whole search (0: none)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--resume", type=Path, help="an earlier result of the same workload: reuse its fit and trials")
     parser.add_argument("--child", choices=("native", "offload", "fit"), help=argparse.SUPPRESS)
     parser.add_argument("--frames", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--cap", type=int, help=argparse.SUPPRESS)
@@ -263,37 +301,37 @@ def main() -> None:
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF  # for every child process
     started = time.perf_counter()
     deadline = started + args.deadline if args.deadline else float("inf")
-    cmd = [sys.executable, __file__, "--child", "fit", "--size", args.size, "--height", str(args.height)]
-    cmd += ["--width", str(args.width), "--text-tokens", str(args.text_tokens), "--fit-frames"]
-    proc = subprocess.run([*cmd, *map(str, args.fit_frames)], capture_output=True, text=True, check=False)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if line is None:
-        raise SystemExit(f"the fit run failed:\n{proc.stderr[-3000:]}")
-    model = json.loads(line.removeprefix("RESULT "))
+    workload = {
+        "pipeline": "LTX2ConditionPipeline",
+        "size": args.size,
+        "height": args.height,
+        "width": args.width,
+        "steps": args.steps,
+        "guidance": "none (guidance_scale 1, no STG, no modality guidance)",
+        "text_tokens": args.text_tokens,
+        "vae_decode": "not run (output_type='latent')",
+        "offload_budget": f"{BUDGET_OF_CAP} x cap",
+        "alloc_conf": ALLOC_CONF,
+    }
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    caps = [parse_bytes(c) for c in args.caps]
+    earlier = resumed(args.resume, workload, device) if args.resume else {"trials": [], "runs": []}
+    model = earlier.get("fit") or run_fit(args)
     print("fit", json.dumps(model), flush=True)
     result: dict[str, Any] = {
-        "workload": {
-            "pipeline": "LTX2ConditionPipeline",
-            "size": args.size,
-            "transformer_parameters": model["transformer_parameters"],
-            "height": args.height,
-            "width": args.width,
-            "steps": args.steps,
-            "guidance": "none (guidance_scale 1, no STG, no modality guidance)",
-            "text_tokens": args.text_tokens,
-            "vae_decode": "not run (output_type='latent')",
-            "offload_budget": f"{BUDGET_OF_CAP} x cap",
-            "alloc_conf": ALLOC_CONF,
-        },
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "workload": {**workload, "transformer_parameters": model["transformer_parameters"]},
+        "device": device,
         "torch": torch.__version__,
         "fit": model,
-        "runs": [],
-        "trials": [],
+        "resumed_from": str(args.resume) if args.resume else None,
+        "runs": earlier["runs"],
+        "trials": earlier["trials"],
     }
-    for cap_text in args.caps:
-        cap = parse_bytes(cap_text)
-        run: dict[str, Any] = {"cap_bytes": cap, "height": args.height, "width": args.width}
+    for cap in caps:
+        run = next((r for r in result["runs"] if r["cap_bytes"] == cap), None)
+        if run is None:
+            run = {"cap_bytes": cap, "height": args.height, "width": args.width}
+            result["runs"].append(run)
         for mode in args.modes:
             guess = predict(model, mode, cap)
             run[f"{mode}_predicted_frames"] = guess
@@ -303,7 +341,6 @@ def main() -> None:
             run[f"{mode}_max_frames"] = found["max_frames"]
             run[f"{mode}_search"] = found
             eb.write_result(args.out, result)
-        result["runs"].append(run)
         print(json.dumps(run), flush=True)
         eb.write_result(args.out, result)
     result["elapsed_s"] = round(time.perf_counter() - started, 1)

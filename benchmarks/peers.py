@@ -17,6 +17,7 @@ and hooks of one cannot affect the next; the parent collects one JSON line from 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -118,12 +119,13 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         with eb.RssSampler() as rss_run:
             step_ms, out = eb.time_forwards(runner, x, args.reps, device)
     out = out.cpu()
+    digest = hashlib.sha256(out.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
     reference = Path(args.scratch) / REFERENCE
     if args.child == "native":
         torch.save(out, reference)
     equal = bool(torch.equal(torch.load(reference).view(torch.uint8), out.view(torch.uint8)))
     return {
-        "method": args.child if args.child != "flextensor_diffusers" else f"flextensor_diffusers@{args.budget}",
+        "method": label(args.child, args.budget),
         "budget_bytes": args.budget,
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
         "step_s": round(step_ms / 1e3, 5),
@@ -134,8 +136,34 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "setup_overhead_s": round(setup_s + warmup_s - WARMUP.get(args.child, args.warmup) * step_ms / 1e3, 3),
         "peak_host_rss_bytes": max(rss.peak, rss_run.peak),
         "bitwise_equal": equal,
+        "output_sha256": digest,  # the same across runs: rows of a resumed run compare with one native output
         "keep": type(keep).__name__,
     }
+
+
+def label(method: str, budget: int | None) -> str:
+    return f"{method}@{budget}" if method == "flextensor_diffusers" else method
+
+
+def label_of(row: dict[str, Any]) -> str:
+    """A row's method label; rows that did not run carry the budget separately."""
+    return label(row["method"], row.get("budget_bytes")) if "@" not in row["method"] else row["method"]
+
+
+def carried(path: Path, result: dict[str, Any], running: set[str]) -> list[dict[str, Any]]:
+    """The rows of an earlier run (same workload, stack and GPU) for the methods not run now.
+
+    Carried rows are marked ``"resumed": true``, failed or skipped ones included. Native runs
+    again whenever anything runs: its output is the reference that ``bitwise_equal`` compares
+    with, and ``output_sha256`` shows it is the one the earlier rows saw.
+    """
+    if "native" not in running:
+        raise SystemExit("--resume runs native again (its output is the reference): add native to --methods")
+    earlier = json.loads(path.read_text())
+    differ = [k for k in ("workload", "device", "blocks") if earlier.get(k) != result[k]]
+    if differ:
+        raise SystemExit(f"{path} was measured with another {', '.join(differ)}; run without --resume")
+    return [{**r, "resumed": True} for r in earlier["runs"] if label_of(r) not in running]
 
 
 def main() -> None:
@@ -151,6 +179,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=900, help="seconds per method")
     parser.add_argument("--deadline", type=int, default=0, help="seconds for all; later methods are skipped")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--resume", type=Path, help="an earlier result: keep its rows for the methods not run now")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -170,15 +199,18 @@ def main() -> None:
         elif method != "native":
             jobs.append((method, None))
     shape = eb.stack_argv(args)
-    runs = []
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     result = {
         "workload": args.workload,
         "device": device,
         "torch": torch.__version__,
         "blocks": args.blocks,
-        "runs": runs,
+        "resumed_from": str(args.resume) if args.resume else None,
+        "runs": [],
     }
+    if args.resume:
+        result["runs"] = carried(args.resume, result, {label(m, b) for m, b in jobs})
+    runs = result["runs"]
     started = time.perf_counter()
     for method, budget in jobs:
         eb.write_result(args.out, result)  # before each method, so that a cut-off run keeps what it has

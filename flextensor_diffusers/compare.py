@@ -232,8 +232,9 @@ def compare(
     out.mkdir(parents=True, exist_ok=True)
     common.require_weights(args, recipe_name)
     device = common.device_of(args)
-    _cap(device, memory_cap)
     pipe = recipe.load(args, device)
+    _free(device)  # random full-size weights are made on the GPU, then moved to the CPU: not part of the card
+    _cap(device, memory_cap)
 
     runs: dict[str, dict[str, Any]] = {}
     try:
