@@ -23,6 +23,7 @@ import engine_bench as eb
 
 from flextensor_diffusers.compare import compare
 from flextensor_diffusers.engine import parse_bytes
+from flextensor_diffusers.quality import INF
 
 
 def main() -> None:
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--size", default="full", choices=("tiny", "full"))
     parser.add_argument("--report", type=Path, default=Path("cosmos_report"))
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--keep-videos", action="store_true", help="keep native.mp4 and offloaded.mp4 in --report")
     args = parser.parse_args()
     recipe_argv = ["--random-weights", args.size, "--budget", args.budget, "--steps", str(args.steps)]
     recipe_argv += ["--frames", str(args.frames), "--height", str(args.height), "--width", str(args.width)]
@@ -63,6 +65,17 @@ def main() -> None:
         "offload_profiling_s": offloaded.get("profiling_s"),
         "report": str(args.report / "report.json"),
     }
+    # The fidelity verdict travels in this file too: the report folder has more files than the
+    # device tool brings back (8 at most), and the videos are left there only with --keep-videos.
+    fidelity = report.get("fidelity")
+    result["latents_bitwise_equal"] = fidelity["latents"]["bitwise_equal"] if fidelity else None
+    result["frames_identical"] = fidelity["frames"]["identical"] if fidelity else None
+    finite = [f["psnr_db"] for f in fidelity["frames"]["frames"] if f["psnr_db"] != INF] if fidelity else []
+    result["frames_min_psnr_db"] = min(finite) if finite else (INF if fidelity else None)
+    result["native_generation_s"] = native.get("generation_s")
+    if not args.keep_videos:
+        for video in args.report.glob("*.mp4"):
+            video.unlink()
     for key in ("native_completed", "native_failure_stage", "offload_completed", "offload_peak_allocated_bytes"):
         print(f"{key}: {result[key]}")
     eb.write_result(args.out, result)

@@ -150,12 +150,11 @@ def label_of(row: dict[str, Any]) -> str:
     return label(row["method"], row.get("budget_bytes")) if "@" not in row["method"] else row["method"]
 
 
-def carried(path: Path, result: dict[str, Any], running: set[str]) -> list[dict[str, Any]]:
-    """The rows of an earlier run (same workload, stack and GPU) for the methods not run now.
+def earlier_rows(path: Path, result: dict[str, Any], running: set[str]) -> dict[str, dict[str, Any]]:
+    """The rows of an earlier run (same workload, stack and GPU) by method label, marked resumed.
 
-    Carried rows are marked ``"resumed": true``, failed or skipped ones included. Native runs
-    again whenever anything runs: its output is the reference that ``bitwise_equal`` compares
-    with, and ``output_sha256`` shows it is the one the earlier rows saw.
+    Native runs again whenever anything runs: its output is the reference that ``bitwise_equal``
+    compares with, and ``output_sha256`` shows it is the one the earlier rows saw.
     """
     if "native" not in running:
         raise SystemExit("--resume runs native again (its output is the reference): add native to --methods")
@@ -163,7 +162,36 @@ def carried(path: Path, result: dict[str, Any], running: set[str]) -> list[dict[
     differ = [k for k in ("workload", "device", "blocks") if earlier.get(k) != result[k]]
     if differ:
         raise SystemExit(f"{path} was measured with another {', '.join(differ)}; run without --resume")
-    return [{**r, "resumed": True} for r in earlier["runs"] if label_of(r) not in running]
+    return {label_of(r): {**r, "resumed": True} for r in earlier["runs"]}
+
+
+def merge(paths: list[Path]) -> dict[str, Any]:
+    """One table from several runs of the same workload: each method's latest measured row.
+
+    Native's own step time differs between machines of the same kind, so every row keeps the
+    native step time of the run that measured it (``native_step_s``, ``step_vs_native``) and the
+    file it came from (``measured_in``); rows that no run measured keep their latest error.
+    """
+    rows: dict[str, dict[str, Any]] = {}
+    merged: dict[str, Any] = {}
+    for path in paths:
+        run = json.loads(path.read_text())
+        if merged and any(merged[k] != run[k] for k in ("workload", "device", "blocks")):
+            raise SystemExit(f"{path} is another workload, stack or GPU than {paths[0]}")
+        merged = {k: run[k] for k in ("workload", "device", "torch", "blocks")}
+        measured = [r for r in run["runs"] if not r.get("resumed")]
+        native = next((r for r in measured if r["method"] == "native" and "error" not in r), None)
+        for r in measured:
+            key = label_of(r)
+            if "error" in r:
+                if "error" in rows.get(key, r):  # a later error replaces an earlier one, not a measurement
+                    rows[key] = r
+                continue
+            extra = {"measured_in": path.name}
+            if native is not None:
+                extra |= {"native_step_s": native["step_s"], "step_vs_native": r["step_s"] / native["step_s"] - 1}
+            rows[key] = {**r, **extra}
+    return {**merged, "merged_from": [p.name for p in paths], "runs": list(rows.values())}
 
 
 def main() -> None:
@@ -180,9 +208,13 @@ def main() -> None:
     parser.add_argument("--deadline", type=int, default=0, help="seconds for all; later methods are skipped")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--resume", type=Path, help="an earlier result: keep its rows for the methods not run now")
+    parser.add_argument("--merge", nargs="+", type=Path, help="write one table from these results (oldest first)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.merge:
+        eb.write_result(args.out, merge(args.merge))
+        return
     if args.child:
         print("RESULT " + json.dumps(child(args)), flush=True)
         return
@@ -208,16 +240,15 @@ def main() -> None:
         "resumed_from": str(args.resume) if args.resume else None,
         "runs": [],
     }
-    if args.resume:
-        result["runs"] = carried(args.resume, result, {label(m, b) for m, b in jobs})
-    runs = result["runs"]
+    running = {label(m, b) for m, b in jobs}
+    earlier = earlier_rows(args.resume, result, running) if args.resume else {}
+    runs = result["runs"] = [r for key, r in earlier.items() if key not in running]
     started = time.perf_counter()
     for method, budget in jobs:
         eb.write_result(args.out, result)  # before each method, so that a cut-off run keeps what it has
         if args.deadline and time.perf_counter() - started > args.deadline:
-            runs.append(
-                {"method": method, "budget_bytes": budget, "error": f"not run: past --deadline {args.deadline} s"}
-            )
+            skipped = {"method": method, "budget_bytes": budget, "error": f"not run: past --deadline {args.deadline} s"}
+            runs.append(earlier.get(label(method, budget), skipped))  # an earlier measurement beats none
             continue
         cmd = [sys.executable, __file__, "--child", method, "--workload", args.workload, "--scratch", args.scratch]
         cmd += [*shape, "--warmup", str(args.warmup), "--reps", str(args.reps)]

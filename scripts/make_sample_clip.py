@@ -1,7 +1,8 @@
-"""Make assets/clips/sample.mp4: a short synthetic clip for the outpainting recipe and tests.
+"""Make assets/clips/sample.mp4: a short synthetic clip for the outpainting and Cosmos recipes and tests.
 
-49 frames (2 s at 24 fps; LTX-2 lengths are 8k+1) of 640x352: a sky-to-ground gradient, a sun
-moving left to right and a box bouncing, drawn with numpy so that it needs no footage.
+97 frames (4 s at 24 fps: LTX-2 lengths are 8k+1, Cosmos-Transfer2.5 makes 93 by default) of
+640x352: a sky-to-ground gradient, a sun moving left to right and a box bouncing, drawn with numpy
+so that it needs no footage.
 
     python scripts/make_sample_clip.py
 """
@@ -18,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flextensor_diffusers.video import write_mp4
 
 OUT = Path(__file__).resolve().parents[1] / "assets" / "clips" / "sample.mp4"
-FRAMES, HEIGHT, WIDTH, FPS = 49, 352, 640, 24
+FRAMES, HEIGHT, WIDTH, FPS = 97, 352, 640, 24
 
 
 def frame(i: int) -> np.ndarray:

@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("torchvision", reason="Cosmos' ControlNet resizes its padding mask with torchvision")
 pytest.importorskip("cv2", reason="the edge control uses OpenCV")
 
+from flextensor_diffusers.engine import FlexTensorError
 from flextensor_diffusers.models import build_pipeline
 from flextensor_diffusers.recipes import cosmos_transfer25 as recipe
 from flextensor_diffusers.video import read_mp4, write_mp4
@@ -79,6 +80,15 @@ def test_recipe_writes_the_frames_and_says_the_safety_check_was_skipped(tmp_path
 def test_recipe_without_weights_says_how_to_get_them(capsys) -> None:
     with pytest.raises(SystemExit, match="--random-weights"):
         recipe.main([])
+
+
+def test_a_source_shorter_than_the_video_is_refused(tmp_path) -> None:
+    """The pipeline would quietly make a video as long as its control; the recipe says so instead."""
+    clip = tmp_path / "edges.mp4"
+    write_mp4(clip, SOURCE, fps=24)
+    args = recipe.parse_args(["--random-weights", "tiny", "--input", str(clip), "--frames", "9"])
+    with pytest.raises(FlexTensorError, match="has 5 frames, fewer than --frames 9"):
+        recipe.load(args, torch.device("cpu"))
 
 
 def test_compare_report_for_cosmos_is_bitwise(tmp_path) -> None:

@@ -101,6 +101,22 @@ def test_enabling_twice_is_refused(pipe) -> None:
     pipe.disable_flextensor_offload()
 
 
+def test_native_placement_makes_the_offloaded_runs_vae_tiling_choice(pipe) -> None:
+    """Tiled and untiled VAE passes differ: a compared native run must tile exactly when offload does."""
+    from flextensor_diffusers.recipes import common
+
+    for budget, tiled in (("1GiB", True), ("64GiB", False)):
+        args = wan22_t2v.parse_args([*TINY_WAN_ARGV, "--budget", budget])
+        pipe.vae.disable_tiling()
+        common.place_natively(pipe, args, torch.device("cpu"))
+        assert pipe.vae.use_tiling is tiled
+        pipe.vae.disable_tiling()
+        state = pipe.enable_flextensor_offload(budget=budget, device="cpu", vae_tiling=common.vae_tiling(args))
+        assert state.vae_tiling is tiled and pipe.vae.use_tiling is tiled
+        pipe.disable_flextensor_offload()
+        assert not pipe.vae.use_tiling
+
+
 def test_unknown_model_gets_its_largest_block_list() -> None:
     from flextensor_diffusers.pipelines import patterns_for
 

@@ -137,6 +137,20 @@ def _weighted_components(pipeline: Any) -> dict[str, nn.Module]:
     }
 
 
+def resolve_budget(budget: int | str, device: torch.device) -> int:
+    """``budget`` in bytes on ``device`` (``"auto"``: what the device has free, less a margin)."""
+    return OffloadConfig(include_patterns=[], gpu_budget=budget, device=device).budget_bytes(device)
+
+
+def resolve_vae_tiling(vae_tiling: bool | None, budget_bytes: int) -> bool:
+    """Whether a run under ``budget_bytes`` uses diffusers' VAE tiling: as asked, else on below 40 GiB.
+
+    A native run that is compared with an offloaded one must make the same choice: tiled and
+    untiled VAE passes give different pixels (and different latents where the VAE encodes inputs).
+    """
+    return bool(vae_tiling) if vae_tiling is not None else budget_bytes < VAE_TILING_BELOW
+
+
 def enable(
     pipeline: Any,
     budget: int | str = "auto",
@@ -177,7 +191,7 @@ def enable(
             f"{', '.join(available)}"
         )
     device = resolve_device(device)
-    budget_bytes = OffloadConfig(include_patterns=[], gpu_budget=budget, device=device).budget_bytes(device)
+    budget_bytes = resolve_budget(budget, device)
     state = PipelineOffload(pipeline=pipeline, device=device, budget_bytes=budget_bytes)
     try:
         for name in chosen:
@@ -209,7 +223,7 @@ def enable(
                 state.moved[name] = next(module.parameters()).device
                 module.to(device)
         vae = getattr(pipeline, "vae", None)
-        state.vae_tiling = bool(vae_tiling if vae_tiling is not None else budget_bytes < VAE_TILING_BELOW)
+        state.vae_tiling = resolve_vae_tiling(vae_tiling, budget_bytes)
         if state.vae_tiling and vae is not None and hasattr(vae, "enable_tiling"):
             vae.enable_tiling()
             logger.info("VAE tiling on (budget %s)", format_bytes(budget_bytes))

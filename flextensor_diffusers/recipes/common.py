@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..engine import Phase, format_bytes
+from ..pipelines.offload import resolve_budget, resolve_vae_tiling
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, frames: int, height: int, width: int, steps: int) -> None:
@@ -91,9 +92,9 @@ def vae_tiling(args: argparse.Namespace) -> bool | None:
 
 
 def place_natively(pipe: Any, args: argparse.Namespace, device: torch.device) -> None:
-    """Everything on the device, with the same VAE tiling choice an offloaded run would make."""
+    """Everything on the device, with the VAE tiling choice an offloaded run under --budget makes."""
     pipe.to(device)
-    if vae_tiling(args) and hasattr(pipe, "vae"):
+    if resolve_vae_tiling(vae_tiling(args), resolve_budget(args.budget, device)) and hasattr(pipe, "vae"):
         pipe.vae.enable_tiling()
 
 

@@ -99,7 +99,13 @@ def load(args: argparse.Namespace, device: torch.device) -> Any:
     if not args.input.exists():
         raise FlexTensorError(f"no video at {args.input}: pass --input PATH to an mp4")
     args.max_sequence_length = 16 if args.random_weights == "tiny" else 512
-    args.controls = canny_edges(read_mp4(args.input)[: args.frames], args.width, args.height)
+    source = read_mp4(args.input)
+    if len(source) < args.frames:  # the pipeline would quietly make a video as long as the source
+        raise FlexTensorError(
+            f"{args.input} has {len(source)} frames, fewer than --frames {args.frames}: pass a longer --input "
+            f"or --frames {len(source)} or fewer"
+        )
+    args.controls = canny_edges(source[: args.frames], args.width, args.height)
     checker, args.safety_check = safety_checker()
     if args.model is not None:
         from diffusers import Cosmos2_5_TransferPipeline
