@@ -136,7 +136,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "setup_overhead_s": round(setup_s + warmup_s - WARMUP.get(args.child, args.warmup) * step_ms / 1e3, 3),
         "peak_host_rss_bytes": max(rss.peak, rss_run.peak),
         "bitwise_equal": equal,
-        "output_sha256": digest,  # the same across runs: rows of a resumed run compare with one native output
+        "output_sha256": digest,  # shows whether rows of different runs saw the same native output
         "keep": type(keep).__name__,
     }
 

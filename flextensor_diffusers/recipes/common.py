@@ -93,8 +93,9 @@ def vae_tiling(args: argparse.Namespace) -> bool | None:
 
 def place_natively(pipe: Any, args: argparse.Namespace, device: torch.device) -> None:
     """Everything on the device, with the VAE tiling choice an offloaded run under --budget makes."""
+    tiled = resolve_vae_tiling(vae_tiling(args), resolve_budget(args.budget, device))  # "auto": before the move
     pipe.to(device)
-    if resolve_vae_tiling(vae_tiling(args), resolve_budget(args.budget, device)) and hasattr(pipe, "vae"):
+    if tiled and hasattr(pipe, "vae"):
         pipe.vae.enable_tiling()
 
 
