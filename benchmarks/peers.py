@@ -136,6 +136,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "setup_overhead_s": round(setup_s + warmup_s - WARMUP.get(args.child, args.warmup) * step_ms / 1e3, 3),
         "peak_host_rss_bytes": max(rss.peak, rss_run.peak),
         "bitwise_equal": equal,
+        # where our set-up time goes (layout, pack, pin, hooks), to see what the set-up row is made of
+        "setup_ms": keep.stats().setup_ms if args.child == "flextensor_diffusers" else None,
         "output_sha256": digest,  # shows whether rows of different runs saw the same native output
         "keep": type(keep).__name__,
     }

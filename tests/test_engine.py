@@ -274,11 +274,11 @@ def test_failure_during_set_up_leaves_model_as_it_was(monkeypatch: pytest.Monkey
     calls = {"n": 0}
     real = runtime.pack_unit
 
-    def failing(unit, pin, **kwargs):
+    def failing(unit, **kwargs):
         calls["n"] += 1
         if calls["n"] == 4:
             raise MemoryError("simulated: host memory exhausted while packing")
-        real(unit, pin, **kwargs)
+        real(unit, **kwargs)
 
     monkeypatch.setattr(runtime, "pack_unit", failing)
     with pytest.raises(MemoryError):
@@ -327,6 +327,9 @@ def test_stats_report() -> None:
     text = str(stats)
     assert "blocks.5" in text and "plan:" in text
     assert stats.as_dict()["plan"]["num_slots"] == 2
+    assert set(stats.setup_ms) == {"layout", "pack", "pin", "hooks"} and stats.setup_ms["pack"] > 0
+    assert stats.setup_ms["pin"] == 0  # nothing is page-locked for the CPU
+    assert "set-up layout" in text
     handle.remove()
 
 

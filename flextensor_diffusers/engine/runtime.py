@@ -49,7 +49,7 @@ from .errors import BudgetError, FlexTensorError, InferenceOnlyError, OffloadSta
 from .planner import Call, Plan, WorkloadProfile, plan_residency
 from .profile import SavedProfile, device_name, model_fingerprint, workload_signature
 from .stats import OffloadStats, UnitStats
-from .units import Unit, find_units, pack_unit, plan_layout, restore_unit, tensor_nbytes
+from .units import Unit, find_units, pack_unit, pin_unit, plan_layout, restore_unit, tensor_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ class OffloadHandle:
                 f"{type(model).__name__} (or a module inside it) is already offloaded: call remove() on "
                 "the existing handle before offloading again"
             )
+        started = time.perf_counter()
         self.model = model
         self.config = config
         self.device = resolve_device(config.device)
@@ -106,6 +107,9 @@ class OffloadHandle:
         attaching = config.shared_host is not None and not config.shared_host.create
         selected = find_units(model, config.include_patterns, config.exclude_patterns)
         layout = plan_layout(model, selected, meta_ok=attaching)
+        #: Where set-up time went (ms): finding units and their layout, copying into the flat host
+        #: buffers, page-locking them, hooks plus the first device copy of the base.
+        self.setup_ms = {"layout": 1e3 * (time.perf_counter() - started), "pack": 0.0, "pin": 0.0, "hooks": 0.0}
         self.units: list[Unit] = layout.units
         self.base: Unit = layout.base
         self._loose = [(t, t.device) for t in layout.loose]  # (tensor, device it came from)
@@ -214,9 +218,16 @@ class OffloadHandle:
                 desc = "attaching to shared weights"
             for unit in tqdm([self.base, *self.units], desc=desc, disable=None, leave=False):
                 host = shared.buffer(unit.index) if shared is not None else None
-                pack_unit(unit, pin=pin, host=host, filled=shared is not None and not shared.create)
+                start = time.perf_counter()
+                pack_unit(unit, host=host, filled=shared is not None and not shared.create)
+                packed = time.perf_counter()
+                self.setup_ms["pack"] += 1e3 * (packed - start)
+                if pin:
+                    pin_unit(unit, shared=shared is not None)
+                    self.setup_ms["pin"] += 1e3 * (time.perf_counter() - packed)
         if shared is not None and shared.create:
             shared.publish(self.fingerprint["sha256"])
+        hooking = time.perf_counter()
         self._hooks.append(self.model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True))
         self._hooks.append(self.model.register_forward_hook(self._on_forward_end))
         for unit in self.units:
@@ -227,6 +238,7 @@ class OffloadHandle:
             ]
         self._hooks.append(self.model._register_state_dict_hook(self._state_dict_hook(self.base)))
         self.activate()
+        self.setup_ms["hooks"] = 1e3 * (time.perf_counter() - hooking)
 
     def _undo(self) -> None:
         """Put back everything set-up changed; safe to call at any point of set-up."""
@@ -692,6 +704,7 @@ class OffloadHandle:
             measured_forwards=self._measured_forwards,
             peak_allocated_bytes=torch.cuda.max_memory_allocated(self.device) if self.cuda else None,
             plan=self.plan.summary() if self.plan else None,
+            setup_ms={k: round(v, 3) for k, v in self.setup_ms.items()},
             units=units,
         )
 

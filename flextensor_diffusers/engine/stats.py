@@ -35,6 +35,7 @@ class OffloadStats:
     measured_forwards: int = 0
     peak_allocated_bytes: int | None = None
     plan: dict[str, Any] | None = None
+    setup_ms: dict[str, float] = field(default_factory=dict)  # layout, pack, pin, hooks
     units: list[UnitStats] = field(default_factory=list)
 
     @property
@@ -56,6 +57,8 @@ class OffloadStats:
             f"streamed {format_bytes(self.bytes_streamed)} in {self.loads} loads; copy {self.copy_ms:.1f} ms, "
             f"stall {self.stall_ms:.1f} ms, overlap {overlap} (steady forwards measured: {self.measured_forwards})",
         ]
+        if self.setup_ms:
+            lines.append("set-up " + ", ".join(f"{k} {v:.1f} ms" for k, v in self.setup_ms.items()))
         if self.plan:
             lines.append(
                 f"plan: {self.plan['streamed_units']} streamed, {len(self.plan['resident_units'])} resident, "

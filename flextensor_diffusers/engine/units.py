@@ -264,7 +264,7 @@ def _unpin(buffer: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
-def pack_unit(unit: Unit, pin: bool, host: torch.Tensor | None = None, filled: bool = False) -> None:
+def pack_unit(unit: Unit, host: torch.Tensor | None = None, filled: bool = False) -> None:
     """Copy the unit's tensors into one flat host buffer and make them views of it.
 
     Tensors are moved one by one, so the original of each is freed as soon as it is copied (when
@@ -283,15 +283,23 @@ def pack_unit(unit: Unit, pin: bool, host: torch.Tensor | None = None, filled: b
             torch.utils.swap_tensors(packed.tensor, new)
         else:
             packed.tensor.data = view
-    if pin:
-        if _pin_in_place(host):
-            unit.pinned_in_place = True
-        elif filled:  # a private pinned copy would defeat the sharing
-            raise FlexTensorError("cudaHostRegister failed on the shared weights: they cannot be pinned in place")
-        else:
-            host = host.pin_memory()
-            unit.bind(host)
     unit.host = host
+
+
+def pin_unit(unit: Unit, shared: bool = False) -> None:
+    """Page-lock a packed unit's host buffer, in place where CUDA allows, else as a pinned copy.
+
+    Only page-locked memory copies to the GPU asynchronously and at full PCIe speed. ``shared``:
+    the buffer is shared with other processes, so a private copy would defeat the sharing.
+    """
+    assert unit.host is not None
+    if _pin_in_place(unit.host):
+        unit.pinned_in_place = True
+    elif shared:
+        raise FlexTensorError("cudaHostRegister failed on the shared weights: they cannot be pinned in place")
+    else:
+        unit.host = unit.host.pin_memory()
+        unit.bind(unit.host)
 
 
 def restore_unit(unit: Unit) -> None:
