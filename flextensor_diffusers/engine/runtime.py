@@ -104,9 +104,10 @@ class OffloadHandle:
         self.config = config
         self.device = resolve_device(config.device)
         self.cuda = self.device.type == "cuda"
-        attaching = config.shared_host is not None and not config.shared_host.create
+        # Another process packed these weights into shared memory: point at them, copy nothing.
+        self._attaching = config.shared_host is not None and not config.shared_host.create
         selected = find_units(model, config.include_patterns, config.exclude_patterns)
-        layout = plan_layout(model, selected, meta_ok=attaching)
+        layout = plan_layout(model, selected, meta_ok=self._attaching)
         #: Where set-up time went (ms): finding units and their layout, copying into the flat host
         #: buffers, page-locking them, hooks plus the first device copy of the base.
         self.setup_ms = {"layout": 1e3 * (time.perf_counter() - started), "pack": 0.0, "pin": 0.0, "hooks": 0.0}
@@ -214,16 +215,16 @@ class OffloadHandle:
             shared.open(self.fingerprint["sha256"], {u.index: u.nbytes for u in [self.base, *self.units]})
         with torch.no_grad(), torch.inference_mode(False):
             desc = "packing + pinning weights" if pin else "packing weights"
-            if shared is not None and not shared.create:
+            if self._attaching:
                 desc = "attaching to shared weights"
             for unit in tqdm([self.base, *self.units], desc=desc, disable=None, leave=False):
                 host = shared.buffer(unit.index) if shared is not None else None
                 start = time.perf_counter()
-                pack_unit(unit, host=host, filled=shared is not None and not shared.create)
+                pack_unit(unit, host=host, filled=self._attaching)
                 packed = time.perf_counter()
                 self.setup_ms["pack"] += 1e3 * (packed - start)
                 if pin:
-                    pin_unit(unit, shared=shared is not None)
+                    pin_unit(unit, attached=self._attaching)
                     self.setup_ms["pin"] += 1e3 * (time.perf_counter() - packed)
         if shared is not None and shared.create:
             shared.publish(self.fingerprint["sha256"])

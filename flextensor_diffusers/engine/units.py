@@ -286,16 +286,17 @@ def pack_unit(unit: Unit, host: torch.Tensor | None = None, filled: bool = False
     unit.host = host
 
 
-def pin_unit(unit: Unit, shared: bool = False) -> None:
+def pin_unit(unit: Unit, attached: bool = False) -> None:
     """Page-lock a packed unit's host buffer, in place where CUDA allows, else as a pinned copy.
 
-    Only page-locked memory copies to the GPU asynchronously and at full PCIe speed. ``shared``:
-    the buffer is shared with other processes, so a private copy would defeat the sharing.
+    Only page-locked memory copies to the GPU asynchronously and at full PCIe speed. ``attached``:
+    the buffer holds weights another process packed (shared memory), so a private copy would
+    defeat the sharing.
     """
     assert unit.host is not None
     if _pin_in_place(unit.host):
         unit.pinned_in_place = True
-    elif shared:
+    elif attached:
         raise FlexTensorError("cudaHostRegister failed on the shared weights: they cannot be pinned in place")
     else:
         unit.host = unit.host.pin_memory()
