@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from models import Stack, assert_same, snapshot
+from models import Block, Stack, assert_same, snapshot
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import Phase
@@ -267,7 +267,7 @@ def test_autograd_is_refused_with_the_fix() -> None:
 
 
 def test_failure_during_set_up_leaves_model_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flextensor_diffusers.engine import runtime
+    from flextensor_diffusers.engine import residency as runtime  # where set-up packs
 
     model, _ = make()
     before = snapshot(model)
@@ -285,12 +285,13 @@ def test_failure_during_set_up_leaves_model_as_it_was(monkeypatch: pytest.Monkey
         ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**9, device="cpu")
     assert_same(before, model)
     assert not model._forward_pre_hooks and not model.blocks[0]._forward_pre_hooks
+    assert type(model) is Stack and type(model.blocks[0]) is Block  # boundary classes put back
     monkeypatch.setattr(runtime, "pack_unit", real)
     ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**9, device="cpu").remove()  # not "already"
 
 
 def test_failure_during_remove_keeps_model_working(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flextensor_diffusers.engine import runtime
+    from flextensor_diffusers.engine import residency as runtime  # where teardown restores
 
     model, x = make()
     ref = native(model, x, "cpu")
@@ -348,7 +349,7 @@ def test_release_and_activate_keep_the_plan_and_the_numbers(device: str) -> None
     plans = handle.counters["plans"]
     handle.release()
     assert not handle.active and all(p.device.type == "cpu" for p in model.parameters())
-    assert handle._slots == [] and handle._base_buffer is None
+    assert handle.residency.copies.slots == [] and handle.residency.copies.base is None
     outs = run(model, x, device, 2)  # the forward re-activates
     assert handle.active and handle.counters["plans"] == plans and handle.counters["activations"] == 2
     assert all(torch.equal(o, ref) for o in outs)

@@ -11,8 +11,8 @@ from .errors import (
     ProfileMismatchError,
 )
 from .planner import Call, Plan, WorkloadProfile, plan_residency, simulate
-from .runtime import OffloadHandle, Phase, offload
-from .shared_host import SharedHostMemory, offload_shared
+from .runtime import OffloadHandle, Phase, offload, offload_shared
+from .shared_host import SharedHostMemory
 from .stats import OffloadStats
 
 __all__ = [

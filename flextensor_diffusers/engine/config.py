@@ -84,21 +84,40 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
-def auto_budget(device: torch.device, already_on_device: int = 0) -> int:
-    """Free device memory (plus what the model already holds there) minus a safety margin."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = free + already_on_device - AUTO_BUDGET_MARGIN_BYTES
-    else:
+def is_auto(budget: int | str) -> bool:
+    return isinstance(budget, str) and budget.strip().lower() == "auto"
+
+
+def room_on_device(device: torch.device) -> int:
+    """Bytes this process could still allocate on ``device``: what is free on it, and no more than its
+    own cap (``torch.cuda.set_per_process_memory_fraction``, which ``mem_get_info`` does not see)
+    leaves above what it has reserved. On the CPU: available RAM."""
+    if device.type != "cuda":
         import psutil
 
-        budget = psutil.virtual_memory().available + already_on_device - AUTO_BUDGET_MARGIN_BYTES
-    if budget <= 0:
+        return psutil.virtual_memory().available
+    free, total = torch.cuda.mem_get_info(device)
+    cap = int(total * torch.cuda.get_per_process_memory_fraction(device))
+    return min(free, cap - torch.cuda.memory_reserved(device))
+
+
+def resolve_budget(budget: int | str, device: torch.device, already_on_device: int = 0) -> int:
+    """The budget in bytes: parsed, or for ``"auto"`` the room on the device (plus what the model
+    already holds there, which offloading gives back) less `AUTO_BUDGET_MARGIN_BYTES`.
+
+    The one place a budget is resolved; a pipeline resolves it once and hands every component the bytes.
+    """
+    if not is_auto(budget):
+        return parse_bytes(budget)
+    room = room_on_device(device)
+    resolved = room + already_on_device - AUTO_BUDGET_MARGIN_BYTES
+    if resolved <= 0:
         raise BudgetError(
-            f"budget='auto' found only {format_bytes(budget + AUTO_BUDGET_MARGIN_BYTES)} free on {device}: "
-            "free memory on the device or pass an explicit budget"
+            f"budget='auto' found only {format_bytes(max(room, 0))} free for this process on {device}: "
+            "free memory on the device or pass an explicit budget",
+            required_bytes=None,
         )
-    return budget
+    return resolved
 
 
 @dataclass
@@ -126,6 +145,10 @@ class OffloadConfig:
         exclude_patterns: modules never made units, even when an include pattern matches.
         shared_host: a `SharedHostMemory`: unit buffers live in files shared by every process of
             the host (one creates, the others attach), instead of private host memory.
+        entry_methods: methods besides ``forward`` through which the model is used, each a workload
+            of its own that is profiled and planned (a VAE's ``["encode", "decode"]``).
+        edit_methods: methods that change weights in place; each call runs inside
+            ``handle.editing()`` so the change reaches the host copies (diffusers' ``fuse_lora``...).
     """
 
     include_patterns: list[str]
@@ -141,6 +164,8 @@ class OffloadConfig:
     activation_margin: float = 0.05
     exclude_patterns: list[str] = field(default_factory=list)
     shared_host: SharedHostMemory | None = None
+    entry_methods: list[str] = field(default_factory=list)
+    edit_methods: list[str] = field(default_factory=lambda: ["load_state_dict"])
 
     def __post_init__(self) -> None:
         if isinstance(self.include_patterns, str):
@@ -153,11 +178,8 @@ class OffloadConfig:
             raise FlexTensorError("OffloadConfig.max_slots must be at least 2 (one computing, one loading)")
         if not 0 <= self.activation_margin < 1:
             raise FlexTensorError("OffloadConfig.activation_margin must be in [0, 1)")
-        if not (isinstance(self.gpu_budget, str) and self.gpu_budget.strip().lower() == "auto"):
+        if not is_auto(self.gpu_budget):
             parse_bytes(self.gpu_budget)  # fail now, not at set-up
-
-    def budget_bytes(self, device: torch.device, already_on_device: int = 0) -> int:
-        """The budget in bytes; ``"auto"`` is resolved against the device's free memory now."""
-        if isinstance(self.gpu_budget, str) and self.gpu_budget.strip().lower() == "auto":
-            return auto_budget(device, already_on_device)
-        return parse_bytes(self.gpu_budget)
+        self.entry_methods = list(self.entry_methods)
+        if "forward" in self.entry_methods:
+            raise FlexTensorError("entry_methods lists methods besides forward (e.g. ['encode', 'decode'])")

@@ -16,7 +16,16 @@ class PatternError(FlexTensorError, ValueError):
 
 
 class BudgetError(FlexTensorError, ValueError):
-    """The GPU budget cannot hold what streaming needs at minimum."""
+    """The GPU budget cannot hold what streaming needs at minimum.
+
+    ``required_bytes``, when known, is the smallest workable budget (for a pipeline: the largest
+    of its components' minimums, since every component gets the whole budget), so that a command
+    line can name the value of its own flag instead of the Python parameter.
+    """
+
+    def __init__(self, message: str, required_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.required_bytes = required_bytes
 
 
 class ProfileMismatchError(FlexTensorError):

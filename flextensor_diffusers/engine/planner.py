@@ -173,8 +173,34 @@ def memory_needed(profile: WorkloadProfile, resident: frozenset[int], num_slots:
     return profile.resident_bytes + residents + slots + activations
 
 
-def minimum_budget(profile: WorkloadProfile, margin: float) -> int:
-    return memory_needed(profile, frozenset(), 2, margin)
+def smallest_budget(
+    resident_bytes: int, unit_bytes: list[int], activation_peak_bytes: int = 0, margin: float = 0.0
+) -> int:
+    """The least budget streaming can run in: weights outside units + 2 slots of the largest unit
+    (one computing, one loading) + the activation peak with its margin. The one place this rule lives:
+    at set-up activations are not known yet (0); after profiling they are."""
+    slots = 2 * max(unit_bytes) if unit_bytes else 0
+    return resident_bytes + slots + int(activation_peak_bytes * (1 + margin))
+
+
+def check_budget(
+    budget: int, resident_bytes: int, unit_bytes: list[int], activation_peak_bytes: int = 0, margin: float = 0.0
+) -> None:
+    """Raise `BudgetError` (with ``required_bytes``) when ``budget`` is under `smallest_budget`."""
+    need = smallest_budget(resident_bytes, unit_bytes, activation_peak_bytes, margin)
+    if budget >= need:
+        return
+    parts = f"weights outside units {format_bytes(resident_bytes)}"
+    if unit_bytes:
+        parts += f" + 2 slots of the largest unit, {format_bytes(max(unit_bytes))}"
+    if activation_peak_bytes:
+        parts += f" + activation peak {format_bytes(activation_peak_bytes)} (+{margin:.0%})"
+    raise BudgetError(
+        f"gpu_budget {format_bytes(budget)} is smaller than the least this needs: {format_bytes(need)} ({parts}). "
+        f"Pass gpu_budget >= {need}, stream smaller units (finer include_patterns), or shrink the workload "
+        "(fewer frames, smaller resolution, VAE tiling)",
+        required_bytes=need,
+    )
 
 
 def plan_residency(profile: WorkloadProfile, budget: int, max_slots: int = 6, margin: float = 0.05) -> Plan:
@@ -189,15 +215,7 @@ def plan_residency(profile: WorkloadProfile, budget: int, max_slots: int = 6, ma
     everything = frozenset(range(n))
     if memory_needed(profile, everything, 0, margin) <= budget:
         return _make_plan(profile, everything, 0, budget, margin)
-    need = minimum_budget(profile, margin)
-    if need > budget:
-        raise BudgetError(
-            f"budget {format_bytes(budget)} cannot run this workload: it needs at least {format_bytes(need)} "
-            f"(weights outside units {format_bytes(profile.resident_bytes)} + 2 slots of "
-            f"{format_bytes(max(profile.unit_bytes))} + activation peak "
-            f"{format_bytes(profile.activation_peak_bytes)}). Raise gpu_budget to at least {need} bytes, or "
-            "shrink the workload (fewer frames, smaller resolution, VAE tiling)"
-        )
+    check_budget(budget, profile.resident_bytes, profile.unit_bytes, profile.activation_peak_bytes, margin)
     best: tuple[float, int, frozenset[int], int] | None = None
     for slots in range(2, max_slots + 1):
         if memory_needed(profile, frozenset(), slots, margin) > budget:

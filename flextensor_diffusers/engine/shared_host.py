@@ -14,22 +14,14 @@ that attaches either finds complete weights for the same model or a clear error.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .errors import FlexTensorError
-
-if TYPE_CHECKING:
-    from torch import nn
-
-    from .config import OffloadConfig
-    from .runtime import OffloadHandle
 
 MANIFEST = "manifest.json"
 
@@ -97,34 +89,3 @@ class SharedHostMemory:
         if self._owns_files:
             shutil.rmtree(self.dir, ignore_errors=True)
             self._owns_files = False
-
-
-def offload_shared(
-    model: nn.Module, config: OffloadConfig, namespace: str, group: Any = None, root: str | Path = "/dev/shm"
-) -> OffloadHandle:
-    """`offload` on every process of a ``torch.distributed`` job, with one host copy per host.
-
-    The process with ``LOCAL_RANK`` 0 (or rank 0 when unset) packs; all wait at a barrier; then the
-    others attach. Build the model on the meta device in the attaching processes to skip their
-    own copy of the weights.
-    """
-    import torch.distributed as dist
-
-    from .runtime import offload
-
-    if not dist.is_initialized():
-        raise FlexTensorError("offload_shared needs torch.distributed: call init_process_group first")
-    creator = int(os.environ.get("LOCAL_RANK", dist.get_rank(group))) == 0
-    shared = SharedHostMemory(namespace, create=creator, root=root)
-    handle, error = None, None
-    if creator:
-        try:
-            handle = offload(model, dataclasses.replace(config, shared_host=shared))
-        except Exception as exc:  # reach the barrier anyway, so that the others fail instead of waiting
-            error = exc
-    dist.barrier(group)
-    if error is not None:
-        raise error
-    if handle is None:  # raises "no shared weights" when the creator failed
-        handle = offload(model, dataclasses.replace(config, shared_host=shared))
-    return handle

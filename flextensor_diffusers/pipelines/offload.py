@@ -20,8 +20,10 @@ import torch
 from torch import nn
 
 from ..engine import OffloadConfig, OffloadHandle, Phase, format_bytes, offload_shared
-from ..engine.config import resolve_device
+from ..engine.config import resolve_budget, resolve_device
 from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
+from ..engine.planner import smallest_budget
+from ..engine.units import find_units, plan_layout
 from .patterns import patterns_for
 
 logger = logging.getLogger(__name__)
@@ -29,8 +31,21 @@ logger = logging.getLogger(__name__)
 #: Below this budget VAE tiling is switched on by ``vae_tiling=None`` (decode activations of a
 #: 81-frame 832x480 Wan video do not fit comfortably in a 24 GB card without it).
 VAE_TILING_BELOW = 40 * 2**30
-#: Entry points of components whose work is not done by ``forward``.
+#: Entry points of components whose work is not done by ``forward``: each is a planned workload.
 ENTRY_METHODS = ("encode", "decode")
+#: Methods of diffusers models that change weights in place; they run inside ``handle.editing()``
+#: so that the change reaches the host copies (a LoRA fused while its component is active is kept).
+EDIT_METHODS = (
+    "load_state_dict",
+    "fuse_lora",
+    "unfuse_lora",
+    "load_lora_adapter",
+    "add_adapter",
+    "delete_adapters",
+    "unload_lora",
+)
+#: Called by diffusers pipelines at the end of every generation: where shortfalls are reported.
+END_OF_GENERATION = "maybe_free_model_hooks"
 
 
 class _ExecutionDevice:
@@ -58,6 +73,26 @@ class PipelineOffload:
             if other is not handle and other.active:
                 other.release()
                 self.switches += 1
+
+    def smallest_budget(self) -> int:
+        """The least budget every component can run in: the largest of their minimums (measured
+        activations where profiled, else weights outside units + 2 slots)."""
+        return max((h.smallest_budget() for h in self.handles.values()), default=0)
+
+    def check_budget(self) -> None:
+        """Raise one `BudgetError` for every component whose profiled workload exceeds the budget."""
+        short = {name: h.shortfall for name, h in self.handles.items() if h.shortfall is not None}
+        if not short:
+            return
+        need = max(exc.required_bytes or 0 for exc in short.values())
+        need = max(need, self.smallest_budget())
+        parts = ", ".join(f"{name} {format_bytes(exc.required_bytes or 0)}" for name, exc in short.items())
+        raise BudgetError(
+            f"budget {format_bytes(self.budget_bytes)} cannot run this workload: the smallest workable budget for "
+            f"the whole pipeline is {format_bytes(need)} ({parts}, measured). Raise the budget to at least "
+            f"{format_bytes(need)}, or shrink the workload (fewer frames, smaller resolution, VAE tiling)",
+            required_bytes=need,
+        )
 
     def report(self) -> dict[str, Any]:
         components = {}
@@ -92,11 +127,10 @@ class PipelineOffload:
 
     def disable(self) -> None:
         """Remove every handle (weights bit-exact, back where they were) and undo the wrappers."""
+        if END_OF_GENERATION in vars(self.pipeline):
+            delattr(self.pipeline, END_OF_GENERATION)
         for name, handle in self.handles.items():
-            module = handle.model
-            for method in ENTRY_METHODS:
-                if method in vars(module):
-                    delattr(module, method)
+            module = handle.target
             if isinstance(getattr(module, "_hf_hook", None), _ExecutionDevice):
                 del module._hf_hook
             if handle.phase is not Phase.REMOVED:
@@ -135,11 +169,6 @@ def _weighted_components(pipeline: Any) -> dict[str, nn.Module]:
         for name, module in pipeline.components.items()
         if isinstance(module, nn.Module) and any(True for _ in module.parameters())
     }
-
-
-def resolve_budget(budget: int | str, device: torch.device) -> int:
-    """``budget`` in bytes on ``device`` (``"auto"``: what the device has free, less a margin)."""
-    return OffloadConfig(include_patterns=[], gpu_budget=budget, device=device).budget_bytes(device)
 
 
 def resolve_vae_tiling(vae_tiling: bool | None, budget_bytes: int) -> bool:
@@ -192,16 +221,21 @@ def enable(
         )
     device = resolve_device(device)
     budget_bytes = resolve_budget(budget, device)
+    patterns = patterns or {}
+    includes = {name: patterns[name] if name in patterns else patterns_for(name, available[name]) for name in chosen}
+    _check_setup_budgets(available, includes, budget_bytes)
     state = PipelineOffload(pipeline=pipeline, device=device, budget_bytes=budget_bytes)
     try:
         for name in chosen:
             module = available[name]
-            include = patterns[name] if patterns and name in patterns else patterns_for(name, module)
+            target = getattr(module, "_orig_mod", module)
             cfg = OffloadConfig(
-                include_patterns=include,
+                include_patterns=includes[name],
                 gpu_budget=budget_bytes,
                 device=device,
                 profile_dir=Path(profile_dir) / name if profile_dir is not None else None,
+                entry_methods=[m for m in ENTRY_METHODS if callable(getattr(target, m, None))],
+                edit_methods=[m for m in EDIT_METHODS if callable(getattr(target, m, None))],
                 **config,
             )
             try:
@@ -210,14 +244,12 @@ def enable(
                 else:
                     handle = offload_shared(module, cfg, f"{shared_host}-{name}", root=shared_host_root)
             except BudgetError as exc:
-                raise BudgetError(f"component {name!r}: {exc}") from exc
+                raise BudgetError(f"component {name!r}: {exc}", required_bytes=exc.required_bytes) from exc
             handle.on_activate = state.activate
+            handle.defer_budget_errors = True  # reported for all components at once, by check_budget
             state.handles[name] = handle
             handle.release()  # nothing on the device until the component runs
-            module._hf_hook = _ExecutionDevice(device)
-            for method in ENTRY_METHODS:
-                if hasattr(module, method) and callable(getattr(module, method)):
-                    setattr(module, method, _activating(getattr(module, method), handle))
+            target._hf_hook = _ExecutionDevice(device)
         for name, module in available.items():
             if name not in state.handles:
                 state.moved[name] = next(module.parameters()).device
@@ -229,6 +261,8 @@ def enable(
             logger.info("VAE tiling on (budget %s)", format_bytes(budget_bytes))
         else:
             state.vae_tiling = False
+        if callable(getattr(pipeline, END_OF_GENERATION, None)):
+            setattr(pipeline, END_OF_GENERATION, _checking_budget(getattr(pipeline, END_OF_GENERATION), state))
     except BaseException:
         state.disable()
         raise
@@ -236,13 +270,34 @@ def enable(
     return state
 
 
-def _activating(method: Any, handle: OffloadHandle) -> Any:
-    """``method`` that first makes ``handle``'s component the active one."""
+def _check_setup_budgets(components: dict[str, nn.Module], includes: dict[str, list[str]], budget: int) -> None:
+    """Refuse a budget under any component's set-up minimum before anything is packed, naming the
+    smallest budget for the whole pipeline (every component gets the whole budget)."""
+    needs = {}
+    for name, patterns in includes.items():
+        target = getattr(components[name], "_orig_mod", components[name])
+        layout = plan_layout(target, find_units(target, patterns), meta_ok=True)
+        needs[name] = smallest_budget(layout.resident_bytes, [u.nbytes for u in layout.units])
+    short = {name: need for name, need in needs.items() if need > budget}
+    if short:
+        need = max(needs.values())
+        parts = ", ".join(f"{name} {format_bytes(n)}" for name, n in short.items())
+        raise BudgetError(
+            f"budget {format_bytes(budget)} is smaller than the least streaming needs: the smallest workable budget "
+            f"for the whole pipeline is {format_bytes(need)} (weights outside blocks + 2 slots of the largest block; "
+            f"short: {parts}). Raise the budget to at least {format_bytes(need)}",
+            required_bytes=need,
+        )
 
-    @functools.wraps(method)
+
+def _checking_budget(end_of_generation: Any, state: PipelineOffload) -> Any:
+    """Diffusers' end-of-generation call, followed by `PipelineOffload.check_budget`."""
+
+    @functools.wraps(end_of_generation)
     def call(*args: Any, **kwargs: Any) -> Any:
-        handle.activate()
-        return method(*args, **kwargs)
+        result = end_of_generation(*args, **kwargs)
+        state.check_budget()
+        return result
 
     return call
 

@@ -1,0 +1,168 @@
+"""Where streaming meets the model: the calls of its units and of its entry points.
+
+Streaming has to run *between* compiled regions, never inside one: a hook traced by
+``torch.compile`` would be replayed as a graph without its side effects (the loads, the events),
+silently computing with whatever a slot holds. So instead of module hooks (which
+``module.compile()`` and ``compile_repeated_blocks`` compile together with the forward), every unit
+and the model itself get their class swapped for a subclass of the same name whose ``__call__``
+does the handle's work around the original call:
+
+* ``__call__`` is hidden from dynamo (``torch.compiler.disable(recursive=False)``): a whole-model
+  compile breaks its graph there and compiles what the original call runs as graphs of their own;
+  a regionally compiled unit runs its compiled ``_call_impl`` inside, its weights already loaded.
+* the handle's work (``enter``/``exit``) is hidden from dynamo entirely.
+* ``compile()`` on such a module refuses CUDA graphs, which would replay kernels outside the
+  events that order slot reuse (not supported yet).
+
+Swapping ``__class__`` keeps the object, its parameters and ``type(m).__name__`` (diffusers finds
+repeated blocks by class name); `Boundaries.remove` puts every original class back.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import FlexTensorError
+
+#: Instance attribute holding a module's `Crossing` (absent: the subclass behaves as its base).
+ATTRIBUTE = "_flextensor_crossing"
+_SUBCLASSES: dict[type, type] = {}
+_CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """What runs when a call crosses a boundary; every callable is hidden from dynamo."""
+
+    enter: Callable[[tuple, dict], None]
+    exit: Callable[[], None]
+    fail: Callable[[], None]
+
+
+def hidden(fn: Callable) -> Callable:
+    """``fn`` never traced by dynamo, nor anything it calls."""
+    return torch.compiler.disable(fn)
+
+
+def _refuse_cudagraphs(args: tuple, kwargs: dict, module: nn.Module) -> None:
+    mode = kwargs.get("mode", args[3] if len(args) > 3 else None)
+    options = kwargs.get("options") or {}
+    if mode in _CUDAGRAPH_MODES or options.get("triton.cudagraphs"):
+        raise FlexTensorError(
+            f"torch.compile with CUDA graphs (mode={mode!r}) is not supported on an offloaded "
+            f"{type(module).__name__}: graphs would replay outside the events that order streaming. Use "
+            "mode='default' or 'max-autotune-no-cudagraphs'"
+        )
+
+
+def compiled_with_cudagraphs(module: nn.Module) -> bool:
+    """Best effort: whether ``module.compile(...)`` was called with a CUDA-graph mode."""
+    fn = module.__dict__.get("_compiled_call_impl")
+    if fn is None:
+        return False
+    try:
+        ctx = inspect.getclosurevars(fn).nonlocals.get("self")
+        backend = getattr(getattr(ctx, "callback", None), "_torchdynamo_orig_backend", None)
+        for _ in range(4):
+            config = getattr(backend, "config", None)
+            if isinstance(config, dict) and config.get("triton.cudagraphs"):
+                return True
+            backend = getattr(backend, "_torchdynamo_orig_backend", None)
+    except (TypeError, ValueError):
+        return False
+    return False
+
+
+def _bordered_class(cls: type) -> type:
+    """The subclass of ``cls`` (same name) whose calls go through the instance's `Crossing`."""
+    if cls in _SUBCLASSES:
+        return _SUBCLASSES[cls]
+    base_call = cls.__call__
+
+    @torch.compiler.disable(recursive=False)
+    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        crossing = self.__dict__.get(ATTRIBUTE)
+        if crossing is None:
+            return base_call(self, *args, **kwargs)
+        crossing.enter(args, kwargs)
+        try:
+            output = base_call(self, *args, **kwargs)
+        except BaseException:
+            crossing.fail()
+            raise
+        crossing.exit()
+        return output
+
+    def compile(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        _refuse_cudagraphs(args, kwargs, self)
+        cls.compile(self, *args, **kwargs)
+
+    sub = type(cls.__name__, (cls,), {"__call__": __call__, "compile": compile, "__module__": cls.__module__})
+    sub.__qualname__ = cls.__qualname__
+    sub._flextensor_base = cls  # type: ignore[attr-defined]
+    _SUBCLASSES[cls] = sub
+    return sub
+
+
+class Boundaries:
+    """The swapped classes and wrapped entry methods of one offloaded model, and their undoing."""
+
+    def __init__(self) -> None:
+        self._modules: list[tuple[nn.Module, type]] = []
+        self._methods: list[tuple[nn.Module, str]] = []
+
+    def border(self, module: nn.Module, crossing: Crossing) -> None:
+        """Route ``module``'s calls through ``crossing``."""
+        if compiled_with_cudagraphs(module):
+            _refuse_cudagraphs((), {"mode": "reduce-overhead"}, module)
+        original = type(module)
+        module.__class__ = _bordered_class(original)
+        module.__dict__[ATTRIBUTE] = crossing
+        self._modules.append((module, original))
+
+    def wrap_entry(self, module: nn.Module, name: str, crossing: Crossing) -> None:
+        """Route calls of ``module.<name>`` (e.g. a VAE's ``decode``) through ``crossing``."""
+        method = getattr(module, name)
+
+        @functools.wraps(method)
+        @torch.compiler.disable(recursive=False)
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            crossing.enter(args, kwargs)
+            try:
+                output = method(*args, **kwargs)
+            except BaseException:
+                crossing.fail()
+                raise
+            crossing.exit()
+            return output
+
+        setattr(module, name, entry)
+        self._methods.append((module, name))
+
+    def wrap_edit(self, module: nn.Module, name: str, editing: Callable[[], Any]) -> None:
+        """Run every call of ``module.<name>`` (``load_state_dict``, ``fuse_lora``) inside ``editing()``."""
+        method = getattr(module, name)
+
+        @functools.wraps(method)
+        def edit(*args: Any, **kwargs: Any) -> Any:
+            with editing():
+                return method(*args, **kwargs)
+
+        setattr(module, name, edit)
+        self._methods.append((module, name))
+
+    def remove(self) -> None:
+        for module, name in self._methods:
+            if name in vars(module):
+                delattr(module, name)
+        for module, original in reversed(self._modules):
+            module.__dict__.pop(ATTRIBUTE, None)
+            module.__class__ = original
+        self._methods, self._modules = [], []

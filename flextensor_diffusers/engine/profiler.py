@@ -1,0 +1,156 @@
+"""Discovery and profiling: typed records of what a forward did, turned into a `WorkloadProfile`.
+
+A profiling forward loads every streamed unit on demand into the one profiling slot and times, on
+the compute stream, each load, each unit's compute and the gaps between units; the allocator's
+peak gives the activation memory. Several profiling forwards of the same order are averaged.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .planner import Call, WorkloadProfile
+
+
+class Clock:
+    """Timestamps on a stream: CUDA timing events (pooled), or the wall clock on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._pool: list[torch.cuda.Event] = []
+
+    def mark(self, stream: torch.cuda.Stream | None = None) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def ms(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+
+    def done(self, mark: Any) -> bool:
+        return mark.query() if self.cuda else True
+
+    def release(self, *marks: Any) -> None:
+        if self.cuda:
+            self._pool.extend(marks)
+
+
+@dataclass(frozen=True)
+class CallMark:
+    """One unit call of a profiling forward: clock marks before and after its load and its compute."""
+
+    unit: int
+    start: Any
+    loaded: Any
+    finished: Any
+    load_bytes: int  # 0 when the slot already held the unit
+
+
+@dataclass(frozen=True)
+class ProfiledRun:
+    """One profiling forward, reduced to numbers."""
+
+    calls: tuple[Call, ...]
+    tail_ms: float
+    load_ms: float
+    load_bytes: int
+    activation_peak_bytes: int
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        return tuple(c.unit for c in self.calls)
+
+
+class Profiler:
+    """Records the unit calls of discovery and profiling forwards; owns no device memory."""
+
+    def __init__(self, device: torch.device, clock: Clock) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.clock = clock
+        self.observed: list[int] = []  # units called in the current forward, in order
+        self.runs: list[ProfiledRun] = []
+        self._marks: list[CallMark] = []
+        self._open: tuple[int, Any, Any, int] | None = None  # unit, start, loaded, load bytes
+        self._forward_start: Any = None
+        self._alloc_at_start = 0
+
+    def start_forward(self, profiling: bool) -> None:
+        self.observed, self._marks, self._open = [], [], None
+        if profiling:
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+                self._alloc_at_start = torch.cuda.memory_allocated(self.device)
+            self._forward_start = self.clock.mark()
+
+    def abandon(self) -> None:
+        """The forward did not finish: forget its marks."""
+        self.clock.release(*(m for c in self._marks for m in (c.start, c.loaded, c.finished)))
+        self.observed, self._marks, self._open = [], [], None
+
+    def before_unit(self, unit: int, load: Any, nbytes: int) -> None:
+        """Time ``load()`` (returns whether it copied) as the load of ``unit``."""
+        start = self.clock.mark()
+        loaded = load()
+        self._open = (unit, start, self.clock.mark(), nbytes if loaded else 0)
+        self.observed.append(unit)
+
+    def after_unit(self) -> None:
+        if self._open is not None:
+            unit, start, loaded, load_bytes = self._open
+            self._marks.append(CallMark(unit, start, loaded, self.clock.mark(), load_bytes))
+            self._open = None
+
+    def end_forward(self) -> ProfiledRun:
+        end = self.clock.mark()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - self._alloc_at_start
+        else:
+            peak = 0  # the CPU allocator keeps no peak; planning on the CPU ignores activations
+        calls, load_ms, load_bytes = [], 0.0, 0
+        previous = self._forward_start
+        for mark in self._marks:
+            compute = self.clock.ms(mark.loaded, mark.finished)
+            calls.append(Call(unit=mark.unit, compute_ms=compute, gap_before_ms=self.clock.ms(previous, mark.start)))
+            if mark.load_bytes:
+                load_ms += self.clock.ms(mark.start, mark.loaded)
+                load_bytes += mark.load_bytes
+            previous = mark.finished
+        run = ProfiledRun(tuple(calls), self.clock.ms(previous, end), load_ms, load_bytes, peak)
+        self.abandon()
+        self.clock.release(self._forward_start, end)
+        self.runs.append(run)
+        return run
+
+    def workload_profile(
+        self, unit_names: list[str], unit_bytes: list[int], resident_bytes: int, measure_bandwidth: Any
+    ) -> WorkloadProfile:
+        """Average the runs with the latest run's order; ``measure_bandwidth()`` when none loaded anything."""
+        same = [r for r in self.runs if r.order == self.runs[-1].order]
+        calls = [
+            Call(
+                unit=call.unit,
+                compute_ms=sum(r.calls[k].compute_ms for r in same) / len(same),
+                gap_before_ms=sum(r.calls[k].gap_before_ms for r in same) / len(same),
+            )
+            for k, call in enumerate(same[-1].calls)
+        ]
+        loaded = [r for r in same if r.load_ms > 0]
+        bandwidth = sum(r.load_bytes / r.load_ms for r in loaded) / len(loaded) if loaded else measure_bandwidth()
+        self.runs = []
+        return WorkloadProfile(
+            unit_names=unit_names,
+            unit_bytes=unit_bytes,
+            calls=calls,
+            tail_ms=sum(r.tail_ms for r in same) / len(same),
+            bandwidth_bytes_per_ms=bandwidth,
+            activation_peak_bytes=max(r.activation_peak_bytes for r in same),
+            resident_bytes=resident_bytes,
+        )

@@ -1,0 +1,294 @@
+"""Where every weight of an offloaded model lives, and the one object that moves it.
+
+**The truth of a weight is its packed host buffer.** Every parameter and buffer of a unit (and of
+the *base*, the weights outside units) is a view of one flat host buffer from set-up to removal.
+Device memory only ever holds copies of those bytes:
+
+* the base buffer and the resident units' buffers while the model is *active*;
+* slots: a streamed unit's parameters are permanent views of its slot, whose bytes are those of
+  whichever unit was loaded last (``slot_owner``).
+
+So an edit that writes into device memory is lost at the next load or release. Edits therefore go
+through `Residency.editing`: every tensor points at its host copy while the edit runs, tensors the
+edit replaced are adopted into the host buffer, and device copies are made again afterwards.
+
+Tensors of the model that are not packed (``loose``: they share storage with another tensor; and
+``foreign``: added after set-up, e.g. LoRA adapters) follow the model with ``.to()`` on activate
+and release, so they are always on the device the model computes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .errors import FlexTensorError, OffloadStateError
+from .planner import Plan
+from .shared_host import SharedHostMemory
+from .units import Unit, UnitLayout, pack_unit, pin_unit, restore_unit
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SetupTimes:
+    """Where set-up time went (ms): unit layout, copies into the flat buffers, page-locking, hooks."""
+
+    layout: float = 0.0
+    pack: float = 0.0
+    pin: float = 0.0
+    hooks: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in vars(self).items()}
+
+
+@dataclass
+class DeviceCopies:
+    """Device memory of an active model: the base buffer, resident unit buffers, slots."""
+
+    base: torch.Tensor | None = None
+    resident: dict[int, torch.Tensor] = field(default_factory=dict)
+    slots: list[torch.Tensor] = field(default_factory=list)
+
+
+class Residency:
+    """Host buffers, device copies and the binding of every tensor to one of them.
+
+    Invariants: a unit's tensors are views of exactly one flat buffer (host, its resident copy, or
+    its slot); ``slot_owner[s]`` is the unit whose bytes slot ``s`` holds (None: unknown); a slot is
+    written only by `load_now` here or by the schedule's copy stream, which orders the write after
+    the slot's last reader.
+    """
+
+    def __init__(self, model: nn.Module, layout: UnitLayout, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.units: list[Unit] = layout.units
+        self.base: Unit = layout.base
+        #: (tensor, device it came from) for tensors moved with ``.to()`` instead of packed.
+        self.loose: list[tuple[torch.Tensor, torch.device]] = [(t, t.device) for t in layout.loose]
+        self._packed_ids = {id(p.tensor) for u in [self.base, *self.units] for p in u.tensors}
+        self._packed_ids.update(id(t) for t, _ in self.loose)
+        self.foreign: list[tuple[torch.Tensor, torch.device]] = []
+        self.active = False
+        self.copies = DeviceCopies()
+        self.slot_of: list[int | None] = [0] * len(self.units)
+        self.slot_owner: list[int | None] = [None]
+        #: A streamed unit's bytes inside its slot (the destination of its loads).
+        self.dst: list[torch.Tensor | None] = [None] * len(self.units)
+        self.loads = [0] * len(self.units)
+        self.bytes_streamed = 0
+
+    # ------------------------------------------------------------------------------------ set-up
+
+    def pack(self, times: SetupTimes, pin: bool, shared: SharedHostMemory | None, attaching: bool) -> None:
+        """Copy every unit and the base into flat host buffers (or attach to shared ones), then pin."""
+        desc = "attaching to shared weights" if attaching else ("packing + pinning weights" if pin else "packing")
+        with torch.no_grad(), torch.inference_mode(False):
+            for unit in tqdm([self.base, *self.units], desc=desc, disable=None, leave=False):
+                host = shared.buffer(unit.index) if shared is not None else None
+                start = time.perf_counter()
+                pack_unit(unit, host=host, filled=attaching)
+                packed = time.perf_counter()
+                times.pack += 1e3 * (packed - start)
+                if pin:
+                    pin_unit(unit, attached=attaching)
+                    times.pin += 1e3 * (time.perf_counter() - packed)
+
+    @property
+    def resident_weight_bytes(self) -> int:
+        """Weights on the device whenever the model is active, whatever the plan: base and loose."""
+        return self.base.nbytes + sum(t.numel() * t.element_size() for t, _ in self.loose)
+
+    # ------------------------------------------------------------------------------------ activity
+
+    def activate(self, plan: Plan | None) -> None:
+        """Take device memory: the base, loose and foreign tensors, then resident units and slots."""
+        if self.active:
+            return
+        self.check_tensors_are_ours()
+        with torch.no_grad(), torch.inference_mode(False):
+            buffer = torch.empty(self.base.nbytes, dtype=torch.uint8, device=self.device)
+            buffer.copy_(self.base.host, non_blocking=True)
+            self.base.bind(buffer)
+            self.copies.base = buffer
+            self.foreign = self._find_foreign()
+            for t, _ in [*self.loose, *self.foreign]:
+                t.data = t.data.to(self.device)
+            self.active = True
+            self.lay_out(plan)
+
+    def release(self) -> None:
+        """Give back all device memory; every tensor points at its host copy until `activate`."""
+        if not self.active:
+            return
+        with torch.no_grad(), torch.inference_mode(False):
+            self.unbind_units()
+            if self.base.host is not None:
+                self.base.bind(self.base.host)
+            for t, origin in [*self.loose, *self.foreign]:
+                t.data = t.data.to(origin)
+        self.copies.base = None
+        self.active = False
+
+    def _find_foreign(self) -> list[tuple[torch.Tensor, torch.device]]:
+        """Tensors added to the model after set-up (adapters), with the device they are on now."""
+        found = {}
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            if id(t) not in self._packed_ids and id(t) not in found:
+                found[id(t)] = (t, t.device if t.device != self.device else torch.device("cpu"))
+        return list(found.values())
+
+    def check_tensors_are_ours(self) -> None:
+        """Refuse to go on when a packed tensor is no longer in the model: it was swapped for another
+        object (in-place quantization, ``module.weight = nn.Parameter(...)``) outside `editing`, so
+        its new value would never reach the device. Identity, not names: adapters re-wrap layers."""
+        present = {id(t) for t in [*self.model.parameters(), *self.model.buffers()]}
+        for unit in [self.base, *self.units]:
+            if unit.host is None:
+                continue
+            for packed in unit.tensors:
+                if id(packed.tensor) not in present:
+                    name = f"{unit.name}.{packed.names[0]}" if unit.index >= 0 else packed.names[0]
+                    raise OffloadStateError(
+                        f"{name!r} was replaced by another tensor while offloaded, so its new value would "
+                        "never reach the device: make such edits inside handle.editing() (pipelines: the "
+                        "LoRA/state-dict methods do it for you), or disable offload, edit, and enable again"
+                    )
+
+    # ------------------------------------------------------------------------------------ layout
+
+    def unbind_units(self) -> None:
+        """Point the units at their host copies and drop their slots and resident copies."""
+        for unit in self.units:
+            if unit.host is not None:  # during a failed set-up, not every unit is packed yet
+                unit.bind(unit.host)
+        self.copies.resident, self.copies.slots = {}, []
+        self.dst = [None] * len(self.units)
+
+    def lay_out(self, plan: Plan | None) -> None:
+        """Device buffers for the units: per the plan, or one shared profiling slot before a plan exists."""
+        self.unbind_units()  # old device buffers go before new ones are taken
+        if not self.units:
+            return
+        with torch.no_grad(), torch.inference_mode(False):
+            if plan is None:
+                packed = [u for u in self.units if u.host is not None]  # remove() may have restored some
+                slot = torch.empty(max((u.nbytes for u in packed), default=0), dtype=torch.uint8, device=self.device)
+                self.copies.slots = [slot]
+                self.slot_of = [0 if u.host is not None else None for u in self.units]
+                for unit in packed:
+                    unit.bind(slot)
+                    self.dst[unit.index] = slot[: unit.nbytes]
+            else:
+                for index in sorted(plan.resident):
+                    unit = self.units[index]
+                    buffer = torch.empty(unit.nbytes, dtype=torch.uint8, device=self.device)
+                    buffer.copy_(unit.host, non_blocking=True)
+                    unit.bind(buffer)
+                    self.copies.resident[index] = buffer
+                self.copies.slots = [
+                    torch.empty(plan.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(plan.num_slots)
+                ]
+                for index, slot in enumerate(plan.slot_of):
+                    if slot is not None:
+                        self.units[index].bind(self.copies.slots[slot])
+                        self.dst[index] = self.copies.slots[slot][: self.units[index].nbytes]
+                self.slot_of = list(plan.slot_of)
+        self.slot_owner = [None] * len(self.copies.slots)
+
+    # ------------------------------------------------------------------------------------ loading
+
+    def load_now(self, index: int) -> bool:
+        """On-demand load on the compute stream (ordered after whatever last read the slot)."""
+        slot = self.slot_of[index]
+        if slot is None or self.slot_owner[slot] == index:
+            return False
+        self.dst[index].copy_(self.units[index].host, non_blocking=True)  # type: ignore[union-attr]
+        self.note_load(slot, index)
+        return True
+
+    def note_load(self, slot: int, index: int) -> None:
+        self.slot_owner[slot] = index
+        self.loads[index] += 1
+        self.bytes_streamed += self.units[index].nbytes
+
+    # ------------------------------------------------------------------------------------ edits
+
+    @contextmanager
+    def editing(self) -> Iterator[None]:
+        """Run an edit of the weights so that it lands in the host copies, the weights' truth.
+
+        Every tensor points at its host copy during the edit (foreign tensors such as adapters come
+        to the host too, so the edit computes on one device). Afterwards a tensor whose ``.data``
+        the edit replaced is copied into its host buffer; one whose shape or dtype changed is put
+        back as it was and the edit is refused. The caller activates the model again.
+        """
+        self.release()
+        foreign = self._find_foreign()
+        with torch.no_grad(), torch.inference_mode(False):
+            for t, _ in foreign:
+                t.data = t.data.to("cpu") if t.device.type != "cpu" else t.data
+        try:
+            yield
+        finally:
+            with torch.no_grad(), torch.inference_mode(False):
+                self._adopt_replaced()
+
+    def _adopt_replaced(self) -> None:
+        refused: list[str] = []
+        for unit in [self.base, *self.units]:
+            if unit.host is None:
+                continue
+            for packed in unit.tensors:
+                view = packed.view_of(unit.host)
+                current = packed.tensor.data
+                if current.data_ptr() == view.data_ptr():
+                    continue
+                if current.shape != packed.shape or current.dtype != packed.dtype:
+                    refused.append(f"{unit.name}.{packed.names[0]}")
+                    packed.tensor.data = view  # back as it was
+                    continue
+                view.copy_(current)
+                packed.tensor.data = view
+        if refused:
+            raise FlexTensorError(
+                f"an edit changed the shape or dtype of streamed weights ({', '.join(refused[:3])}); they were put "
+                "back as they were. Disable offload, make the edit, and enable it again"
+            )
+
+    # ------------------------------------------------------------------------------------ teardown
+
+    def teardown(self) -> None:
+        """Give every tensor its own storage again, bit-exact, on the device it came from.
+
+        Used by a failed set-up and by removal alike. Units are restored one by one, each
+        all-or-nothing; if one fails (out of memory, say), the units not yet restored stay packed
+        and correct, and teardown may be called again.
+        """
+        if self.active:
+            self.release()
+        with torch.no_grad(), torch.inference_mode(False):
+            for unit in [*self.units, self.base]:
+                if unit.host is None:
+                    continue
+                try:
+                    restore_unit(unit)
+                except BaseException as exc:
+                    raise OffloadStateError(
+                        f"could not restore {unit.name!r} ({exc}); the rest still streams on demand. "
+                        "Free memory and call remove() again"
+                    ) from exc
+                if unit.index >= 0:
+                    self.slot_of[unit.index] = None
+            for t, origin in self.loose:
+                t.data = t.data.to(origin)

@@ -1,0 +1,154 @@
+"""Steady state: the planned loads on the copy stream, and the events that order them.
+
+For each streamed unit, the compute stream waits for its *ready* event before the unit runs; after
+the unit is enqueued, the slot's *free* event is recorded and the slot's next occupant is loaded on
+the copy stream, which first waits for *free*. A slot is therefore overwritten only after every
+kernel that reads it has run. Loads wrap around, so the end of one forward prefetches the start of
+the next. Nothing here synchronises or allocates.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from .planner import Plan
+from .profiler import Clock
+from .residency import Residency
+
+
+@dataclass(frozen=True)
+class PendingTiming:
+    """A pair of clock marks whose interval is folded into the totals once both have completed."""
+
+    kind: Literal["copy", "stall"]
+    unit: int
+    start: Any
+    end: Any
+
+
+@dataclass
+class TransferTotals:
+    """Copy and stall time since set-up (ms)."""
+
+    copy_ms: float = 0.0
+    stall_ms: float = 0.0
+    unit_stall_ms: list[float] = field(default_factory=list)
+
+
+class SteadySchedule:
+    """Executes one plan: order, position in the forward, events, prime / issue / leave.
+
+    ``primed``: the first load of every slot has been issued for the next forward. A schedule that
+    is not primed (after activation, or after a forward that raised or left the plan) primes at
+    the start of the next forward.
+    """
+
+    def __init__(self, residency: Residency, clock: Clock, measure_stalls: bool, totals: TransferTotals) -> None:
+        self.residency = residency
+        self.clock = clock
+        self.cuda = residency.cuda
+        self.device = residency.device
+        self.measure_stalls = measure_stalls
+        self.totals = totals
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.plan: Plan | None = None
+        self.order: list[int] = []
+        self.primed = False
+        self._ready: list[torch.cuda.Event] = []
+        self._free: list[torch.cuda.Event] = []
+        self._pending: list[PendingTiming] = []
+
+    def follow(self, plan: Plan, order: list[int]) -> None:
+        """Start following ``plan`` over freshly laid-out device buffers (not primed yet)."""
+        self.plan, self.order, self.primed = plan, order, False
+        if self.cuda:
+            # New slots may reuse memory that kernels still queued on the compute stream read.
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._ready = [torch.cuda.Event(enable_timing=self.measure_stalls) for _ in self.residency.units]
+            self._free = [torch.cuda.Event() for _ in range(plan.num_slots)]
+
+    def prime(self) -> None:
+        """Issue the first load of every slot (those not already holding their first unit)."""
+        assert self.plan is not None
+        for slot, index in self.plan.first_loads:
+            if self.residency.slot_owner[slot] != index:
+                self.issue(slot, index)
+        self.primed = True
+
+    def leave(self) -> None:
+        """Stop following the plan: make the compute stream wait for every issued copy."""
+        if self.cuda and self.copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        self.primed = False
+
+    def on_plan(self, index: int, pos: int) -> bool:
+        return pos < len(self.order) and self.order[pos] == index
+
+    def before(self, index: int) -> None:
+        """The compute stream waits until ``index``'s weights are in its slot."""
+        if self.plan.slot_of[index] is None or not self.cuda:  # type: ignore[union-attr]
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if self.measure_stalls:
+            before = self.clock.mark()
+            stream.wait_event(self._ready[index])
+            self._pending.append(PendingTiming("stall", index, before, self.clock.mark()))
+        else:
+            stream.wait_event(self._ready[index])
+
+    def after(self, index: int, pos: int) -> None:
+        """Mark ``index``'s slot free once its compute is done and issue the slot's next load."""
+        plan = self.plan
+        assert plan is not None
+        slot = plan.slot_of[index]
+        if slot is not None and self.cuda:
+            self._free[slot].record(torch.cuda.current_stream(self.device))
+        load = plan.loads[pos]
+        if load is not None:
+            self.issue(*load)
+
+    def issue(self, slot: int, index: int) -> None:
+        """Load ``index`` into ``slot`` on the copy stream once the slot's last reader has finished."""
+        residency = self.residency
+        host, dst = residency.units[index].host, residency.dst[index]
+        if self.cuda:
+            stream = self.copy_stream
+            with torch.cuda.stream(stream):
+                stream.wait_event(self._free[slot])
+                if self.measure_stalls:
+                    start = self.clock.mark(stream)
+                    dst.copy_(host, non_blocking=True)
+                    self._ready[index].record(stream)
+                    self._pending.append(PendingTiming("copy", index, start, self.clock.mark(stream)))
+                else:
+                    dst.copy_(host, non_blocking=True)
+                    self._ready[index].record(stream)
+        else:
+            start = time.perf_counter()
+            dst.copy_(host)
+            self.totals.copy_ms += (time.perf_counter() - start) * 1e3
+        residency.note_load(slot, index)
+
+    def harvest(self, wait: bool) -> None:
+        """Fold finished copy/stall pairs into the totals; with ``wait``, all of them."""
+        if not self._pending:
+            return
+        if wait and self.cuda:
+            torch.cuda.synchronize(self.device)
+        keep = []
+        for timing in self._pending:
+            if not self.clock.done(timing.end):
+                keep.append(timing)
+                continue
+            ms = self.clock.ms(timing.start, timing.end)
+            if timing.kind == "copy":
+                self.totals.copy_ms += ms
+            else:
+                self.totals.stall_ms += ms
+                self.totals.unit_stall_ms[timing.unit] += ms
+            self.clock.release(timing.start, timing.end)
+        self._pending = keep
