@@ -1,0 +1,158 @@
+"""The package's promise measured on a GPU: peak allocated memory stays within the budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import Stack
+
+import flextensor_diffusers as ft
+from flextensor_diffusers.engine import Phase
+from flextensor_diffusers.engine.planner import memory_needed
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+BLOCKS = ["blocks.*"]
+DEPTH = 8
+WAN_KW = dict(
+    prompt="a cat walking on the beach",
+    negative_prompt="blurry",
+    num_frames=9,
+    height=32,
+    width=32,
+    num_inference_steps=2,
+    guidance_scale=4.0,
+)
+
+
+def big_stack() -> tuple[Stack, torch.Tensor]:
+    """About 17 MB of bf16 weights per block and well under 1 MB of activations: weights dominate."""
+    torch.manual_seed(0)
+    return Stack(dim=1024, depth=DEPTH, dtype=torch.bfloat16), torch.randint(0, 50, (4, 64), device="cuda")
+
+
+def allocated() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def peak_of(work, repeats: int = 3) -> int:
+    """Peak allocated bytes while ``work`` runs ``repeats`` times, from a fresh peak counter."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(repeats):
+        work()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def needs(handle) -> tuple[int, int]:
+    """(smallest workable budget, budget with every unit resident) for the handle's measured profile."""
+    margin = handle.config.activation_margin
+    profile = handle.profile
+    if profile is None:  # no units: the whole module is resident while active
+        return handle.resident_weight_bytes, handle.resident_weight_bytes
+    everything = frozenset(range(len(profile.unit_bytes)))
+    return memory_needed(profile, frozenset(), 2, margin), memory_needed(profile, everything, 0, margin)
+
+
+def stack_budgets(model: Stack, x: torch.Tensor) -> list[int]:
+    """Smallest workable, middle and everything-resident budgets, from one profiled run."""
+    with pytest.raises(ft.BudgetError, match=r"gpu_budget >= \d+"):
+        ft.offload(model, include_patterns=BLOCKS, gpu_budget=1, device="cuda")
+    handle = ft.offload(model, include_patterns=BLOCKS, gpu_budget="4GiB", device="cuda")
+    with torch.inference_mode():
+        for _ in range(2):
+            model(x)
+    smallest, everything = needs(handle)
+    handle.remove()
+    return [smallest, (smallest + everything) // 2, everything]
+
+
+def test_stack_peak_memory_stays_within_three_budgets() -> None:
+    """Smallest workable, middle and all-resident budgets: measured peak above the inputs <= budget."""
+    model, x = big_stack()
+    budgets = stack_budgets(model, x)
+    assert budgets[0] < budgets[1] < budgets[2]
+    for budget in budgets:
+        before = allocated()  # the inputs
+        handle = ft.offload(model, include_patterns=BLOCKS, gpu_budget=budget, device="cuda")
+        with torch.inference_mode():
+            for _ in range(3):  # discovery, profiling, first steady forward
+                model(x)
+            peak = peak_of(lambda: model(x)) - before
+        plan = handle.plan
+        assert handle.phase is Phase.STEADY and plan.memory_bytes <= budget
+        weights = handle.resident_weight_bytes + plan.num_slots * plan.slot_bytes
+        weights += sum(handle.units[u].nbytes for u in plan.resident)
+        assert weights <= peak <= budget, f"budget {budget}: peak {peak}, plan {plan.summary()}"
+        if budget == budgets[0]:
+            assert plan.num_slots == 2 and not plan.resident
+        if budget == budgets[2]:
+            assert len(plan.resident) == DEPTH and plan.num_slots == 0
+        handle.remove()
+
+
+@pytest.fixture(scope="module")
+def wan():
+    from flextensor_diffusers.models import build_pipeline
+
+    return build_pipeline("wan22_t2v", "tiny", seed=0, init_device="cpu")
+
+
+def wan_latents(pipe) -> torch.Tensor:
+    return pipe(**WAN_KW, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+
+
+def wan_budgets(pipe) -> list[int]:
+    """Smallest workable, middle and everything-resident budgets: every component gets the whole
+    budget, so each is the largest of the components' own, from one profiled run."""
+    pipe.enable_flextensor_offload(budget="4GiB", device="cuda")
+    try:
+        for _ in range(2):
+            wan_latents(pipe)
+        per_component = [needs(h) for h in pipe._flextensor.handles.values()]
+    finally:
+        pipe.disable_flextensor_offload()
+    smallest = max(s for s, _ in per_component)
+    everything = max(e for _, e in per_component)
+    return [smallest, (smallest + everything) // 2, everything]
+
+
+def test_wan_pipeline_peak_memory_stays_within_three_budgets(wan) -> None:
+    """Tiny Wan2.2, latents of 9 frames 32x32 in 2 steps: measured peak <= budget at three budgets."""
+    budgets = wan_budgets(wan)
+    assert budgets[0] < budgets[2]
+    for budget in budgets:
+        before = allocated()
+        wan.enable_flextensor_offload(budget=budget, device="cuda")
+        try:
+            for _ in range(2):  # discovery and profiling of every component
+                wan_latents(wan)
+            peak = peak_of(lambda: wan_latents(wan), repeats=1) - before
+            report = wan.flextensor_report()
+            assert all(c["phase"] == "steady" for c in report["components"].values())
+            assert peak <= budget, f"budget {budget}: peak {peak}\n{wan.flextensor_report(as_text=True)}"
+        finally:
+            wan.disable_flextensor_offload()
+
+
+def test_auto_budget_stays_under_a_per_process_memory_cap() -> None:
+    """Under set_per_process_memory_fraction (a ~12 GB cap), gpu_budget="auto" resolves within the cap."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    cap = 12 * 10**9
+    if total < 2 * cap:
+        pytest.skip("needs a GPU of at least 24 GB for a 12 GB cap to be a real limit")
+    fraction = cap / total
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    try:
+        model, x = big_stack()
+        handle = ft.offload(model, ft.OffloadConfig(include_patterns=BLOCKS, gpu_budget="auto", device="cuda"))
+        assert 0 < handle.budget_bytes <= int(fraction * total)
+        with torch.inference_mode():
+            for _ in range(3):
+                model(x)
+        assert handle.phase is Phase.STEADY
+        handle.remove()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
