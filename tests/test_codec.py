@@ -1,0 +1,255 @@
+"""The unit codec: bit-exact round trips (torch reference decoder, Triton kernel under the interpreter, CUDA)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from flextensor_diffusers.engine.codec import (
+    CodecError,
+    EncodedUnit,
+    Segment,
+    decode_into,
+    decode_to_host,
+    encode_unit,
+    worth_compressing,
+)
+
+CHUNK = 64  # small chunks so that short tensors still cross chunk boundaries
+
+# Bit patterns that must survive: quiet/signalling/negative NaNs with payloads, ±inf, subnormals, ±0, extremes.
+SPECIALS = {
+    torch.bfloat16: [0x7FC0, 0x7F81, 0xFFC1, 0xFFFF, 0x7F80, 0xFF80, 0x0001, 0x8001, 0x007F, 0x0000, 0x8000, 0x7F7F],
+    torch.float16: [0x7E00, 0x7C01, 0xFE01, 0xFFFF, 0x7C00, 0xFC00, 0x0001, 0x8001, 0x03FF, 0x0000, 0x8000, 0x7BFF],
+    torch.float32: [
+        0x7FC00000,
+        0x7F800001,
+        0xFFC00001,
+        0xFFFFFFFF,
+        0x7F800000,
+        0xFF800000,
+        0x00000001,
+        0x80000001,
+        0x007FFFFF,
+        0x00000000,
+        0x80000000,
+        0x7F7FFFFF,
+    ],
+}
+INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def bits_tensor(dtype: torch.dtype, patterns: list[int]) -> torch.Tensor:
+    int_dtype = INT_OF[dtype]
+    bits = torch.tensor(patterns, dtype=torch.int64)
+    width = torch.iinfo(int_dtype).bits
+    bits = torch.where(bits >= 1 << (width - 1), bits - (1 << width), bits)  # two's complement
+    return bits.to(int_dtype).view(dtype)
+
+
+def awkward(dtype: torch.dtype, n: int, seed: int = 0) -> torch.Tensor:
+    """Normal weights with special values sprinkled in (so they escape in some chunks)."""
+    g = torch.Generator().manual_seed(seed)
+    t = (torch.randn(n, generator=g) * 0.02).to(dtype)
+    specials = bits_tensor(dtype, SPECIALS[dtype])
+    where = torch.randint(0, n, (min(n, 3 * len(specials)),), generator=g)
+    t[where] = specials[torch.arange(len(where)) % len(specials)]
+    return t
+
+
+def pack(tensors: list[torch.Tensor], align: int = 512, tail: int = 0) -> tuple[torch.Tensor, list[Segment]]:
+    """A flat buffer as units.py lays it out: each tensor at an ``align``-aligned offset, junk in between."""
+    segments, offset = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        segments.append(Segment(offset, nbytes, t.dtype))
+        offset = (offset + nbytes + align - 1) // align * align
+    flat = torch.full((offset + tail,), 0xA5, dtype=torch.uint8)
+    for seg, t in zip(segments, tensors, strict=True):
+        flat[seg.offset : seg.offset + seg.nbytes] = t.reshape(-1).view(torch.uint8)
+    return flat, segments
+
+
+def assert_segments_equal(out: torch.Tensor, flat: torch.Tensor, segments: list[Segment]) -> None:
+    for seg in segments:
+        got, want = out[seg.offset : seg.offset + seg.nbytes].cpu(), flat[seg.offset : seg.offset + seg.nbytes]
+        assert torch.equal(got, want), f"{seg}: {int((got != want).sum())} bytes differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n", [1, 7, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5, 4000])
+def test_round_trip_awkward_values(dtype: torch.dtype, n: int) -> None:
+    t = awkward(dtype, n, seed=n)
+    flat, segments = pack([t])
+    encoded = encode_unit(flat, segments, chunk=CHUNK, min_elements=1)
+    assert encoded.coded_raw_nbytes == t.numel() * t.element_size()  # went through the coder, not verbatim
+    out = decode_to_host(encoded)
+    assert_segments_equal(out, flat, segments)
+    assert torch.equal(out[: t.numel() * t.element_size()].view(dtype).view(INT_OF[dtype]), t.view(INT_OF[dtype]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_round_trip_every_bit_pattern_and_code_width(dtype: torch.dtype) -> None:
+    """Uniform random bits (b = 8 chunks), all-equal (b = 1), only specials, and few symbols (b = 2)."""
+    int_dtype = INT_OF[dtype]
+    info = torch.iinfo(int_dtype)
+    g = torch.Generator().manual_seed(1)
+    uniform = torch.randint(info.min, info.max, (5 * CHUNK,), generator=g, dtype=torch.int64).to(int_dtype)
+    tensors = [
+        uniform.view(dtype),
+        torch.full((3 * CHUNK + 3,), -2.5).to(dtype),
+        bits_tensor(dtype, SPECIALS[dtype] * 20),
+        torch.tensor([1.0, -1.0, 2.0, 0.5] * 50).to(dtype),
+    ]
+    flat, segments = pack(tensors)
+    encoded = encode_unit(flat, segments, chunk=CHUNK, min_elements=1)
+    assert_segments_equal(decode_to_host(encoded), flat, segments)
+    rows = encoded.payload[: encoded.n_rows * 64].view(torch.int64).reshape(-1, 8)
+    used_bits = set(rows[: encoded.n16 + encoded.n32, 7].tolist())
+    assert {1, 8} <= used_bits, used_bits
+
+
+def test_mixed_unit_and_verbatim_segments() -> None:
+    """BF16/FP16/FP32 next to int64 buffers, bytes, tiny and empty tensors and a misaligned float tensor."""
+    tensors = [
+        awkward(torch.bfloat16, 3000),
+        torch.arange(-50, 50, dtype=torch.int64),
+        awkward(torch.float32, 700, seed=2),
+        torch.empty(0, dtype=torch.bfloat16),
+        awkward(torch.float16, 900, seed=3),
+        torch.tensor([7], dtype=torch.uint8),
+        torch.tensor([3.0], dtype=torch.bfloat16),
+        awkward(torch.bfloat16, 5, seed=4),
+    ]
+    flat, segments = pack(tensors, tail=100)
+    misaligned = Segment(flat.numel() - 90, 80, torch.bfloat16)  # offset not a multiple of 16: kept verbatim
+    segments.append(misaligned)
+    encoded = encode_unit(flat, segments, chunk=CHUNK)  # default min_elements: the small tensors go verbatim
+    assert encoded.raw_nbytes == flat.numel()
+    assert encoded.stored_nbytes == encoded.payload.numel() and encoded.stored_nbytes % 512 == 0
+    assert encoded.n16 and encoded.n32 and encoded.n_pieces
+    assert_segments_equal(decode_to_host(encoded), flat, segments)
+
+
+def test_decode_leaves_bytes_outside_segments_and_reads_a_payload_slice() -> None:
+    flat, segments = pack([awkward(torch.bfloat16, 1000), torch.arange(10, dtype=torch.int64)])
+    encoded = encode_unit(flat, segments, chunk=CHUNK)
+    slot = torch.zeros(512 + encoded.stored_nbytes + 512, dtype=torch.uint8)
+    slot[512 : 512 + encoded.stored_nbytes] = encoded.payload
+    out = torch.full((flat.numel() + 64,), 0x5A, dtype=torch.uint8)
+    decode_into(encoded, slot[512:], out)
+    assert_segments_equal(out, flat, segments)
+    inside = torch.zeros(out.numel(), dtype=torch.bool)
+    for seg in segments:
+        inside[seg.offset : seg.offset + seg.nbytes] = True
+    assert bool((out[~inside] == 0x5A).all())
+
+
+def test_empty_unit() -> None:
+    flat = torch.zeros(512, dtype=torch.uint8)
+    encoded = encode_unit(flat, [Segment(0, 0, torch.bfloat16)])
+    assert encoded.n_rows == 0
+    assert_segments_equal(decode_to_host(encoded), flat, [])
+    assert not worth_compressing(encoded)
+
+
+def test_ratio_on_normal_weights() -> None:
+    """Measured: BF16 0.70 (the exponent entropy allows ~0.67), FP32 0.85, FP16 0.88 (3 mantissa bits in its symbol)."""
+    ratios = {}
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        flat, segments = pack([(torch.randn(1 << 20, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)])
+        encoded = encode_unit(flat, segments)
+        ratios[dtype] = encoded.ratio
+        if dtype == torch.bfloat16:
+            assert worth_compressing(encoded)
+    assert ratios[torch.bfloat16] < 0.72, ratios
+    assert ratios[torch.float32] < 0.87, ratios
+    assert ratios[torch.float16] < 0.9, ratios
+
+
+def test_incompressible_unit_is_not_worth_it() -> None:
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randint(-(1 << 15), 1 << 15, (1 << 16,), generator=g, dtype=torch.int64).to(torch.int16)
+    flat, segments = pack([noise.view(torch.bfloat16)])
+    encoded = encode_unit(flat, segments)
+    assert encoded.ratio > 0.99
+    assert not worth_compressing(encoded)
+    assert_segments_equal(decode_to_host(encoded), flat, segments)
+
+
+def test_errors_name_the_fix() -> None:
+    flat, segments = pack([awkward(torch.bfloat16, 100)])
+    with pytest.raises(CodecError, match="overlap"):
+        encode_unit(flat, [*segments, Segment(64, 16, torch.bfloat16)])
+    with pytest.raises(CodecError, match="outside"):
+        encode_unit(flat, [Segment(0, flat.numel() + 2, torch.bfloat16)])
+    with pytest.raises(CodecError, match="multiple of 16"):
+        encode_unit(flat, segments, chunk=100)
+    encoded = encode_unit(flat, segments, min_elements=1)
+    with pytest.raises(CodecError, match="whole slot"):
+        decode_into(encoded, encoded.payload, torch.empty(encoded.raw_nbytes - 1, dtype=torch.uint8))
+
+
+def test_decode_on_device(device: str) -> None:
+    """On CUDA this is the Triton kernel on the current stream; on the CPU the torch reference decoder."""
+    tensors = [awkward(torch.bfloat16, 50_000), awkward(torch.float32, 3000, seed=1), torch.arange(9)]
+    flat, segments = pack(tensors)
+    encoded = encode_unit(flat, segments, chunk=4096)
+    payload = encoded.payload.to(device)
+    out = torch.zeros(encoded.raw_nbytes, dtype=torch.uint8, device=device)
+    decode_into(encoded, payload, out)
+    assert_segments_equal(out, flat, segments)
+
+
+INTERPRETER_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    from test_codec import CHUNK, assert_segments_equal, awkward, pack
+    from flextensor_diffusers.engine.codec import decode_to_host, encode_unit
+
+    tensors = [
+        awkward(torch.bfloat16, 3 * CHUNK + 5),
+        awkward(torch.float32, CHUNK + 3, seed=1),
+        awkward(torch.float16, 2 * CHUNK, seed=2),
+        torch.full((CHUNK,), 0.75, dtype=torch.bfloat16),
+        torch.randint(-(1 << 15), 1 << 15, (CHUNK + 1,), dtype=torch.int64).to(torch.int16).view(torch.bfloat16),
+        awkward(torch.bfloat16, 1, seed=3),
+        torch.arange(70000, dtype=torch.int64),  # verbatim, more than one copy piece
+    ]
+    flat, segments = pack(tensors)
+    encoded = encode_unit(flat, segments, chunk=CHUNK, min_elements=1)
+    assert_segments_equal(decode_to_host(encoded, backend="triton"), flat, segments)
+    print("exact")
+    """
+)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_triton_kernel_exact_under_interpreter() -> None:
+    """The device kernel itself, run on the CPU by Triton's interpreter (which must be on before import)."""
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", INTERPRETER_SCRIPT.format(tests=tests)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parents[1],
+    )
+    assert result.returncode == 0 and "exact" in result.stdout, result.stderr[-3000:]
+
+
+def test_encoded_unit_is_frozen() -> None:
+    flat, segments = pack([awkward(torch.bfloat16, 10)])
+    encoded = encode_unit(flat, segments)
+    assert isinstance(encoded, EncodedUnit)
+    with pytest.raises(AttributeError):
+        encoded.chunk = 1  # type: ignore[misc]
