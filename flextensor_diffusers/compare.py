@@ -1,17 +1,22 @@
 """Native vs offloaded: the same generation twice, same seed, and a report of what differs and what it cost.
 
-    python -m flextensor_diffusers.compare --recipe wan22_t2v --out report/ -- --random-weights tiny \\
-        --frames 9 --height 32 --width 32 --steps 2
+examples:
+  python -m flextensor_diffusers.compare --recipe wan22_t2v --out report/ -- --random-weights tiny
+  python -m flextensor_diffusers.compare --recipe wan22_t2v --out report/ -- --random-weights tiny \\
+      --frames 9 --height 32 --width 32 --steps 2
 
-Writes ``native.mp4``, ``offloaded.mp4``, ``strip.png``, ``memory.png``, ``steps.png``,
-``frames.png``, ``report.json`` and a self-contained ``report.html`` into ``--out``. A native run
-that runs out of memory is a result ("native: out of memory at <stage>"), not a crash.
+Everything after ``--`` goes to the recipe (``python recipes/<recipe>.py --help`` lists it; its
+``--output`` is not used: the videos go into ``--out``). Writes ``native.mp4``, ``offloaded.mp4``,
+``strip.png``, ``steps.png``, ``frames.png``, ``memory.png`` (on a GPU), ``report.json`` and a
+self-contained ``report.html`` into ``--out``. Both runs use the recipe's ``--compile`` mode. A
+native run that runs out of memory is a result ("native: out of memory at <stage>"), not a crash.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import importlib
 import json
 import logging
@@ -26,7 +31,8 @@ import torch
 
 from . import quality
 from .recipes import common
-from .video import to_uint8_frames, write_mp4
+from .recipes.options import OptionsError, RecipeOptions
+from .video import read_mp4, to_uint8_frames, write_mp4
 
 logger = logging.getLogger(__name__)
 
@@ -133,24 +139,20 @@ class Recorder:
                 del self._vae.decode
 
 
-def _arguments(args: argparse.Namespace) -> dict[str, Any]:
-    """The recipe's arguments as JSON: paths as strings; inputs it derived (edge frames...) left out."""
-    out = {}
-    for key, value in vars(args).items():
-        value = str(value) if isinstance(value, Path) else value
-        try:
-            json.dumps(value)
-        except TypeError:
-            continue
-        out[key] = value
-    return out
+#: Recipe options that compare does not use: it writes native.mp4 and offloaded.mp4 into --out.
+UNUSED_OPTIONS = ("output", "json", "no_offload", "gpus")
+
+
+def _arguments(options: RecipeOptions) -> dict[str, Any]:
+    """The recipe's options as JSON, without those compare does not use (so the report shows no ``--output``)."""
+    return {k: v for k, v in options.as_json().items() if k not in UNUSED_OPTIONS}
 
 
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def run_generation(recipe: Any, pipe: Any, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def run_generation(recipe: Any, pipe: Any, options: RecipeOptions, device: torch.device) -> dict[str, Any]:
     """One full generation with recording; OOM becomes ``{"status": "out of memory", "stage": ...}``."""
     recorder = Recorder(pipe, device)
     try:
@@ -159,9 +161,9 @@ def run_generation(recipe: Any, pipe: Any, args: argparse.Namespace, device: tor
             device,
             lambda: recipe.generate(
                 pipe,
-                args,
+                options,
                 device,
-                args.steps,
+                options.steps,
                 "np",
                 callback_on_step_end=recorder.on_step_end,
                 callback_on_step_end_tensor_inputs=["latents"],
@@ -212,6 +214,48 @@ def _cap(device: torch.device, cap: str | None) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(cap) / total), device)
 
 
+def check_cap(flag: str, cap: str | None) -> None:
+    """A memory cap must parse as a positive size (``abc`` is refused, not ignored)."""
+    from .engine.config import parse_bytes
+    from .engine.errors import BudgetError
+
+    if cap is None:
+        return
+    try:
+        parse_bytes(cap)
+    except BudgetError:
+        raise OptionsError(f"{flag} {cap}: pass a positive size with a unit, e.g. {flag} 24GB") from None
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or "CPU" with the processor's name where the platform gives one."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    processor = platform.processor() or platform.machine()
+    return f"CPU ({processor})" if processor else "CPU"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def video_identity(out: Path, videos: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Whether native and offloaded are identical, on each thing it can be measured on.
+
+    ``frames``: the uint8 frames before encoding (what the metrics compare); ``mp4_bytes``: the files
+    (encoding is deterministic, so equal frames give equal files); ``decoded``: the frames read back.
+    """
+    native, offloaded = out / "native.mp4", out / "offloaded.mp4"
+    decoded_native, decoded_offloaded = read_mp4(native), read_mp4(offloaded)
+    return {
+        "frames": bool(np.array_equal(videos["native"], videos["offloaded"])),
+        "mp4_bytes": _sha256(native) == _sha256(offloaded),
+        "decoded": bool(np.array_equal(decoded_native, decoded_offloaded)),
+        "measured_on": "uint8 RGB frames before encoding (the metrics' input), the mp4 files' bytes, "
+        "and the frames decoded back from the mp4 files",
+    }
+
+
 def compare(
     recipe_name: str,
     recipe_argv: list[str],
@@ -225,21 +269,27 @@ def compare(
     ``offload_memory_cap`` only to the offloaded one, so that native output exists to compare with.
     """
     if recipe_name not in RECIPES:
-        raise SystemExit(f"unknown recipe {recipe_name!r}: one of {', '.join(RECIPES)}")
+        raise OptionsError(f"--recipe {recipe_name}: unknown recipe: pass one of {', '.join(RECIPES)}")
+    check_cap("--memory-cap", memory_cap)
+    check_cap("--offload-memory-cap", offload_memory_cap)
     recipe = importlib.import_module(f"flextensor_diffusers.recipes.{recipe_name}")
-    args = recipe.parse_args(recipe_argv)
+    options = recipe.parse_args(recipe_argv)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    common.require_weights(args, recipe_name)
-    device = common.device_of(args)
-    pipe = recipe.load(args, device)
+    device = common.device_of(options)
+    if device.type != "cuda" and (memory_cap or offload_memory_cap):
+        print("note: --memory-cap and --offload-memory-cap have no effect on the CPU (there is no GPU to cap)")
+    with common.stage("loading weights", options.quiet):
+        pipe = recipe.load(options, device)
     _free(device)  # random full-size weights are made on the GPU, then moved to the CPU: not part of the card
     _cap(device, memory_cap)
+    compiled = common.compile_denoisers(pipe, options)  # both runs use the same compiled modules
 
     runs: dict[str, dict[str, Any]] = {}
     try:
-        common.place_natively(pipe, args, device)
-        runs["native"] = run_generation(recipe, pipe, args, device)
+        common.place_natively(pipe, options, device)
+        common.label_generation(pipe, "native generation", options.quiet)
+        runs["native"] = run_generation(recipe, pipe, options, device)
     except Exception as exc:
         if not _is_oom(exc):
             raise
@@ -250,11 +300,14 @@ def compare(
     _free(device)
 
     _cap(device, offload_memory_cap or memory_cap)
-    common.enable_offload(pipe, args, device)
+    with common.stage("packing and pinning weights", options.quiet):
+        common.enable_offload(pipe, options, device)
+    common.label_generation(pipe, "offloaded: profiling generation", options.quiet)
     start = time.perf_counter()
-    recipe.profiling_generation(pipe, args, device)
+    recipe.profiling_generation(pipe, options, device)
     profiling_s = time.perf_counter() - start
-    runs["offloaded"] = run_generation(recipe, pipe, args, device)
+    common.label_generation(pipe, "offloaded generation", options.quiet)
+    runs["offloaded"] = run_generation(recipe, pipe, options, device)
     runs["offloaded"]["profiling_s"] = round(profiling_s, 4)
     offload_report = pipe.flextensor_report()
     # The Recorder reset the allocator's peak counter at every stage, so the pipeline's own reading
@@ -267,12 +320,13 @@ def compare(
 
     report: dict[str, Any] = {
         "recipe": recipe_name,
-        "arguments": _arguments(args),
+        "arguments": _arguments(options),
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor()})",
-        "budget": args.budget,
-        "memory_cap": memory_cap,
-        "offload_memory_cap": offload_memory_cap or memory_cap,
+        "device_name": device_name(device),
+        "budget": options.budget,
+        "compile": {"mode": options.compile, "components": compiled},
+        "memory_cap": memory_cap if device.type == "cuda" else None,
+        "offload_memory_cap": (offload_memory_cap or memory_cap) if device.type == "cuda" else None,
         "versions": {
             "torch": torch.__version__,
             "diffusers": diffusers.__version__,
@@ -284,12 +338,14 @@ def compare(
     for name, run in runs.items():
         if run["status"] == "completed":
             videos[name] = run["frames"]
-            write_mp4(out / f"{name}.mp4", run["frames"], fps=getattr(args, "fps", 16))
+            write_mp4(out / f"{name}.mp4", run["frames"], fps=options.fps)
+    report["videos"] = {name: f"{name}.mp4" for name in videos}
     native, offloaded = runs["native"], runs["offloaded"]
     if native["status"] == "completed" and offloaded["status"] == "completed":
         report["fidelity"] = {
             "latents": quality.latent_metrics(native["latents"], offloaded["latents"]),
             "frames": quality.frame_metrics(native["frames"], offloaded["frames"]),
+            "identical": video_identity(out, videos),
         }
         print(report["fidelity"]["frames"]["lpips_note"])
     else:
@@ -302,10 +358,11 @@ def compare(
         name: {k: v for k, v in run.items() if k not in ("frames", "latents")} for name, run in runs.items()
     }
     images = {
-        "memory": quality.plot_memory(report["runs"]),
         "steps": quality.plot_steps(report["runs"]),
         "frames": quality.plot_frames(report.get("fidelity", {}).get("frames")),
     }
+    if device.type == "cuda":  # the CPU has no allocator counters: the page says so instead of an empty plot
+        images["memory"] = quality.plot_memory(report["runs"])
     if videos:
         images["strip"] = quality.frame_strip(videos)
     for name, data in images.items():
@@ -328,26 +385,47 @@ def rerender(out: str | Path) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> None:
+USAGE = (
+    "python -m flextensor_diffusers.compare --recipe {wan22_t2v,ltx2_outpaint,cosmos_transfer25} [--out DIR]\n"
+    "       [--memory-cap SIZE] [--offload-memory-cap SIZE] [-q] [-v] -- RECIPE_ARGS...\n"
+    "       python -m flextensor_diffusers.compare --rerender DIR"
+)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(usage=USAGE, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", choices=RECIPES, help="which recipe to run twice")
+    p.add_argument("--rerender", type=Path, help="only rebuild report.html in this folder")
+    p.add_argument("--out", type=Path, default=Path("report"), help="folder for the report (default: report)")
+    p.add_argument("--memory-cap", help="emulate a smaller card for both runs, e.g. 24GB (GPU only)")
+    p.add_argument("--offload-memory-cap", help="emulate a smaller card for the offloaded run only (GPU only)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars (also passed to the recipe)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log details; show tracebacks on errors")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe_argv: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
         argv, recipe_argv = argv[:cut], argv[cut + 1 :]
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", choices=RECIPES)
-    parser.add_argument("--rerender", type=Path, help="only rebuild report.html in this folder")
-    parser.add_argument("--out", type=Path, default=Path("report"))
-    parser.add_argument("--memory-cap", help="emulate a smaller card for both runs, e.g. 24GB")
-    parser.add_argument("--offload-memory-cap", help="emulate a smaller card for the offloaded run only")
-    known, rest = parser.parse_known_args(argv)
+    known = parser().parse_args(argv)
     if known.rerender:
         print(f"wrote {rerender(known.rerender)}")
-        return
+        return None
     if known.recipe is None:
-        parser.error("--recipe is required")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    report = compare(known.recipe, rest + recipe_argv, known.out, known.memory_cap, known.offload_memory_cap)
+        parser().error("--recipe is required")
+    recipe_argv += [flag for flag, on in (("-q", known.quiet), ("-v", known.verbose)) if on]
+    with common.user_errors(argv + recipe_argv):
+        common.setup_logging(known.verbose)
+        report = compare(known.recipe, recipe_argv, known.out, known.memory_cap, known.offload_memory_cap)
+    print_outcome(report, known.out)
+    return report
+
+
+def print_outcome(report: dict[str, Any], out: Path) -> None:
+    """One line per run, the fidelity verdict, and where the page is."""
     for name, run in report["runs"].items():
         peak = run.get("peak_allocated_bytes")
         line = f"{name}: {run['status']}"
@@ -358,8 +436,12 @@ def main(argv: list[str] | None = None) -> None:
             line += f" at {run['stage']}"
         print(line)
     if "fidelity" in report:
-        print(f"latents bitwise equal: {report['fidelity']['latents']['bitwise_equal']}")
-    print(f"wrote {known.out / 'report.html'}")
+        same = report["fidelity"]["identical"]
+        print(
+            f"latents bitwise equal: {report['fidelity']['latents']['bitwise_equal']}; frames identical: "
+            f"{same['frames']} (before encoding), {same['decoded']} (decoded mp4s)"
+        )
+    print(f"wrote {out / 'report.html'}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import html
+import importlib.util
 import io
 import json
 import math
@@ -45,28 +46,69 @@ def ssim(a: np.ndarray, b: np.ndarray, peak: float = 255.0) -> float:
     return float(s.mean())
 
 
-def lpips_status() -> tuple[Any | None, str]:
-    """An LPIPS model when the package and its backbone weights are local, else why not."""
-    try:
-        import lpips
-    except ImportError as exc:
-        return None, f"LPIPS not computed: the lpips package is not importable ({exc}); pip install lpips torchvision"
-    checkpoint = Path(torch.hub.get_dir()) / "checkpoints" / "alexnet-owt-7be5be79.pth"
-    if not checkpoint.exists():
-        return None, (
-            f"LPIPS not computed: its AlexNet backbone weights are not in the local torch cache ({checkpoint}). "
-            "Copy alexnet-owt-7be5be79.pth there (nothing is downloaded); PSNR, SSIM and max-abs are reported"
-        )
+#: torchvision's AlexNet weights, which real LPIPS needs in the local torch cache (nothing is downloaded).
+ALEXNET_CHECKPOINT = "alexnet-owt-7be5be79.pth"
+
+
+def lpips_network(random_backbone: bool = False) -> Any:
+    """LPIPS (AlexNet trunk, the package's own calibrated linear layers), in eval mode.
+
+    ``random_backbone``: a randomly initialised trunk (seeded), which needs no download; its numbers
+    are not LPIPS but exercise the same code path (the tests use it).
+    """
     import lpips
 
-    return lpips.LPIPS(net="alex", verbose=False).eval(), "LPIPS (AlexNet) computed"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return lpips.LPIPS(net="alex", pnet_rand=random_backbone, verbose=False).eval()
 
 
-def frame_metrics(reference: np.ndarray, test: np.ndarray) -> dict[str, Any]:
-    """Per-frame PSNR, SSIM, max-abs (and LPIPS when available) of two (F, H, W, 3) uint8 videos."""
+def perceptual_metric() -> tuple[Any | None, str | None, str]:
+    """The perceptual metric this machine can compute offline: (model, its name, a note for the report).
+
+    LPIPS when the lpips package and AlexNet's weights are local; else ST-LPIPS when the optional
+    ``stlpips-pytorch`` package (which ships its full weights) is installed; else none, and why.
+    """
+    checkpoint = Path(torch.hub.get_dir()) / "checkpoints" / ALEXNET_CHECKPOINT
+    have_lpips = importlib.util.find_spec("lpips") is not None
+    if have_lpips and checkpoint.exists():
+        return lpips_network(), "lpips", "LPIPS (AlexNet, v0.1) computed"
+    if importlib.util.find_spec("stlpips_pytorch") is not None:
+        from stlpips_pytorch import stlpips
+
+        model = stlpips.LPIPS(net="alex", variant="shift_tolerant").eval()
+        return model, "st_lpips", "ST-LPIPS (shift-tolerant LPIPS, AlexNet; stlpips-pytorch) computed instead of LPIPS"
+    why = (
+        f"its AlexNet backbone weights are not in the local torch cache ({checkpoint}): copy {ALEXNET_CHECKPOINT} "
+        "there (nothing is downloaded)"
+        if have_lpips
+        else 'the lpips package is not installed (pip install "flextensor-diffusers[lpips]")'
+    )
+    return (
+        None,
+        None,
+        f"LPIPS not computed: {why}, or install stlpips-pytorch for ST-LPIPS. PSNR, SSIM and max-abs are reported",
+    )
+
+
+def perceptual_distance(model: Any, a: np.ndarray, b: np.ndarray) -> float:
+    """The model's distance between two (H, W, 3) uint8 frames, scaled to [-1, 1] as LPIPS expects."""
+
+    def to(frame: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(frame)).permute(2, 0, 1)[None].float() / 127.5 - 1
+
+    with torch.no_grad():
+        return float(model(to(a), to(b)).flatten()[0])
+
+
+def frame_metrics(reference: np.ndarray, test: np.ndarray, perceptual: tuple | None = None) -> dict[str, Any]:
+    """Per-frame PSNR, SSIM, max-abs (and LPIPS or ST-LPIPS when available) of two (F, H, W, 3) uint8 videos.
+
+    ``perceptual``: a `perceptual_metric()` result to use instead of finding one (tests pass a random-trunk net).
+    """
     if reference.shape != test.shape:
         raise ValueError(f"videos differ in shape: {reference.shape} vs {test.shape}")
-    model, lpips_note = lpips_status()
+    model, name, note = perceptual or perceptual_metric()
     rows = []
     for ref, out in zip(reference, test, strict=True):
         value = psnr(ref, out)
@@ -76,11 +118,15 @@ def frame_metrics(reference: np.ndarray, test: np.ndarray) -> dict[str, Any]:
             "max_abs": int(np.max(np.abs(ref.astype(np.int16) - out.astype(np.int16)))),
         }
         if model is not None:
-            to = lambda f: torch.from_numpy(f).permute(2, 0, 1)[None].float() / 127.5 - 1  # noqa: E731
-            with torch.no_grad():
-                row["lpips"] = round(float(model(to(ref), to(out))), 6)
+            row[name] = round(perceptual_distance(model, ref, out), 6)
         rows.append(row)
-    return {"frames": rows, "lpips_note": lpips_note, "identical": bool(np.array_equal(reference, test))}
+    return {
+        "frames": rows,
+        "lpips_note": note,
+        "perceptual_metric": name,
+        "identical": bool(np.array_equal(reference, test)),
+        "measured_on": "uint8 RGB frames before encoding",
+    }
 
 
 def latent_metrics(reference: torch.Tensor, test: torch.Tensor) -> dict[str, Any]:
@@ -133,69 +179,111 @@ def _finish(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, empty: str 
 
 
 def plot_memory(runs: dict[str, dict[str, Any]]) -> bytes:
+    """Allocated GPU memory over each run (GPU runs only: the CPU has no allocator counters)."""
     fig, ax = _axes()
     for name, run in runs.items():
         samples = [s for s in run.get("memory_timeline") or [] if s["allocated_bytes"] is not None]
         if samples:
             ax.plot([s["t_s"] for s in samples], [s["allocated_bytes"] / 2**30 for s in samples], label=name, lw=1.5)
+    ax.set_ylim(bottom=0)
     return _finish(
         fig,
         ax,
         "time since generation start (s)",
         "GPU allocated (GiB)",
         "GPU memory over time",
-        empty="GPU memory not available (CPU run)",
+        empty="no GPU memory samples",
     )
 
 
 def plot_steps(runs: dict[str, dict[str, Any]]) -> bytes:
+    """Seconds per denoising step; whole-number steps on x, zero at the bottom of y."""
+    from matplotlib.ticker import MaxNLocator
+
     fig, ax = _axes()
     for name, run in runs.items():
         steps = run.get("step_s") or []
         if steps:
             ax.plot(range(1, len(steps) + 1), steps, marker="o", label=name)
-    return _finish(fig, ax, "denoising step", "time (s)", "Per-step time")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylim(bottom=0)
+    return _finish(fig, ax, "denoising step", "time (s)", "Per-step time", empty="no completed run")
 
 
 def plot_frames(metrics: dict[str, Any] | None) -> bytes:
-    fig, ax = _axes()
-    if metrics:
-        rows = metrics["frames"]
-        finite = [r["psnr_db"] for r in rows if r["psnr_db"] != INF]
-        cap = max(finite, default=60.0) + 10
-        values = [cap if r["psnr_db"] == INF else r["psnr_db"] for r in rows]
-        ax.plot(range(len(rows)), values, marker=".", label="PSNR (dB; identical frames drawn at the top)")
-        ax.set_ylabel("PSNR (dB)")
-        if "lpips" in rows[0]:
-            twin = ax.twinx()
-            twin.plot(range(len(rows)), [r["lpips"] for r in rows], color="tab:red", marker=".", label="LPIPS")
-            twin.set_ylabel("LPIPS")
-        ax.legend(loc="lower left")
-    else:
+    """PSNR (finite values only), SSIM, max-abs and the perceptual metric per frame, one panel each.
+
+    An infinite PSNR is no point on a line: frames that are identical are named in the title instead.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    if not metrics:
+        fig, ax = _axes()
         ax.text(0.5, 0.5, "no native output to compare with", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("frame")
-    ax.set_title("Per-frame fidelity, offloaded vs native")
-    ax.grid(alpha=0.3)
+        ax.set_axis_off()
+        return _png(fig)
+    rows = metrics["frames"]
+    name = metrics.get("perceptual_metric")
+    panels = [("psnr_db", "PSNR (dB)"), ("ssim", "SSIM"), ("max_abs", "max-abs (0-255)")]
+    if name and name in rows[0]:
+        panels.append((name, "ST-LPIPS" if name == "st_lpips" else "LPIPS"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 2.8))
+    x = list(range(len(rows)))
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        values = [r[key] for r in rows]
+        if key == "psnr_db":
+            finite = [(i, v) for i, v in zip(x, values, strict=True) if v != INF]
+            if finite:
+                ax.plot(*zip(*finite, strict=True), marker=".")
+            identical = len(rows) - len(finite)
+            ax.set_title(f"{label}\n{identical} of {len(rows)} frames identical", fontsize=9)
+            if not finite:
+                ax.text(0.5, 0.5, "identical\n(PSNR infinite)", ha="center", va="center", transform=ax.transAxes)
+                ax.set_xticks([])
+                ax.set_yticks([])
+        else:
+            ax.plot(x, values, marker=".")
+            ax.set_title(label, fontsize=9)
+            if key != "ssim":
+                ax.set_ylim(bottom=0)
+        ax.set_xlabel("frame")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    fig.suptitle("Per-frame fidelity, offloaded vs native")
+    fig.tight_layout()
     return _png(fig)
 
 
 #: Width of the frame strip; wider strips are scaled down (a full-size strip would be ~10 MB).
 STRIP_WIDTH = 1600
+#: Small frames (tiny runs) are scaled up to this height, pixel for pixel, so that they can be seen.
+STRIP_MIN_HEIGHT = 128
+LABEL_WIDTH = 90
 
 
 def frame_strip(videos: dict[str, np.ndarray], count: int = 5) -> bytes:
-    """Rows of evenly spaced frames, one row per video, as a PNG at most `STRIP_WIDTH` wide."""
+    """Rows of evenly spaced frames, one row per video, its name left of the row (never over a frame)."""
     from PIL import Image, ImageDraw
 
     rows = []
     for name, video in videos.items():
         picks = np.linspace(0, len(video) - 1, num=min(count, len(video))).round().astype(int)
-        row = np.concatenate([video[i] for i in picks], axis=1)
+        gap = np.full((video.shape[1], 2, 3), 255, dtype=np.uint8)
+        row = np.concatenate([part for i in picks for part in (video[i], gap)][:-1], axis=1)
         image = Image.fromarray(row)
-        ImageDraw.Draw(image).text((4, 2), name, fill=(255, 255, 0))
-        rows.append(np.asarray(image))
+        if image.height < STRIP_MIN_HEIGHT:
+            scale = -(-STRIP_MIN_HEIGHT // image.height)
+            image = image.resize((image.width * scale, image.height * scale), Image.Resampling.NEAREST)
+        labelled = Image.new("RGB", (image.width + LABEL_WIDTH, image.height), (255, 255, 255))
+        labelled.paste(image, (LABEL_WIDTH, 0))
+        ImageDraw.Draw(labelled).text((6, image.height // 2 - 6), name, fill=(0, 0, 0))
+        rows.append(np.asarray(labelled))
     width = max(r.shape[1] for r in rows)
-    rows = [np.pad(r, ((0, 0), (0, width - r.shape[1]), (0, 0))) for r in rows]
+    rows = [np.pad(r, ((0, 4), (0, width - r.shape[1]), (0, 0)), constant_values=255) for r in rows]
     return shrink_png(Image.fromarray(np.concatenate(rows, axis=0)))
 
 
@@ -223,10 +311,15 @@ def _img(data: bytes, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(data).decode()}">'
 
 
-def render_html(report: dict[str, Any], images: dict[str, bytes]) -> str:
-    """A self-contained page: summary table, fidelity, plots (inline PNGs), the raw JSON."""
-    runs = report["runs"]
-    head = ["", *runs]
+def _table(head: list[str], rows: list[tuple[str, list[Any]]]) -> str:
+    out = "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"
+    for label, values in rows:
+        out += f"<tr><th>{html.escape(label)}</th>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in values)
+        out += "</tr>"
+    return out + "</table>"
+
+
+def summary_table(runs: dict[str, dict[str, Any]]) -> str:
     rows = [
         ("status", [r["status"] for r in runs.values()]),
         ("generation time", [f"{r['generation_s']:.2f} s" if r.get("generation_s") else "—" for r in runs.values()]),
@@ -238,51 +331,113 @@ def render_html(report: dict[str, Any], images: dict[str, bytes]) -> str:
     stages = dict.fromkeys(s for r in runs.values() for s in r.get("stage_peak_allocated_bytes") or {})
     for stage in stages:  # the allocator's peak while each component (or the VAE decode) ran
         peaks = [(r.get("stage_peak_allocated_bytes") or {}).get(stage) for r in runs.values()]
-        rows.append((f"peak in {html.escape(stage)}", [_fmt_bytes(v) if v is not None else "—" for v in peaks]))
-    table = "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"
-    for label, values in rows:
-        table += f"<tr><th>{label}</th>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in values) + "</tr>"
-    table += "</table>"
+        rows.append((f"peak in {stage}", [_fmt_bytes(v) if v is not None else "—" for v in peaks]))
+    return _table(["", *runs], rows)
+
+
+def offload_table(report: dict[str, Any] | None) -> str:
+    """Per component of the offloaded run: what stayed resident, what was streamed, stalls, overlap."""
+    if not report:
+        return "<p>no offload report</p>"
+    head = ["component", "class", "resident", "streamed", "units streamed / found", "stall ms", "overlap", "phase"]
+    rows = []
+    for name, c in report["components"].items():
+        overlap = "" if c.get("overlap_pct") is None else f"{c['overlap_pct']:.1f}%"
+        values = [c["class"], _fmt_bytes(c["resident_weight_bytes"]), _fmt_bytes(c["streamed_unit_bytes"])]
+        values += [f"{c['streamed_units']}/{c['units']}", f"{c['stall_ms']:.1f}", overlap, c["phase"]]
+        rows.append((name, values))
+    legend = (
+        "<p class='note'>units: repeated blocks streamed / found (0/0: the component moves whole); overlap: share "
+        "of copy time hidden behind compute (blank: nothing was streamed); component switches: "
+        f"{html.escape(str(report.get('component_switches')))} (each switch gives the previous component's "
+        "memory back).</p>"
+    )
+    return _table(head, rows) + legend
+
+
+def fidelity_section(report: dict[str, Any]) -> str:
     fid = report.get("fidelity")
-    if fid:
-        frames = fid["frames"]["frames"]
-        finite = [f["psnr_db"] for f in frames if f["psnr_db"] != INF]
-        fidelity = (
-            f"<p><b>Latents bitwise equal:</b> {fid['latents']['bitwise_equal']} "
-            f"(max-abs {fid['latents']['max_abs']:.3g}). <b>Frames identical:</b> {fid['frames']['identical']}; "
-            f"min PSNR {min(finite) if finite else 'inf'} dB; min SSIM {min(f['ssim'] for f in frames):.6f}; "
-            f"max-abs {max(f['max_abs'] for f in frames)}.</p><p>{html.escape(fid['frames']['lpips_note'])}</p>"
-        )
-    else:
-        fidelity = f"<p>{html.escape(report.get('fidelity_note', 'no comparison'))}</p>"
+    if not fid:
+        return f"<p>{html.escape(report.get('fidelity_note', 'no comparison'))}</p>"
+    frames = fid["frames"]["frames"]
+    finite = [f["psnr_db"] for f in frames if f["psnr_db"] != INF]
+    psnr_text = f"min PSNR {min(finite):.2f} dB" if finite else "PSNR infinite on every frame (identical)"
+    same = fid.get("identical") or {}
+    identical = (
+        f"<b>Frames identical</b> — before encoding (uint8 RGB, what the metrics compare): "
+        f"{fid['frames']['identical']}; mp4 files byte for byte: {same.get('mp4_bytes', 'n/a')}; "
+        f"decoded mp4 frames: {same.get('decoded', 'n/a')}."
+    )
+    return (
+        f"<p><b>Latents bitwise equal:</b> {fid['latents']['bitwise_equal']} "
+        f"(max-abs {fid['latents']['max_abs']:.3g}).</p><p>{identical}</p>"
+        f"<p>{psnr_text}; min SSIM {min(f['ssim'] for f in frames):.6f}; "
+        f"max-abs {max(f['max_abs'] for f in frames)}.</p><p>{html.escape(fid['frames']['lpips_note'])}</p>"
+    )
+
+
+def header_line(report: dict[str, Any]) -> str:
+    compile_mode = (report.get("compile") or {}).get("mode", "none")
+    caps = (
+        f"memory cap: native {report.get('memory_cap') or 'none'}, "
+        f"offloaded {report.get('offload_memory_cap') or 'none'}"
+        if report.get("device", "cpu").startswith("cuda")
+        else "no memory cap (CPU run)"
+    )
+    parts = [
+        report["device_name"],
+        f"torch {report['versions']['torch']}",
+        f"diffusers {report['versions']['diffusers']}",
+        f"budget {report['budget']}",
+        f"compile {compile_mode}",
+        caps,
+    ]
+    return "<p>" + " · ".join(html.escape(str(p)) for p in parts) + "</p>"
+
+
+def render_html(report: dict[str, Any], images: dict[str, bytes]) -> str:
+    """A self-contained page: summary, offload table, fidelity, plots (inline PNGs), links, the raw JSON."""
+    runs = report["runs"]
+    completed = [n for n, r in runs.items() if r["status"] == "completed"]
+    links = " · ".join(
+        f'<a href="{html.escape(path)}">{html.escape(path)}</a>' for path in report.get("videos", {}).values()
+    )
+    strip = (
+        "<p>Evenly spaced frames; one row per completed run ("
+        + html.escape(", ".join(completed))
+        + ").</p>"
+        + _img(images["strip"], "frame strip")
+        if "strip" in images
+        else "<p>no frames</p>"
+    )
+    memory = (
+        _img(images["memory"], "memory timeline")
+        if "memory" in images
+        else "<p>Not measured: this was a CPU run, and the CPU has no allocator counters.</p>"
+    )
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>flextensor-diffusers report</title>",
         "<style>body{font-family:system-ui,sans-serif;max-width:960px;margin:2em auto;padding:0 1em;color:#222}"
         "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 10px;text-align:left}"
-        "th{background:#f3f3f3}img{max-width:100%;display:block;margin:0.5em 0}"
+        "th{background:#f3f3f3}img{max-width:100%;display:block;margin:0.5em 0}.note{font-size:90%;color:#555}"
         "pre{background:#f7f7f7;padding:1em;overflow:auto;max-height:30em;font-size:12px}</style></head><body>",
         f"<h1>Native vs offloaded: {html.escape(report['recipe'])}</h1>",
-        f"<p>{html.escape(report['device_name'])} · torch {html.escape(report['versions']['torch'])} · "
-        f"diffusers {html.escape(report['versions']['diffusers'])} · budget {html.escape(str(report['budget']))}"
-        f" · memory cap: native {html.escape(str(report.get('memory_cap') or 'none'))}, offloaded "
-        f"{html.escape(str(report.get('offload_memory_cap') or 'none'))}</p>",
+        header_line(report),
+        f"<p>Videos (beside this page): {links or 'none'}</p>",
         "<h2>Summary</h2>",
-        table,
+        summary_table(runs),
+        "<h2>Offload, per component</h2>",
+        offload_table(runs.get("offloaded", {}).get("offload_report")),
         "<h2>Fidelity</h2>",
-        fidelity,
+        fidelity_section(report),
         "<h2>Frames</h2>",
-        "<p>Evenly spaced frames; one row per completed run, in the order "
-        + html.escape(", ".join(n for n, r in runs.items() if r["status"] == "completed"))
-        + ".</p>"
-        + _img(images["strip"], "frame strip")
-        if "strip" in images
-        else "<p>no frames</p>",
-        "<h2>GPU memory</h2>",
-        _img(images["memory"], "memory timeline"),
-        "<h2>Per-step time</h2>",
-        _img(images["steps"], "per-step time"),
+        strip,
         "<h2>Per-frame fidelity</h2>",
         _img(images["frames"], "per-frame fidelity"),
+        "<h2>Per-step time</h2>",
+        _img(images["steps"], "per-step time"),
+        "<h2>GPU memory</h2>",
+        memory,
         "<h2>report.json</h2>",
         f"<pre>{html.escape(json.dumps(report, indent=1))}</pre>",
         "</body></html>",

@@ -15,8 +15,9 @@ from flextensor_diffusers import compare, quality
 
 def test_report_files_exist_parse_and_identical_outputs_read_as_such(tmp_path) -> None:
     report = compare.compare("wan22_t2v", [*TINY_WAN_ARGV, "--profile-dir", str(tmp_path / "p")], tmp_path)
-    for name in ("native.mp4", "offloaded.mp4", "strip.png", "memory.png", "steps.png", "frames.png", "report.html"):
+    for name in ("native.mp4", "offloaded.mp4", "strip.png", "steps.png", "frames.png", "report.html"):
         assert (tmp_path / name).stat().st_size > 0, name
+    assert not (tmp_path / "memory.png").exists()  # the CPU has no allocator counters: a note instead
     data = json.loads((tmp_path / "report.json").read_text())  # strict JSON: no Infinity/NaN tokens
     assert data["fidelity"]["latents"] == {"bitwise_equal": True, "max_abs": 0.0, "mean_abs": 0.0}
     frames = data["fidelity"]["frames"]["frames"]
@@ -25,8 +26,18 @@ def test_report_files_exist_parse_and_identical_outputs_read_as_such(tmp_path) -
     assert data["gpu_figures"] == "not available (CPU run)"
     assert data["runs"]["offloaded"]["profiling_s"] > 0 and len(data["runs"]["native"]["step_s"]) == 2
     assert "LPIPS" in data["fidelity"]["frames"]["lpips_note"]
+    identical = data["fidelity"]["identical"]
+    assert identical["frames"] and identical["mp4_bytes"] and identical["decoded"]  # deterministic encoding
+    assert "before encoding" in identical["measured_on"] and "decoded" in identical["measured_on"]
+    assert "output" not in data["arguments"] and data["arguments"]["frames"] == 9  # compare writes no --output
+    assert data["compile"] == {"mode": "none", "components": []} and data["device_name"].startswith("CPU")
+    assert data["memory_cap"] is None and data["videos"] == {"native": "native.mp4", "offloaded": "offloaded.mp4"}
     html = (tmp_path / "report.html").read_text()
     assert "data:image/png;base64," in html and "Latents bitwise equal:</b> True" in html
+    assert '<a href="native.mp4">' in html and '<a href="offloaded.mp4">' in html
+    assert "Not measured: this was a CPU run" in html and "cpu ()" not in html
+    assert "decoded mp4 frames: True" in html and "<th>transformer_2</th>" in html  # the per-component table
+    assert "PSNR infinite on every frame (identical)" in html and "compile none" in html
     assert report["runs"]["native"]["status"] == "completed"
 
 

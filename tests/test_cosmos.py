@@ -74,21 +74,46 @@ def test_recipe_writes_the_frames_and_says_the_safety_check_was_skipped(tmp_path
     assert read_mp4(out).shape == (5, 32, 32, 3)
     info = json.loads(summary.read_text())
     assert info["safety_check"] == recipe.GUARDRAIL_SKIPPED
-    assert "pip install cosmos_guardrail" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert (captured.out + captured.err).count("safety check skipped") == 1  # said once, not twice
 
 
 def test_recipe_without_weights_says_how_to_get_them(capsys) -> None:
-    with pytest.raises(SystemExit, match="--random-weights"):
+    with pytest.raises(SystemExit) as info:
         recipe.main([])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cosmos_transfer25: no weights") and "--random-weights" in err
+    assert len(err.strip().splitlines()) == 1
 
 
-def test_a_source_shorter_than_the_video_is_refused(tmp_path) -> None:
+def test_a_source_shorter_than_the_video_and_bad_chunks_are_refused_before_loading(tmp_path) -> None:
     """The pipeline would quietly make a video as long as its control; the recipe says so instead."""
     clip = tmp_path / "edges.mp4"
     write_mp4(clip, SOURCE, fps=24)
-    args = recipe.parse_args(["--random-weights", "tiny", "--input", str(clip), "--frames", "9"])
+    tiny = ["--random-weights", "tiny", "--input", str(clip)]
     with pytest.raises(FlexTensorError, match="has 5 frames, fewer than --frames 9"):
-        recipe.load(args, torch.device("cpu"))
+        recipe.parse_args([*tiny, "--frames", "9"])
+    with pytest.raises(FlexTensorError, match="--chunk 0 must be a positive whole number"):
+        recipe.parse_args([*tiny, "--chunk", "0"])
+    with pytest.raises(FlexTensorError, match="--chunk 3: a chunk has at least 5 frames: pass --chunk 5"):
+        recipe.parse_args([*tiny, "--chunk", "3"])
+    with pytest.raises(FlexTensorError, match=r"--chunk 17 is longer than .* pass --chunk 16 or less"):
+        recipe.parse_args([*tiny, "--chunk", "17"])
+    with pytest.raises(FlexTensorError, match=r"--height 40: Cosmos-Transfer2\.5 needs a multiple of 16"):
+        recipe.parse_args([*tiny, "--height", "40"])
+
+
+@pytest.mark.parametrize(
+    ("missing", "says"), [("torchvision", "needs the torchvision package"), ("cv2", "needs the cv2 package")]
+)
+def test_missing_optional_packages_are_named_before_loading(monkeypatch, missing, says) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
+    with pytest.raises(FlexTensorError, match=rf"{says}: pip install \"flextensor-diffusers\[cosmos\]\""):
+        recipe.parse_args(["--random-weights", "tiny"])
 
 
 def test_compare_report_for_cosmos_is_bitwise(tmp_path) -> None:

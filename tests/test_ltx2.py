@@ -13,6 +13,7 @@ import flextensor_diffusers as ft
 from flextensor_diffusers.models import build_pipeline, load_config
 from flextensor_diffusers.recipes import ltx2_outpaint
 from flextensor_diffusers.recipes.ltx2_outpaint import LTX2OutpaintPipeline, place_on_canvas
+from flextensor_diffusers.recipes.options import OptionsError
 from flextensor_diffusers.video import read_mp4, write_mp4
 
 
@@ -135,14 +136,26 @@ def test_outpaint_recipe_writes_the_canvas_video(tmp_path) -> None:
     clip = tmp_path / "source.mp4"
     write_mp4(clip, np.repeat(SOURCE[:1], 17, axis=0), fps=24)
     out, summary = tmp_path / "out.mp4", tmp_path / "summary.json"
-    argv = ["--random-weights", "tiny", "--input", str(clip), "--canvas", "96x64", "--steps", "2"]
+    argv = ["--random-weights", "tiny", "--input", str(clip), "--canvas", "96x64", "--steps", "2", "-q"]
     argv += ["--output", str(out), "--json", str(summary), "--profile-dir", str(tmp_path / "profiles")]
     ltx2_outpaint.main(argv)
     video = read_mp4(out)
-    assert video.shape == (17, 64, 96, 3)  # all 17 source frames (8k+1), on the canvas
+    assert video.shape == (9, 64, 96, 3)  # tiny weights: 9 frames by default, on the canvas
     info = json.loads(summary.read_text())
     assert info["canvas"]["offset"] == [32, 16] and info["canvas"]["source_size"] == [32, 32]
     assert info["canvas"]["conditioned_tokens_per_frame"] == 16 * 16
+    assert info["frames"] == info["frames_written"] == 9
+
+
+def test_outpaint_defaults_to_the_whole_clip_with_real_weights(tmp_path) -> None:
+    """Real (or full random) weights: the longest 8k+1 frames of the source, on a 1280x704 canvas."""
+    clip, model = tmp_path / "source.mp4", tmp_path / "model"
+    write_mp4(clip, np.repeat(SOURCE[:1], 20, axis=0), fps=24)
+    model.mkdir()
+    (model / "model_index.json").write_text("{}")
+    options = ltx2_outpaint.parse_args(["--model", str(model), "--input", str(clip)])
+    assert (options.frames, options.width, options.height, options.steps) == (17, 1280, 704, 40)
+    assert options.source_size is None and options.max_sequence_length == 1024
 
 
 def test_outpaint_refuses_a_source_larger_than_the_canvas_and_bad_lengths(tmp_path) -> None:
@@ -150,6 +163,14 @@ def test_outpaint_refuses_a_source_larger_than_the_canvas_and_bad_lengths(tmp_pa
         place_on_canvas(SOURCE, 16, 64, 2)
     clip = tmp_path / "source.mp4"
     write_mp4(clip, SOURCE, fps=24)
-    args = ltx2_outpaint.parse_args(["--random-weights", "tiny", "--input", str(clip), "--frames", "8"])
-    with pytest.raises(ft.FlexTensorError, match="8k\\+1"):
-        ltx2_outpaint.load_source(args)
+    tiny = ["--random-weights", "tiny", "--input", str(clip)]
+    with pytest.raises(OptionsError, match=r"--frames 8: LTX-2 makes 8k\+1 frames: pass --frames 1 or 9"):
+        ltx2_outpaint.parse_args([*tiny, "--frames", "8"])
+    with pytest.raises(OptionsError, match=r"--frames 17: .* has 9 frames: pass --frames 9 or fewer"):
+        ltx2_outpaint.parse_args([*tiny, "--frames", "17"])
+    with pytest.raises(OptionsError, match=r"--canvas 32x16: LTX-2 needs a height that is a multiple of 32"):
+        ltx2_outpaint.parse_args([*tiny, "--canvas", "32x16"])
+    with pytest.raises(OptionsError, match=r"--canvas 48x64: LTX-2 needs a width that is a multiple of 32"):
+        ltx2_outpaint.parse_args([*tiny, "--canvas", "48x64"])
+    with pytest.raises(OptionsError, match=r"the source \(64x64\) is larger than the canvas \(64x32\)"):
+        ltx2_outpaint.parse_args([*tiny, "--source-size", "64x64", "--canvas", "64x32"])

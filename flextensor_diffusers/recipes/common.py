@@ -1,21 +1,31 @@
-"""What every recipe does: arguments, loading, the profiling generation, timing, the summary.
+"""What every recipe does: the command line, loading, the profiling generation, timing, the summary.
 
-A recipe module provides ``parse_args(argv)``, ``load(args, device)`` (the pipeline, CPU-first,
-with whatever inputs it derives from the arguments), ``generate(pipe, args, device, steps,
-output_type, **extra)`` and ``profiling_generation(pipe, args, device)``; optionally
-``finish_frames(pipe, args, frames)`` and ``describe(pipe, args)`` (extra summary fields).
-`run_recipe` does the rest, and `flextensor_diffusers.compare` drives the same four functions.
+A recipe module provides:
+
+- ``parse_args(argv) -> options``: a frozen `RecipeOptions` (or subclass), every value checked
+  that can be checked without the weights (`options.OptionsError` names the flag);
+- ``load(options, device, attach=False)``: the pipeline, CPU-first, with whatever inputs it derives
+  from the options kept on the pipeline (``attach``: build on the meta device, for a rank that
+  attaches to another's shared weights);
+- ``generate(pipe, options, device, steps, output_type, **extra)`` and
+  ``profiling_generation(pipe, options, device)``;
+- optionally ``finish_frames(pipe, options, frames)`` and ``describe(pipe, options)`` (extra
+  summary fields).
+
+`run_recipe` does the rest, `main` is the command line around it (one line per user error), and
+`flextensor_diffusers.compare` drives the same functions.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import hashlib
 import json
 import logging
 import sys
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,105 +33,68 @@ from typing import Any
 import torch
 
 from ..engine import Phase, format_bytes
+from ..engine.errors import BudgetError, FlexTensorError
 from ..pipelines.offload import resolve_budget, resolve_vae_tiling
+from .options import RecipeOptions, budget_note, budget_suggestion
+
+#: Exit status of a run stopped by a user error (argparse's own errors exit with 2 as well).
+USAGE_EXIT = 2
 
 
-def add_common_arguments(parser: argparse.ArgumentParser, frames: int, height: int, width: int, steps: int) -> None:
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", type=Path, help="local diffusers folder with the real weights")
-    source.add_argument(
-        "--random-weights",
-        choices=("tiny", "full"),
-        help="built-in architecture with random weights: tiny (CPU, seconds) or full (published sizes)",
-    )
-    parser.add_argument("--prompt", default="a red fox running through a snowy forest, cinematic")
-    parser.add_argument("--negative-prompt", default="blurry, low quality, static")
-    parser.add_argument("--frames", type=int, default=frames)
-    parser.add_argument("--height", type=int, default=height)
-    parser.add_argument("--width", type=int, default=width)
-    parser.add_argument("--steps", type=int, default=steps)
-    parser.add_argument("--guidance", type=float, default=4.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--budget", default="auto", help="GPU memory budget, e.g. 24GiB (default: free memory)")
-    parser.add_argument("--profile-dir", type=Path, default=Path("profiles"))
-    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
-    parser.add_argument("--no-offload", action="store_true", help="run natively (everything on the device)")
-    parser.add_argument(
-        "--vae-tiling",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="diffusers' VAE tiling: auto turns it on for budgets under 40 GiB",
-    )
-    parser.add_argument(
-        "--gpus",
-        type=int,
-        default=1,
-        help="split each generation across N GPUs of this host (context parallelism, launched with torchrun)",
-    )
-    parser.add_argument("--json", type=Path, help="also write the summary as JSON here")
-    parser.add_argument("-v", "--verbose", action="store_true")
-
-
-def call_arguments(args: argparse.Namespace, steps: int, output_type: str) -> dict[str, Any]:
+def call_arguments(options: RecipeOptions, steps: int, output_type: str) -> dict[str, Any]:
     """The pipeline-call arguments every recipe passes the same way (a seeded CPU generator)."""
     return {
-        "prompt": args.prompt,
-        "negative_prompt": args.negative_prompt,
-        "num_frames": args.frames,
-        "height": args.height,
-        "width": args.width,
+        "prompt": options.prompt,
+        "negative_prompt": options.negative_prompt,
+        "num_frames": options.frames,
+        "height": options.height,
+        "width": options.width,
         "num_inference_steps": steps,
-        "guidance_scale": args.guidance,
-        "generator": torch.Generator(device="cpu").manual_seed(args.seed),
+        "guidance_scale": options.guidance,
+        "generator": torch.Generator(device="cpu").manual_seed(options.seed),
         "output_type": output_type,
     }
 
 
-def require_weights(args: argparse.Namespace, recipe: str) -> None:
-    """Stop with instructions when neither real weights nor random weights were asked for."""
-    if args.model is None and args.random_weights is None:
-        sys.exit(
-            f"{recipe}: no weights. Pass --model PATH with a local diffusers folder of the model (download it "
-            "yourself; this package never downloads weights), or --random-weights tiny|full to run the built-in "
-            "architecture with random weights (tiny runs on a CPU in seconds)."
-        )
-
-
-def vae_tiling(args: argparse.Namespace) -> bool | None:
-    return {"auto": None, "on": True, "off": False}[args.vae_tiling]
-
-
-def place_natively(pipe: Any, args: argparse.Namespace, device: torch.device) -> None:
+def place_natively(pipe: Any, options: RecipeOptions, device: torch.device) -> None:
     """Everything on the device, with the VAE tiling choice an offloaded run under --budget makes."""
-    tiled = resolve_vae_tiling(vae_tiling(args), resolve_budget(args.budget, device))  # "auto": before the move
+    tiled = resolve_vae_tiling(options.vae_tiling_choice, resolve_budget(options.budget, device))  # before the move
     pipe.to(device)
     if tiled and hasattr(pipe, "vae"):
         pipe.vae.enable_tiling()
 
 
-def enable_offload(pipe: Any, args: argparse.Namespace, device: torch.device) -> None:
+def enable_offload(pipe: Any, options: RecipeOptions, device: torch.device, shared_host: str | None = None) -> None:
+    """``shared_host``: the namespace of one host copy for all ranks of a ``--gpus N`` job."""
     pipe.enable_flextensor_offload(
-        budget=args.budget,
-        profile_dir=args.profile_dir,
+        budget=options.budget,
+        profile_dir=options.profile_dir,
         device=device,
-        vae_tiling=vae_tiling(args),
-        shared_host=getattr(args, "shared_host", None),  # set by --gpus N: one host copy for the ranks
+        vae_tiling=options.vae_tiling_choice,
+        shared_host=shared_host,
     )
 
 
-def init_device(args: argparse.Namespace, device: torch.device) -> str | torch.device:
+def compile_denoisers(pipe: Any, options: RecipeOptions) -> list[str]:
+    """``--compile``: the same compilation for a native and an offloaded run (compare's premise)."""
+    from ..pipelines.compile import compile_pipeline
+
+    return compile_pipeline(pipe, options.compile)
+
+
+def init_device(options: RecipeOptions, device: torch.device, attach: bool = False) -> str | torch.device:
     """Where random weights are made: on the GPU for full sizes (quick), on the meta device for a
     rank that attaches to another's shared copy, else on the CPU."""
-    if getattr(args, "attach_to_shared", False):
+    if attach:
         return "meta"
-    return device if args.random_weights == "full" and device.type == "cuda" else "cpu"
+    return device if options.random_weights == "full" and device.type == "cuda" else "cpu"
 
 
-def device_of(args: argparse.Namespace) -> torch.device:
-    """The compute device, with its index (``cuda:0``, not ``cuda``)."""
+def device_of(options: RecipeOptions, rank_device: str | None = None) -> torch.device:
+    """The compute device, with its index (``cuda:0``, not ``cuda``); a torchrun rank's own GPU first."""
     from ..engine.config import resolve_device
 
-    return resolve_device(args.device)
+    return resolve_device(rank_device or options.device)
 
 
 def synchronize(device: torch.device) -> None:
@@ -177,97 +150,237 @@ def all_steady(pipe: Any) -> bool:
     return state is None or all(h.phase is Phase.STEADY for h in state.handles.values())
 
 
+# ---------------------------------------------------------------------------------------- progress
+
+
+def bars_disabled(quiet: bool) -> bool | None:
+    """tqdm's ``disable``: off with --quiet; None lets tqdm turn bars off when not writing to a terminal."""
+    return True if quiet else None
+
+
+@contextlib.contextmanager
+def stage(label: str, quiet: bool) -> Iterator[None]:
+    """A one-step labelled bar around a stage with no steps of its own (loading, packing and pinning)."""
+    from tqdm.auto import tqdm
+
+    with tqdm(total=1, desc=label, disable=bars_disabled(quiet), bar_format="{desc}: {elapsed}", leave=True) as bar:
+        yield
+        bar.update(1)
+
+
+def label_generation(pipe: Any, label: str, quiet: bool) -> None:
+    """Name diffusers' denoising bar (``profiling generation`` or ``generation``)."""
+    if hasattr(pipe, "set_progress_bar_config"):
+        pipe.set_progress_bar_config(desc=label, disable=bars_disabled(quiet))
+
+
+# ---------------------------------------------------------------------------------------- the run
+
+
 def summary(
-    args: argparse.Namespace,
+    options: RecipeOptions,
     device: torch.device,
     generation: Timed,
     profiling_s: float | None,
     pipe: Any,
-    output: Path,
 ) -> dict[str, Any]:
     state = getattr(pipe, "_flextensor", None)
     return {
-        "recipe": args.recipe,
-        "weights": str(args.model) if args.model else f"random ({args.random_weights})",
+        "recipe": options.recipe,
+        "weights": str(options.model) if options.model else f"random ({options.random_weights})",
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "offload": not args.no_offload,
-        "budget": args.budget,
-        "frames": args.frames,
-        "height": args.height,
-        "width": args.width,
-        "steps": args.steps,
-        "seed": args.seed,
+        "offload": not options.no_offload,
+        "budget": options.budget,
+        "budget_bytes": state.budget_bytes if state else None,
+        "compile": options.compile,
+        "frames": options.frames,
+        "height": options.height,
+        "width": options.width,
+        "steps": options.steps,
+        "seed": options.seed,
         "generation_s": round(generation.seconds, 3),
         "profiling_generation_s": None if profiling_s is None else round(profiling_s, 3),
         "peak_allocated_bytes": generation.peak_allocated_bytes,
-        "output": str(output),
+        "output": str(options.output),
+        "options": options.as_json(),
         "offload_report": state.report() if state else None,
     }
 
 
-def main(recipe: Any, argv: list[str] | None) -> dict[str, Any] | None:
-    """A recipe's command line: parse, re-launch under torchrun for ``--gpus N``, run."""
-    from . import parallel
+def offload_and_profile(recipe: Any, pipe: Any, options: RecipeOptions, device: torch.device, placement: Any) -> Any:
+    """Enable offload; run the profiling generation unless a profile of this workload exists. Its seconds."""
+    with stage("packing and pinning weights", options.quiet):
+        enable_offload(pipe, options, device, shared_host=placement.shared_host)
+    shape = {"frames": options.frames, "height": options.height, "width": options.width}
+    key = workload_key(pipe, device, **shape, cfg=options.guidance > 1, gpus=placement.rank.world_size)
+    found = profiled_before(options.profile_dir, key)
+    if placement.rank.leader:
+        where = options.profile_dir or "nowhere (no --profile-dir)"
+        then = "found: no profiling generation" if found else "none yet: a short profiling generation first"
+        print(f"offload: budget {format_bytes(pipe._flextensor.budget_bytes)} on {device}; profile in {where}: {then}")
+    if found:
+        return None
+    label_generation(pipe, "profiling generation", options.quiet)
+    seconds = timed(device, lambda: recipe.profiling_generation(pipe, options, device)).seconds
+    if all_steady(pipe) and placement.rank.leader:
+        remember_profiled(options.profile_dir, key, {**shape, "recipe": options.recipe})
+    return seconds
 
-    args = recipe.parse_args(argv)
-    setup_logging(args.verbose)
-    parallel.launch_if_needed(args, recipe.__spec__.name, sys.argv[1:] if argv is None else argv)
-    return recipe.run(args)
 
-
-def run_recipe(recipe: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """Load, offload (or not), profile once per workload, generate, write the mp4 and the summary."""
+def run_recipe(recipe: Any, options: RecipeOptions) -> dict[str, Any]:
+    """Load, compile, offload (or not), profile once per workload, generate, write the mp4 and the summary."""
     from ..video import to_uint8_frames, write_mp4
     from . import parallel
 
-    require_weights(args, args.recipe)
-    me = parallel.set_up(args)
-    device = device_of(args)
-    pipe = recipe.load(args, device)
-    parallel.split_transformers(pipe, me)
+    placement = parallel.set_up(options)
+    device = device_of(options, placement.device)
+    with stage("loading weights", options.quiet):
+        pipe = recipe.load(options, device, attach=placement.attach_to_shared)
+    parallel.split_transformers(pipe, placement.rank)
+    compile_denoisers(pipe, options)
     profiling_s = None
-    if args.no_offload:
-        place_natively(pipe, args, device)
+    if options.no_offload:
+        place_natively(pipe, options, device)
     else:
-        enable_offload(pipe, args, device)
-        shape = {"frames": args.frames, "height": args.height, "width": args.width}
-        key = workload_key(pipe, device, **shape, cfg=args.guidance > 1, gpus=me.world_size)
-        if not profiled_before(args.profile_dir, key):
-            profiling_s = timed(device, lambda: recipe.profiling_generation(pipe, args, device)).seconds
-            if all_steady(pipe) and me.leader:
-                remember_profiled(args.profile_dir, key, {**shape, "recipe": args.recipe})
-    result = timed(device, lambda: recipe.generate(pipe, args, device, args.steps, "np"))
-    info = summary(args, device, result, profiling_s, pipe, args.output)
-    info["gpus"] = me.world_size
-    if me.leader:  # every rank has the whole video; one writes it
+        profiling_s = offload_and_profile(recipe, pipe, options, device, placement)
+    label_generation(pipe, "generation", options.quiet)
+    result = timed(device, lambda: recipe.generate(pipe, options, device, options.steps, "np"))
+    info = summary(options, device, result, profiling_s, pipe)
+    info["gpus"] = placement.rank.world_size
+    if placement.rank.leader:  # every rank has the whole video; one writes it
         frames = to_uint8_frames(result.output[0])
         if hasattr(recipe, "finish_frames"):
-            frames = recipe.finish_frames(pipe, args, frames)
-        write_mp4(args.output, frames, fps=args.fps)
+            frames = recipe.finish_frames(pipe, options, frames)
+        info["frames_written"] = len(frames)
+        info["codec"] = write_mp4(options.output, frames, fps=options.fps)
         if hasattr(recipe, "describe"):
-            info.update(recipe.describe(pipe, args))
-        print_summary(info, pipe)
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(info, indent=1))
+            info.update(recipe.describe(pipe, options))
+        print_summary(info)
+        if options.json:
+            options.json.parent.mkdir(parents=True, exist_ok=True)
+            options.json.write_text(json.dumps(info, indent=1))
     parallel.finish()
     return info
 
 
-def print_summary(info: dict[str, Any], pipe: Any) -> None:
+def print_summary(info: dict[str, Any]) -> None:
     peak = info["peak_allocated_bytes"]
-    print(f"wrote {info['output']}")
+    print(f"wrote {info['output']} ({info['frames_written']} frames, {info['width']}x{info['height']})")
     print(
         f"generation {info['generation_s']:.2f} s (discovery and profiling excluded"
         + (f"; profiling generation {info['profiling_generation_s']:.2f} s" if info["profiling_generation_s"] else "")
         + f"), peak allocated GPU memory {format_bytes(peak) if peak is not None else 'n/a (CPU)'}"
     )
-    if getattr(pipe, "_flextensor", None) is not None:
-        print(pipe.flextensor_report(as_text=True))
+    if info["offload_report"] is not None:
+        print(format_components(info["offload_report"]))
+
+
+COMPONENT_LEGEND = (
+    "units: blocks streamed / blocks found (0/0: no repeated blocks, the component moves whole)\n"
+    "overlap: share of copy time hidden behind compute (blank: nothing was streamed)\n"
+    "switches: times the active component changed (the previous one gives its GPU memory back)"
+)
+
+
+def format_components(report: dict[str, Any]) -> str:
+    """The offload report as an aligned table (columns as wide as their longest cell) with a legend."""
+    peak = report["peak_allocated_bytes"]
+    head = ("component", "class", "resident", "streamed", "units", "stall ms", "overlap", "phase")
+    rows = [head]
+    for name, c in report["components"].items():
+        overlap = "" if c["overlap_pct"] is None else f"{c['overlap_pct']:.1f}%"
+        rows.append(
+            (
+                name,
+                c["class"],
+                format_bytes(c["resident_weight_bytes"]),
+                format_bytes(c["streamed_unit_bytes"]),
+                f"{c['streamed_units']}/{c['units']}",
+                f"{c['stall_ms']:.1f}",
+                overlap,
+                c["phase"],
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    left = {0, 1, 7}  # names left-aligned, numbers right-aligned
+    lines = [
+        f"device {report['device']}  budget {format_bytes(report['budget_bytes'])}  "
+        f"peak allocated {format_bytes(peak) if peak is not None else 'n/a'}  "
+        f"VAE tiling {'on' if report['vae_tiling'] else 'off'}  switches {report['component_switches']}"
+    ]
+    for row in rows:
+        cells = [
+            cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    lines.append(COMPONENT_LEGEND)
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- command line
+
+
+def flag_value(argv: list[str], flag: str, default: str) -> str:
+    """The value given to ``flag`` in ``argv`` (``--flag v`` or ``--flag=v``), else ``default``."""
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return default
+
+
+def error_line(exc: BaseException, budget: str) -> str:
+    """One line for a deliberate error, in the command line's words (``--budget``, not ``gpu_budget``)."""
+    if isinstance(exc, BudgetError):
+        required = getattr(exc, "required_bytes", None)
+        if required is not None:
+            fix = budget_suggestion(required)
+            return (
+                f"--budget {budget} is too small for this pipeline: the smallest workable budget is "
+                f"{fix[:-3]} GiB; pass --budget {fix}"
+            )
+        return " ".join(str(exc).replace("gpu_budget", "--budget").split())
+    return " ".join(str(exc).split())
+
+
+@contextlib.contextmanager
+def user_errors(argv: list[str]) -> Iterator[None]:
+    """Deliberate errors end the command with one line on stderr and exit status 2; ``-v``: the traceback too."""
+    try:
+        yield
+    except FlexTensorError as exc:
+        if "-v" in argv or "--verbose" in argv:
+            traceback.print_exc()
+        print(f"error: {error_line(exc, flag_value(argv, '--budget', 'auto'))}", file=sys.stderr)
+        raise SystemExit(USAGE_EXIT) from None
+
+
+def main(recipe: Any, argv: list[str] | None) -> dict[str, Any] | None:
+    """A recipe's command line: parse and check, re-launch under torchrun for ``--gpus N``, run."""
+    from . import parallel
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    with user_errors(argv):
+        options = recipe.parse_args(argv)
+        setup_logging(options.verbose)
+        note = budget_note(options.budget)
+        if note and parallel.current().leader:
+            print(note)
+        parallel.launch_if_needed(options, recipe.__spec__.name, argv)
+        return recipe.run(options)
+
+
+class _QuietEmptyFp32Warning(logging.Filter):
+    """diffusers warns on every ``.to(dtype)`` of a model whose fp32 list is empty ("kept in float32: []")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "should be kept in float32: []" not in record.getMessage()
 
 
 def setup_logging(verbose: bool) -> None:
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("diffusers.models.modeling_utils").addFilter(_QuietEmptyFp32Warning())

@@ -1,7 +1,9 @@
 """LTX-2 video outpainting under a GPU budget: a clip placed on a larger canvas, the rest generated.
 
-python -m flextensor_diffusers.recipes.ltx2_outpaint --random-weights tiny --canvas 64x64 --source-size 32x32 --steps 2
-python -m flextensor_diffusers.recipes.ltx2_outpaint --model /models/LTX-2-Diffusers --input clip.mp4 --canvas 1280x704
+examples:
+  python recipes/ltx2_outpaint.py --random-weights tiny
+  python recipes/ltx2_outpaint.py --random-weights tiny --canvas 96x64 --source-size 32x32 --frames 9 --steps 2
+  python recipes/ltx2_outpaint.py --model /models/LTX-2-Diffusers --input clip.mp4 --canvas 1280x704
 
 The source frames are placed at the centre of the canvas (offsets rounded down to the VAE's
 spatial factor, so that latent tokens line up with the source edge). The canvas is encoded by
@@ -29,8 +31,17 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from ..engine.errors import FlexTensorError
 from ..models import ASSETS, build_pipeline, load_pipeline
-from ..video import read_mp4
+from ..video import VideoInfo, probe_mp4, read_mp4
 from . import common
+from .options import (
+    OptionsError,
+    RecipeOptions,
+    SizeDefaults,
+    common_values,
+    existing_file,
+    frames_of_form,
+    recipe_parser,
+)
 
 SAMPLE_CLIP = ASSETS / "clips" / "sample.mp4"
 FILL = 127  # mid-grey for the unknown part of the canvas, 0 after the VAE's [-1, 1] scaling
@@ -143,108 +154,172 @@ def parse_size(text: str) -> tuple[int, int]:
         width, height = (int(v) for v in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT like 1280x704, got {text!r}") from None
+    if width < 1 or height < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive WIDTHxHEIGHT like 1280x704, got {text!r}")
     return width, height
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_arguments(parser, frames=0, height=0, width=0, steps=40)
+DEFAULTS = {"tiny": SizeDefaults(frames=9, height=64, width=64, steps=2), "full": SizeDefaults(0, 704, 1280, 40)}
+#: The tiny default: the shipped 640x352 clip scaled to fit the 64x64 default canvas with room around it.
+TINY_SOURCE_SIZE = (32, 32)
+#: LTX-2's condition pipeline needs canvas sides in multiples of 32 and 8k+1 frames.
+CANVAS_MULTIPLE = 32
+TEMPORAL_FACTOR = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutpaintOptions(RecipeOptions):
+    """`RecipeOptions` plus the source clip and where it goes (height and width are the canvas)."""
+
+    architecture = "ltx2"
+    input: Path
+    source_size: tuple[int, int] | None = None
+    no_paste: bool = False
+
+    @property
+    def max_sequence_length(self) -> int:
+        """Prompt tokens: the tiny Gemma's positions are few."""
+        return 32 if self.random_weights == "tiny" else 1024
+
+
+def parse_args(argv: list[str] | None = None) -> OutpaintOptions:
+    parser = recipe_parser(
+        __doc__,
+        DEFAULTS,
+        sizes=False,
+        frames_help="frames of the video, 8k+1 (default: the longest 8k+1 of the source; 9 with tiny weights)",
+    )
     parser.set_defaults(prompt="a wide landscape around the scene, continuing it naturally", guidance=3.0)
     parser.add_argument("--input", type=Path, default=SAMPLE_CLIP, help="source mp4 (default: the shipped sample)")
-    parser.add_argument("--canvas", type=parse_size, default=(1280, 704), help="output WIDTHxHEIGHT")
-    parser.add_argument("--source-size", type=parse_size, help="scale the source to WIDTHxHEIGHT first")
-    parser.add_argument("--fps", type=int, default=24)
+    parser.add_argument(
+        "--canvas", type=parse_size, help="output WIDTHxHEIGHT, multiples of 32 (default: 1280x704; 64x64 with tiny)"
+    )
+    parser.add_argument(
+        "--source-size",
+        type=parse_size,
+        help="scale the source to WIDTHxHEIGHT first (default: its own size; 32x32 with tiny weights)",
+    )
+    parser.add_argument("--fps", type=int, default=24, help="frames per second of the mp4")
     parser.add_argument("--no-paste", action="store_true", help="keep decoded pixels inside the source area")
-    parser.add_argument("--output", type=Path, default=Path("ltx2-outpaint.mp4"))
-    args = parser.parse_args(argv)
-    args.recipe = "ltx2_outpaint"
-    args.width, args.height = args.canvas
-    return args
+    parser.add_argument("--output", type=Path, default=Path("ltx2-outpaint.mp4"), help="the mp4 to write")
+    ns = parser.parse_args(argv)
+    tiny = ns.random_weights == "tiny"
+    clip = probe_mp4(existing_file("--input", ns.input))
+    if ns.frames is None and not tiny:
+        ns.frames = (clip.frames - 1) // TEMPORAL_FACTOR * TEMPORAL_FACTOR + 1
+    ns.width, ns.height = ns.canvas or (
+        DEFAULTS["tiny" if tiny else "full"].width,
+        DEFAULTS["tiny" if tiny else "full"].height,
+    )
+    if ns.source_size is None and tiny:
+        ns.source_size = TINY_SOURCE_SIZE
+    options = OutpaintOptions(
+        **common_values(ns, "ltx2_outpaint", DEFAULTS), input=ns.input, source_size=ns.source_size, no_paste=ns.no_paste
+    )
+    check_geometry(options, clip)
+    return options
 
 
-def load_source(args: argparse.Namespace) -> np.ndarray:
-    """The source frames, scaled to --source-size, trimmed to --frames (or the longest 8k+1)."""
-    if not args.input.exists():
-        raise FlexTensorError(f"no video at {args.input}: pass --input PATH to an mp4")
-    frames = read_mp4(args.input)
-    if args.source_size is not None:
+def check_geometry(options: OutpaintOptions, clip: VideoInfo) -> None:
+    """Canvas sides the pipeline takes, 8k+1 frames the source has, a source that fits the canvas."""
+    for side, value in (("width", options.width), ("height", options.height)):
+        if value % CANVAS_MULTIPLE:
+            below = max(CANVAS_MULTIPLE, value // CANVAS_MULTIPLE * CANVAS_MULTIPLE)
+            raise OptionsError(
+                f"--canvas {options.width}x{options.height}: LTX-2 needs a {side} that is a multiple of "
+                f"{CANVAS_MULTIPLE} (e.g. {below})"
+            )
+    frames_of_form("--frames", options.frames, TEMPORAL_FACTOR, "LTX-2")
+    if options.frames > clip.frames:
+        most = (clip.frames - 1) // TEMPORAL_FACTOR * TEMPORAL_FACTOR + 1
+        raise OptionsError(
+            f"--frames {options.frames}: {options.input} has {clip.frames} frames: pass --frames {most} or fewer, "
+            "or a longer --input"
+        )
+    width, height = options.source_size or (clip.width, clip.height)
+    if width > options.width or height > options.height:
+        raise OptionsError(
+            f"the source ({width}x{height}) is larger than the canvas ({options.width}x{options.height}): "
+            "pass a larger --canvas or --source-size to scale the source down"
+        )
+
+
+def load_source(options: OutpaintOptions) -> np.ndarray:
+    """The source frames, scaled to --source-size, trimmed to --frames (checked by `parse_args`)."""
+    frames = read_mp4(options.input)
+    if options.source_size is not None:
         resized = torch.nn.functional.interpolate(
             torch.from_numpy(frames).permute(0, 3, 1, 2).float(),
-            size=args.source_size[::-1],
+            size=options.source_size[::-1],
             mode="bilinear",
             antialias=True,
         )
         frames = resized.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
-    wanted = args.frames or (len(frames) - 1) // 8 * 8 + 1
-    if wanted > len(frames) or (wanted - 1) % 8:
-        raise FlexTensorError(f"--frames {wanted}: LTX-2 needs 8k+1 frames, at most the source's {len(frames)}")
-    args.frames = wanted
-    return frames[:wanted]
+    return frames[: options.frames]
 
 
-def load(args: argparse.Namespace, device: torch.device) -> Any:
+def load(options: OutpaintOptions, device: torch.device, attach: bool = False) -> Any:
     """The pipeline, CPU-first, with ``pipe.canvas`` made from the source clip."""
-    source = load_source(args)
-    args.max_sequence_length = 1024 if args.random_weights != "tiny" else 32
-    if args.model is not None:
-        pipe = load_pipeline(args.model, LTX2OutpaintPipeline, dtype=torch.bfloat16)
+    source = load_source(options)
+    if options.model is not None:
+        pipe = load_pipeline(options.model, LTX2OutpaintPipeline, dtype=torch.bfloat16)
     else:
-        init = common.init_device(args, device)
-        built = build_pipeline("ltx2_condition", args.random_weights, seed=args.seed, init_device=init)
-        pipe = LTX2OutpaintPipeline.from_pipe(built)
-    pipe.canvas = place_on_canvas(source, args.height, args.width, pipe.vae_spatial_compression_ratio)
+        init = common.init_device(options, device, attach)
+        built = build_pipeline("ltx2_condition", options.random_weights, seed=options.seed, init_device=init)
+        pipe = LTX2OutpaintPipeline(**built.components)
+    pipe.canvas = place_on_canvas(source, options.height, options.width, pipe.vae_spatial_compression_ratio)
     return pipe
 
 
 def generate(
-    pipe: Any, args: argparse.Namespace, device: torch.device, steps: int, output_type: str, **extra: Any
+    pipe: Any, options: OutpaintOptions, device: torch.device, steps: int, output_type: str, **extra: Any
 ) -> Any:
     """Video frames (or latents) of one outpainting generation; audio is generated and dropped."""
     return pipe(
-        **common.call_arguments(args, steps, output_type),
-        frame_rate=float(args.fps),
-        audio_guidance_scale=args.guidance,
+        **common.call_arguments(options, steps, output_type),
+        frame_rate=float(options.fps),
+        audio_guidance_scale=options.guidance,
         stg_scale=0.0,  # spatio-temporal and modality guidance would add transformer calls per step
         audio_stg_scale=0.0,
         modality_scale=1.0,
         audio_modality_scale=1.0,
-        max_sequence_length=args.max_sequence_length,
+        max_sequence_length=options.max_sequence_length,
         **extra,
     ).frames
 
 
-def profiling_generation(pipe: Any, args: argparse.Namespace, device: torch.device) -> Any:
+def profiling_generation(pipe: Any, options: OutpaintOptions, device: torch.device) -> Any:
     """Two steps, latents only: the text encoder (prompt, negative) and the transformer run twice each."""
-    return generate(pipe, args, device, 2, "latent")
+    return generate(pipe, options, device, 2, "latent")
 
 
-def finish_frames(pipe: Any, args: argparse.Namespace, frames: np.ndarray) -> np.ndarray:
+def finish_frames(pipe: Any, options: OutpaintOptions, frames: np.ndarray) -> np.ndarray:
     """Paste the source pixels back over the decoded frames (unless --no-paste)."""
-    if not args.no_paste:
+    if not options.no_paste:
         mask = pipe.canvas.pixel_mask
         frames[:, mask] = pipe.canvas.pixels[: len(frames), mask]
     return frames
 
 
-def describe(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
+def describe(pipe: Any, options: OutpaintOptions) -> dict[str, Any]:
     canvas = pipe.canvas
     return {
         "canvas": {
-            "source": str(args.input),
+            "source": str(options.input),
             "source_size": [canvas.source_width, canvas.source_height],
             "offset": [canvas.left, canvas.top],
             "conditioned_tokens_per_frame": int(canvas.token_mask(pipe.vae_spatial_compression_ratio).sum()),
-            "pasted": not args.no_paste,
+            "pasted": not options.no_paste,
         }
     }
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    return common.run_recipe(sys.modules[__name__], args)
+def run(options: OutpaintOptions) -> dict[str, Any]:
+    return common.run_recipe(sys.modules[__name__], options)
 
 
-def main(argv: list[str] | None = None) -> None:
-    common.main(sys.modules[__name__], argv)
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    return common.main(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

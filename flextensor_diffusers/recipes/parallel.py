@@ -10,7 +10,6 @@ its own GPU under the budget. Only rank 0 writes the video and the summary.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from ..engine.errors import FlexTensorError, NoCudaDeviceError
+from .options import RecipeOptions
 
 #: Components split by context parallelism, where the pipeline has them.
 PARALLEL_COMPONENTS = ("transformer", "transformer_2")
@@ -42,6 +42,19 @@ class Rank:
         return self.local_rank == 0
 
 
+@dataclass(frozen=True)
+class Placement:
+    """What `set_up` decided for this process: its rank, device and how it gets its weights."""
+
+    rank: Rank
+    #: The device this rank computes on; None: the one ``--device`` names (one process).
+    device: str | None = None
+    #: Shared-memory namespace of the job's one host copy of the weights (None: private weights).
+    shared_host: str | None = None
+    #: True on ranks that build on the meta device and attach to the creator's shared copy.
+    attach_to_shared: bool = False
+
+
 def current() -> Rank:
     env = os.environ
     if "LOCAL_RANK" not in env:
@@ -55,37 +68,37 @@ def torchrun_command(module: str, argv: list[str], gpus: int) -> list[str]:
     return [*launcher, "-m", module, *argv]
 
 
-def launch_if_needed(args: argparse.Namespace, module: str, argv: list[str]) -> None:
+def launch_if_needed(options: RecipeOptions, module: str, argv: list[str]) -> None:
     """With ``--gpus N > 1`` outside torchrun: check the GPUs and replace this process by torchrun."""
-    if args.gpus <= 1 or "LOCAL_RANK" in os.environ:
+    if options.gpus <= 1 or "LOCAL_RANK" in os.environ:
         return
     found = torch.cuda.device_count()
-    if found < args.gpus:
+    if found < options.gpus:
         raise NoCudaDeviceError(
-            f"--gpus {args.gpus} needs {args.gpus} CUDA devices on this host; found {found}. "
+            f"--gpus {options.gpus} needs {options.gpus} CUDA devices on this host; found {found}. "
             "Drop --gpus to run on one device (or the CPU)"
         )
-    cmd = torchrun_command(module, argv, args.gpus)
+    cmd = torchrun_command(module, argv, options.gpus)
     os.execv(cmd[0], cmd)
 
 
-def set_up(args: argparse.Namespace) -> Rank:
+def set_up(options: RecipeOptions) -> Placement:
     """Inside torchrun: the process group, this rank's device and the shared-weights namespace."""
     me = current()
     if me.world_size == 1:
-        return me
+        return Placement(rank=me)
     import torch.distributed as dist
 
     if not torch.cuda.is_available():
         raise NoCudaDeviceError("--gpus needs CUDA devices: context parallelism runs on NCCL")
     torch.cuda.set_device(me.local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", me.local_rank))
-    args.device = f"cuda:{me.local_rank}"
-    if not args.no_offload:  # natively every rank holds its own weights on its GPU
-        args.attach_to_shared = not me.creator
-        # One namespace per job: torchrun gives every job its own run id.
-        args.shared_host = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ.get('MASTER_PORT', '0')}"
-    return me
+    device = f"cuda:{me.local_rank}"
+    if options.no_offload:  # natively every rank holds its own weights on its GPU
+        return Placement(rank=me, device=device)
+    # One namespace per job: torchrun gives every job its own run id.
+    namespace = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ.get('MASTER_PORT', '0')}"
+    return Placement(rank=me, device=device, shared_host=namespace, attach_to_shared=not me.creator)
 
 
 def split_transformers(pipe: Any, me: Rank) -> list[str]:

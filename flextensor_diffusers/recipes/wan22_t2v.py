@@ -1,13 +1,15 @@
 """Wan2.2 text-to-video (A14B: two experts, UMT5, Wan VAE) under a GPU budget, to an mp4.
 
-python -m flextensor_diffusers.recipes.wan22_t2v --random-weights tiny --frames 9 --height 32 --width 32 --steps 2
-python -m flextensor_diffusers.recipes.wan22_t2v --model /models/Wan2.2-T2V-A14B-Diffusers --budget 24GiB
+examples:
+  python recipes/wan22_t2v.py --random-weights tiny
+  python recipes/wan22_t2v.py --random-weights tiny --frames 9 --height 32 --width 32 --steps 2 --output wan-t2v.mp4
+  python recipes/wan22_t2v.py --model /models/Wan2.2-T2V-A14B-Diffusers --budget 24GiB
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,49 +17,90 @@ import torch
 
 from ..models import build_pipeline, load_pipeline
 from . import common
+from .options import (
+    OptionsError,
+    RecipeOptions,
+    SizeDefaults,
+    common_values,
+    frames_of_form,
+    multiple_of,
+    recipe_parser,
+    transformer_config,
+)
+
+DEFAULTS = {"tiny": SizeDefaults(frames=9, height=32, width=32, steps=2), "full": SizeDefaults(81, 480, 832, 40)}
+#: Pixels per latent token along height and width: the VAE's 8 times the transformer's patch of 2.
+PIXELS_PER_TOKEN = 16
+TEMPORAL_FACTOR = 4
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_arguments(parser, frames=81, height=480, width=832, steps=40)
-    parser.add_argument("--fps", type=int, default=16)
-    parser.add_argument("--output", type=Path, default=Path("wan-t2v.mp4"))
-    args = parser.parse_args(argv)
-    args.recipe = "wan22_t2v"
-    return args
+@dataclass(frozen=True, kw_only=True)
+class WanOptions(RecipeOptions):
+    architecture = "wan22_t2v"
 
 
-def load(args: argparse.Namespace, device: torch.device) -> Any:
-    if args.model is not None:
+def parse_args(argv: list[str] | None = None) -> WanOptions:
+    parser = recipe_parser(__doc__, DEFAULTS)
+    parser.set_defaults(prompt="a red fox running through a snowy forest, cinematic")
+    parser.add_argument("--fps", type=int, default=16, help="frames per second of the mp4")
+    parser.add_argument("--output", type=Path, default=Path("wan-t2v.mp4"), help="the mp4 to write")
+    options = WanOptions(**common_values(parser.parse_args(argv), "wan22_t2v", DEFAULTS))
+    check_geometry(options)
+    return options
+
+
+def check_geometry(options: WanOptions) -> None:
+    """Sizes the model can make: 16-pixel multiples, 4k+1 frames, within the position table (RoPE)."""
+    multiple_of("--height", options.height, PIXELS_PER_TOKEN, "Wan2.2")
+    multiple_of("--width", options.width, PIXELS_PER_TOKEN, "Wan2.2")
+    frames_of_form("--frames", options.frames, TEMPORAL_FACTOR, "Wan2.2")
+    config = transformer_config(options)
+    limit = (config or {}).get("rope_max_seq_len")
+    if limit is None:
+        return
+    weights = f"{options.random_weights} random weights" if options.random_weights else str(options.model)
+    for flag, value, per_token in (
+        ("--height", options.height, PIXELS_PER_TOKEN),
+        ("--width", options.width, PIXELS_PER_TOKEN),
+        ("--frames", options.frames, None),
+    ):
+        tokens = (value - 1) // TEMPORAL_FACTOR + 1 if per_token is None else value // per_token
+        if tokens > limit:
+            most = (limit - 1) * TEMPORAL_FACTOR + 1 if per_token is None else limit * per_token
+            raise OptionsError(
+                f"{flag} {value} is more than the transformer of {weights} can place (its position table, "
+                f"rope_max_seq_len {limit}, covers {most}): pass {flag} {most} or less"
+            )
+
+
+def load(options: WanOptions, device: torch.device, attach: bool = False) -> Any:
+    if options.model is not None:
         from diffusers import WanPipeline
 
-        return load_pipeline(args.model, WanPipeline, dtype=torch.bfloat16)
-    return build_pipeline(
-        "wan22_t2v", args.random_weights, seed=args.seed, init_device=common.init_device(args, device)
-    )
+        return load_pipeline(options.model, WanPipeline, dtype=torch.bfloat16)
+    init = common.init_device(options, device, attach)
+    return build_pipeline("wan22_t2v", options.random_weights, seed=options.seed, init_device=init)
 
 
-def generate(
-    pipe: Any, args: argparse.Namespace, device: torch.device, steps: int, output_type: str, **extra: Any
-) -> Any:
+def generate(pipe: Any, options: WanOptions, device: torch.device, steps: int, output_type: str, **extra: Any) -> Any:
     """Frames (or latents) of one generation; ``extra`` goes to the pipeline call (callbacks)."""
-    return pipe(**common.call_arguments(args, steps, output_type), **extra).frames
+    return pipe(**common.call_arguments(options, steps, output_type), **extra).frames
 
 
-def profiling_generation(pipe: Any, args: argparse.Namespace, device: torch.device) -> Any:
+def profiling_generation(pipe: Any, options: WanOptions, device: torch.device) -> Any:
     """The shortest generation of the same shapes that runs each expert twice (discovery, profiling).
 
     Two steps with CFG (cond and uncond forwards), four without; latents only, no VAE decode.
     """
-    return generate(pipe, args, device, 2 if args.guidance > 1 else 4, "latent")
+    return generate(pipe, options, device, 2 if options.guidance > 1 else 4, "latent")
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    return common.run_recipe(sys.modules[__name__], args)
+def run(options: WanOptions) -> dict[str, Any]:
+    return common.run_recipe(sys.modules[__name__], options)
 
 
-def main(argv: list[str] | None = None) -> None:
-    common.main(sys.modules[__name__], argv)
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    return common.main(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,278 @@
+"""Typed, validated recipe options: built once from the command line, read by everything after.
+
+A recipe's ``parse_args`` returns a frozen `RecipeOptions` (or a subclass with the recipe's own
+fields). Everything that can be checked without the weights is checked here, so that a wrong
+value stops in a second with one line naming the flag, not after minutes of loading: numbers and
+sizes against the model's architecture, frame counts, the budget's syntax, input files and the
+optional packages a recipe needs. Values the run derives later (the rank's shared-memory
+namespace, a source clip's frames) are returned by the functions that derive them, never written
+back into the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ..engine.config import format_bytes, parse_bytes
+from ..engine.errors import BudgetError, FlexTensorError
+from ..models import load_config
+from ..pipelines.compile import COMPILE_MODES
+
+#: Units of ``--budget`` that are powers of ten (a spec sheet's GB), worth a note with the GiB value.
+DECIMAL_UNITS = ("kb", "mb", "gb", "tb")
+
+
+class OptionsError(FlexTensorError, ValueError):
+    """A command-line value that cannot work; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class SizeDefaults:
+    """Defaults that depend on the weights: tiny random weights run in seconds on a CPU at these."""
+
+    frames: int
+    height: int
+    width: int
+    steps: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecipeOptions:
+    """What every recipe takes. Frozen: a run reads it, nothing writes into it."""
+
+    recipe: str
+    model: Path | None = None
+    random_weights: str | None = None
+    prompt: str
+    negative_prompt: str
+    frames: int
+    height: int
+    width: int
+    steps: int
+    guidance: float
+    seed: int = 0
+    budget: str = "auto"
+    profile_dir: Path | None = Path("profiles")
+    device: str | None = None
+    no_offload: bool = False
+    vae_tiling: str = "auto"
+    compile: str = "none"
+    gpus: int = 1
+    output: Path
+    fps: int
+    json: Path | None = None
+    verbose: bool = False
+    quiet: bool = False
+
+    #: The pipeline's name in models.py / assets/ (its architecture configs).
+    architecture: ClassVar[str] = ""
+
+    @property
+    def size(self) -> str:
+        """Which defaults apply: ``tiny`` for tiny random weights, else ``full``."""
+        return "tiny" if self.random_weights == "tiny" else "full"
+
+    @property
+    def vae_tiling_choice(self) -> bool | None:
+        return {"auto": None, "on": True, "off": False}[self.vae_tiling]
+
+    def as_json(self) -> dict[str, Any]:
+        """The options as JSON values (paths as strings), for summaries and reports."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
+        return out
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the module docstring's layout and appends each flag's default where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or "default:" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def recipe_parser(
+    description: str | None, defaults: dict[str, SizeDefaults], sizes: bool = True, frames_help: str | None = None
+) -> argparse.ArgumentParser:
+    """The arguments every recipe shares; size-dependent ones default to None (filled by `common_values`).
+
+    ``sizes=False``: the recipe sets height and width itself (LTX-2's ``--canvas``).
+    """
+    tiny, full = defaults["tiny"], defaults["full"]
+    parser = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", type=Path, help="local diffusers folder with the real weights (never downloaded)")
+    source.add_argument(
+        "--random-weights",
+        choices=("tiny", "full"),
+        help="built-in architecture with random weights: tiny (CPU, seconds) or full (published sizes)",
+    )
+    parser.add_argument("--prompt", help="what to generate")
+    parser.add_argument("--negative-prompt", default="blurry, low quality, static", help="what to steer away from")
+    parser.add_argument(
+        "--frames",
+        type=int,
+        help=frames_help or f"frames of the video (default: {full.frames}; {tiny.frames} with tiny weights)",
+    )
+    if sizes:
+        parser.add_argument(
+            "--height",
+            type=int,
+            help=f"video height in pixels (default: {full.height}; {tiny.height} with tiny weights)",
+        )
+        parser.add_argument(
+            "--width", type=int, help=f"video width in pixels (default: {full.width}; {tiny.width} with tiny weights)"
+        )
+    parser.add_argument(
+        "--steps", type=int, help=f"denoising steps (default: {full.steps}; {tiny.steps} with tiny weights)"
+    )
+    parser.add_argument("--guidance", type=float, default=4.0, help="classifier-free guidance scale (1: off)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the CPU generator (same seed, same video)")
+    parser.add_argument(
+        "--budget", default="auto", help="GPU memory budget, e.g. 24GiB or 500MB; auto: the device's free memory"
+    )
+    parser.add_argument(
+        "--profile-dir",
+        type=Path,
+        default=Path("profiles"),
+        help="where profiles are kept; a matching one skips the profiling generation next time",
+    )
+    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
+    parser.add_argument("--no-offload", action="store_true", help="run natively (everything on the device)")
+    parser.add_argument(
+        "--vae-tiling",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="diffusers' VAE tiling; auto: on for budgets under 40 GiB",
+    )
+    parser.add_argument(
+        "--compile",
+        choices=COMPILE_MODES,
+        default="none",
+        help="torch.compile the denoisers: regional (each repeated block once) or full",
+    )
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="split each generation across N GPUs of this host (context parallelism, launched with torchrun)",
+    )
+    parser.add_argument("--json", type=Path, help="also write the run's summary as JSON here")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log details; show tracebacks on errors")
+    return parser
+
+
+def common_values(ns: argparse.Namespace, recipe: str, defaults: dict[str, SizeDefaults]) -> dict[str, Any]:
+    """The shared fields of `RecipeOptions` from parsed arguments, size defaults filled in, checked."""
+    chosen = defaults["tiny" if ns.random_weights == "tiny" else "full"]
+    values = {f.name: getattr(ns, f.name) for f in fields(RecipeOptions) if hasattr(ns, f.name)}
+    values["recipe"] = recipe
+    for name in ("frames", "height", "width", "steps"):
+        if values.get(name) is None:
+            values[name] = getattr(chosen, name)
+    require_weights(ns.model, ns.random_weights, recipe)
+    for flag, value in (("--frames", values["frames"]), ("--steps", values["steps"]), ("--gpus", ns.gpus)):
+        positive(flag, value)
+    positive("--fps", ns.fps)
+    if ns.guidance < 0:
+        raise OptionsError(f"--guidance {ns.guidance} must be 0 or more (1 turns guidance off)")
+    check_budget(ns.budget)
+    return values
+
+
+def positive(flag: str, value: int) -> None:
+    if value < 1:
+        raise OptionsError(f"{flag} {value} must be a positive whole number")
+
+
+def require_weights(model: Path | None, random_weights: str | None, recipe: str) -> None:
+    """Stop with instructions when neither real weights nor random weights were asked for."""
+    if model is None and random_weights is None:
+        raise OptionsError(
+            f"{recipe}: no weights: pass --model PATH (a local diffusers folder; nothing is ever downloaded) "
+            "or --random-weights tiny|full (the built-in architecture with random weights; tiny runs on a CPU "
+            "in seconds)"
+        )
+    if model is not None and not (model / "model_index.json").exists():
+        raise OptionsError(
+            f"--model {model} is not a diffusers model folder (no model_index.json): download the weights there "
+            "first, or run with --random-weights tiny|full"
+        )
+
+
+def check_budget(text: str) -> None:
+    """``--budget``: "auto" or a positive byte count with a unit; named in the flag's own words."""
+    if text.strip().lower() == "auto":
+        return
+    number = re.match(r"\s*(-?[0-9]*\.?[0-9]+)", text)
+    if number and float(number.group(1)) <= 0:
+        raise OptionsError(f"--budget {text} must be positive: pass e.g. --budget 24GiB")
+    try:
+        parse_bytes(text)
+    except BudgetError:
+        raise OptionsError(
+            f"--budget {text}: cannot parse it: pass bytes or a number with a unit, e.g. 24GiB, 500MB, or auto"
+        ) from None
+
+
+def budget_note(text: str) -> str | None:
+    """A line that states what a decimal-unit budget means in GiB (``24gb`` is 22.35 GiB, not 24)."""
+    unit = text.strip().lower().lstrip("0123456789. ")
+    if unit not in DECIMAL_UNITS:
+        return None
+    return (
+        f"budget: {text} = {format_bytes(parse_bytes(text))} ({unit.upper()} are powers of ten; "
+        f"write {unit[0].upper()}iB for powers of two)"
+    )
+
+
+def budget_suggestion(required_bytes: int) -> str:
+    """The smallest workable budget in GiB, rounded up to the hundredth so that it works as typed."""
+    return f"{math.ceil(required_bytes / 2**30 * 100) / 100:.2f}GiB"
+
+
+def transformer_config(options: RecipeOptions) -> dict[str, Any] | None:
+    """The denoiser's architecture, read before any weight: from assets/ or the model folder's config."""
+    if options.model is not None:
+        path = options.model / "transformer" / "config.json"
+        return json.loads(path.read_text()) if path.exists() else None
+    return load_config(options.architecture, options.random_weights)["transformer"]
+
+
+def frames_of_form(flag: str, frames: int, factor: int, model: str) -> None:
+    """``frames`` must be ``factor * k + 1`` (the VAE's temporal compression); suggest the neighbours."""
+    if (frames - 1) % factor:
+        below = (frames - 1) // factor * factor + 1
+        raise OptionsError(
+            f"{flag} {frames}: {model} makes {factor}k+1 frames: pass {flag} {below} or {below + factor}"
+        )
+
+
+def multiple_of(flag: str, value: int, factor: int, model: str) -> None:
+    if value < factor or value % factor:
+        below = max(factor, value // factor * factor)
+        raise OptionsError(f"{flag} {value}: {model} needs a multiple of {factor}: pass {flag} {below}")
+
+
+def require_package(module: str, purpose: str, install: str) -> None:
+    """Stop before loading when an optional package the run needs is missing."""
+    if importlib.util.find_spec(module) is None:
+        raise OptionsError(f"{purpose} needs the {module} package: {install}")
+
+
+def existing_file(flag: str, path: Path) -> Path:
+    if not path.is_file():
+        raise OptionsError(f"{flag} {path}: no such file: pass {flag} PATH to an mp4")
+    return path
