@@ -1,8 +1,15 @@
-"""Writing and reading mp4 files with PyAV."""
+"""Writing and reading mp4 files with PyAV.
+
+Encoding is deterministic: the same frames give the same bytes. The encoder runs on one thread
+(x264's output depends on its thread count, which is the core count by default), and the muxer
+writes no version or time stamps (``bitexact``).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -42,15 +49,22 @@ def write_mp4(path: str | Path, video: Any, fps: int = 16) -> str:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for codec in CODECS:
-        container = av.open(str(path), mode="w")
+        container = av.open(str(path), mode="w", options={"fflags": "+bitexact"})
         try:
             stream = container.add_stream(codec, rate=Fraction(fps))
         except (av.error.FFmpegError, ValueError):  # codec not in this build
             container.close()
             continue
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.codec_context.thread_count = 1
+        with contextlib.suppress(AttributeError):  # PyAV < 13 has no Flags enum; the muxer is still bitexact
+            stream.codec_context.flags |= av.codec.context.Flags.bitexact
+        options = {"threads": "1"}
         if codec != "mpeg4":
-            stream.options = {"crf": "12"}
+            options.update(
+                crf="12", preset="medium", **{"x264-params": "threads=1:lookahead-threads=1:deterministic=1"}
+            )
+        stream.options = options
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
@@ -67,3 +81,20 @@ def read_mp4(path: str | Path) -> np.ndarray:
 
     with av.open(str(path)) as container:
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    frames: int
+    width: int
+    height: int
+
+
+def probe_mp4(path: str | Path) -> VideoInfo:
+    """Frame count and size of a video without keeping its frames (to check options before loading)."""
+    import av
+
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        count = stream.frames or sum(1 for _ in container.decode(video=0))
+        return VideoInfo(frames=count, width=stream.codec_context.width, height=stream.codec_context.height)
