@@ -145,9 +145,18 @@ def remember_profiled(profile_dir: Path | None, key: str, description: dict[str,
     index.write_text(json.dumps(data, indent=1))
 
 
+#: The counters of `OffloadHandle.stats().forwards` that count forwards (the others count activations, plans).
+FORWARD_PHASES = ("discovery", "profiling", "steady")
+
+
 def all_steady(pipe: Any) -> bool:
+    """Every component the profiling generation ran has its plan (the VAE, not run by a latents-only
+    generation, profiles itself during the real one and keeps its own profile)."""
     state = getattr(pipe, "_flextensor", None)
-    return state is None or all(h.phase is Phase.STEADY for h in state.handles.values())
+    return state is None or all(
+        h.phase is Phase.STEADY or not any(h.stats().forwards.get(k) for k in FORWARD_PHASES)
+        for h in state.handles.values()
+    )
 
 
 # ---------------------------------------------------------------------------------------- progress
