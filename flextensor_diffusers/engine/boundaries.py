@@ -11,8 +11,12 @@ does the handle's work around the original call:
   compile breaks its graph there and compiles what the original call runs as graphs of their own;
   a regionally compiled unit runs its compiled ``_call_impl`` inside, its weights already loaded.
 * the handle's work (``enter``/``exit``) is hidden from dynamo entirely.
-* ``compile()`` on such a module refuses CUDA graphs, which would replay kernels outside the
-  events that order slot reuse (not supported yet).
+* ``compile()`` on a unit refuses CUDA graphs, which would replay kernels outside the events that
+  order slot reuse (not supported yet).
+* Whole-model compilation is refused (`refuse_whole_model_compile`): its graph would have to break
+  at every unit, so its kernels (fusions across block boundaries) would differ from the same
+  compilation run natively, and the outputs with them. Regional compilation has no such break:
+  each unit is exactly one compiled region, natively and offloaded alike.
 
 Swapping ``__class__`` keeps the object, its parameters and ``type(m).__name__`` (diffusers finds
 repeated blocks by class name); `Boundaries.remove` puts every original class back.
@@ -44,6 +48,7 @@ class Crossing:
     enter: Callable[[tuple, dict], None]
     exit: Callable[[], None]
     fail: Callable[[], None]
+    whole_model: bool = False  # the model's own boundary (compiling it whole is refused)
 
 
 def hidden(fn: Callable) -> Callable:
@@ -60,6 +65,30 @@ def _refuse_cudagraphs(args: tuple, kwargs: dict, module: nn.Module) -> None:
             f"{type(module).__name__}: graphs would replay outside the events that order streaming. Use "
             "mode='default' or 'max-autotune-no-cudagraphs'"
         )
+
+
+WHOLE_MODEL_COMPILE = (
+    "whole-model torch.compile of {cls} cannot stream between its blocks with outputs equal to the same "
+    "compilation run natively (the graph would break at every streamed block). Compile the repeated blocks "
+    "instead, before or after enabling offload: {cls}.compile_repeated_blocks(fullgraph=True), or compile each "
+    "streamed block (recipes: --compile regional)"
+)
+
+
+def refuse_whole_model_compile(model: nn.Module) -> None:
+    """Raise when ``model`` is compiled whole (``torch.compile(model)``, ``model.compile()``), or
+    holds a compiled region that is not a unit but contains one."""
+    if type(model).__name__ == "OptimizedModule" or model.__dict__.get("_compiled_call_impl") is not None:
+        cls = type(getattr(model, "_orig_mod", model)).__name__
+        raise FlexTensorError(WHOLE_MODEL_COMPILE.format(cls=cls))
+
+
+def refuse_if_inside_whole_model_compile(model: nn.Module) -> None:
+    """Raise when ``torch.compile(wrapper)`` calls ``model`` (checked at each call of the model)."""
+    from torch._dynamo import eval_frame
+
+    if getattr(eval_frame, "_is_in_optimized_module", lambda: False)():
+        raise FlexTensorError(WHOLE_MODEL_COMPILE.format(cls=type(model).__name__))
 
 
 def compiled_with_cudagraphs(module: nn.Module) -> bool:
@@ -101,6 +130,9 @@ def _bordered_class(cls: type) -> type:
         return output
 
     def compile(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        crossing = self.__dict__.get(ATTRIBUTE)
+        if crossing is not None and crossing.whole_model:
+            raise FlexTensorError(WHOLE_MODEL_COMPILE.format(cls=type(self).__name__))
         _refuse_cudagraphs(args, kwargs, self)
         cls.compile(self, *args, **kwargs)
 

@@ -46,7 +46,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .boundaries import Boundaries, Crossing, hidden
+from .boundaries import (
+    Boundaries,
+    Crossing,
+    hidden,
+    refuse_if_inside_whole_model_compile,
+    refuse_whole_model_compile,
+)
 from .config import OffloadConfig, format_bytes, parse_bytes, resolve_budget, resolve_device
 from .errors import BudgetError, FlexTensorError, InferenceOnlyError, OffloadStateError, ProfileMismatchError
 from .planner import Plan, WorkloadProfile, check_budget, plan_residency, smallest_budget
@@ -74,16 +80,12 @@ class Phase(StrEnum):
     REMOVED = "removed"
 
 
-def compiled_target(model: nn.Module) -> nn.Module:
-    """The module ``torch.compile(model)`` wraps, or ``model`` itself."""
-    return getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
-
-
 class OffloadHandle:
     """Streams the units of ``model`` under ``config.gpu_budget``; see the module docstring."""
 
     def __init__(self, model: nn.Module, config: OffloadConfig) -> None:
-        target = compiled_target(model)
+        refuse_whole_model_compile(model)
+        target = model
         if any(m in _OFFLOADED for m in target.modules()):
             raise OffloadStateError(
                 f"{type(target).__name__} (or a module inside it) is already offloaded: call remove() on "
@@ -169,9 +171,7 @@ class OffloadHandle:
         if shared is not None and shared.create:
             shared.publish(self.fingerprint["sha256"])
         hooking = time.perf_counter()
-        workload = Crossing(
-            enter=hidden(self._enter_forward), exit=hidden(self._exit_workload), fail=hidden(self._fail)
-        )
+        workload = Crossing(hidden(self._enter_forward), hidden(self._exit_workload), hidden(self._fail), True)
         self.boundaries.border(self.model, workload)
         for name in self.config.entry_methods:
             entry = Crossing(enter=hidden(self._entry(name)), exit=workload.exit, fail=workload.fail)
@@ -181,12 +181,8 @@ class OffloadHandle:
                 self.boundaries.wrap_edit(self.target, name, self.editing)
         nothing = hidden(lambda: None)
         for unit in self.units:
-            self.boundaries.border(
-                unit.module,
-                Crossing(
-                    enter=hidden(self._unit_enter(unit.index)), exit=hidden(self._unit_exit(unit.index)), fail=nothing
-                ),
-            )
+            enter, exit_ = hidden(self._unit_enter(unit.index)), hidden(self._unit_exit(unit.index))
+            self.boundaries.border(unit.module, Crossing(enter, exit_, nothing))
         self._state_dict_hooks = [
             unit.module._register_state_dict_hook(self._state_dict_hook(unit))
             for unit in [self.residency.base, *self.units]
@@ -298,6 +294,7 @@ class OffloadHandle:
     # ------------------------------------------------------------------------------------ workloads
 
     def _enter_forward(self, args: tuple, kwargs: dict) -> None:
+        refuse_if_inside_whole_model_compile(self.target)
         self._enter(args, kwargs, "forward")
 
     def _entry(self, name: str) -> Callable[[tuple, dict], None]:
@@ -629,8 +626,8 @@ def offload(model: nn.Module, config: OffloadConfig | None = None, **kwargs: Any
     """Stream ``model``'s units from host memory under a GPU budget; returns the handle.
 
     ``offload(model, include_patterns=["blocks.*"], gpu_budget="24GiB")`` is the same as passing an
-    `OffloadConfig`. ``model`` may be compiled (``torch.compile(model)`` or ``model.compile()``)
-    before or after, regionally or whole; see `boundaries`.
+    `OffloadConfig`. ``model``'s blocks may be compiled (``compile_repeated_blocks``, or
+    ``block.compile()`` on each unit) before or after; whole-model compilation is refused (see `boundaries`).
     """
     if config is None:
         config = OffloadConfig(**kwargs)

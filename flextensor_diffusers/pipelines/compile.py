@@ -2,9 +2,10 @@
 
 *Regional* compilation compiles each repeated block once (``compile_repeated_blocks``): one graph
 reused by every block, and each block is exactly one streamed unit, so streaming happens between
-compiled regions. *Full* compilation compiles each denoiser whole, in place (``module.compile()``);
-with offload enabled, the graph breaks at every streamed unit's boundary, where the unit's hooks run
-eagerly. Both work before or after `enable_flextensor_offload`, in either order.
+compiled regions, before or after `enable_flextensor_offload`, with outputs bitwise equal to the
+same compilation run natively. *Full* compilation (``module.compile()``) is for native runs: with
+offload its graph would break at every block, changing its kernels and so its outputs, and the
+engine refuses it with an error naming regional compilation.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..engine import OffloadConfig, OffloadHandle, Phase, format_bytes, offload_shared
+from ..engine.boundaries import refuse_whole_model_compile
 from ..engine.config import resolve_budget, resolve_device
 from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
 from ..engine.planner import smallest_budget
@@ -228,7 +229,7 @@ def enable(
     try:
         for name in chosen:
             module = available[name]
-            target = getattr(module, "_orig_mod", module)
+            target = module
             cfg = OffloadConfig(
                 include_patterns=includes[name],
                 gpu_budget=budget_bytes,
@@ -275,7 +276,8 @@ def _check_setup_budgets(components: dict[str, nn.Module], includes: dict[str, l
     smallest budget for the whole pipeline (every component gets the whole budget)."""
     needs = {}
     for name, patterns in includes.items():
-        target = getattr(components[name], "_orig_mod", components[name])
+        target = components[name]
+        refuse_whole_model_compile(target)
         layout = plan_layout(target, find_units(target, patterns), meta_ok=True)
         needs[name] = smallest_budget(layout.resident_bytes, [u.nbytes for u in layout.units])
     short = {name: need for name, need in needs.items() if need > budget}

@@ -78,8 +78,7 @@ def is_autoencoder(module: nn.Module) -> bool:
 
 def patterns_for(name: str, module: nn.Module) -> list[str]:
     """Built-in patterns for the component's class; for a VAE its encoder's and decoder's blocks;
-    else its largest list of repeated blocks. A compiled model (``torch.compile``) is looked through."""
-    module = getattr(module, "_orig_mod", module)
+    else its largest list of repeated blocks."""
     cls = type(module).__name__
     builtin = BLOCK_PATTERNS.get(cls)
     if builtin == "autoencoder" or (builtin is None and is_autoencoder(module)):

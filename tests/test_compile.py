@@ -1,0 +1,121 @@
+"""torch.compile with offload: regional compilation in either order is bitwise equal to the same
+compilation run natively, with no recompilation once warm, and disable restores every tensor;
+whole-model compilation and CUDA graphs are refused at the call.
+
+The tiny Wan2.2 pipeline (both experts) on the CPU with inductor (needs a C compiler); a shared
+inductor cache keeps the compile time of the module small.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import assert_same, snapshot
+
+import flextensor_diffusers as ft
+from flextensor_diffusers.models import build_pipeline
+from flextensor_diffusers.pipelines.compile import compile_pipeline
+
+KW = dict(
+    prompt="a cat walking on the beach",
+    negative_prompt="blurry",
+    num_frames=9,
+    height=32,
+    width=32,
+    num_inference_steps=3,
+    guidance_scale=4.0,
+)
+BUDGET = 250_000  # streams the transformer blocks through two slots
+
+
+def generate(pipe) -> torch.Tensor:
+    return pipe(**KW, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+
+
+def graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def inductor_cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def native_regional() -> torch.Tensor:
+    """The natively, regionally compiled output (two generations are equal: checked)."""
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    compile_pipeline(pipe, "regional")
+    runs = [generate(pipe) for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    return runs[0]
+
+
+@pytest.mark.parametrize("order", ["compile, then enable", "enable, then compile"])
+def test_regional_compile_with_offload_is_bitwise_equal_to_native_regional(native_regional, order: str) -> None:
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    before = {name: snapshot(getattr(pipe, name)) for name in ("transformer", "transformer_2")}
+    if order == "compile, then enable":
+        compile_pipeline(pipe, "regional")
+        pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
+    else:
+        pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
+        compile_pipeline(pipe, "regional")
+    outs = [generate(pipe) for _ in range(2)]
+    warm = graphs()
+    outs.append(generate(pipe))
+    assert graphs() == warm, "recompiled after warm-up"
+    for out in outs:
+        assert torch.equal(out, native_regional)
+    report = pipe.flextensor_report()["components"]
+    assert report["transformer"]["phase"] == "steady" and report["transformer"]["streamed_units"] > 0
+    pipe.disable_flextensor_offload()
+    for name, snap in before.items():
+        assert_same(snap, getattr(pipe, name))
+    assert torch.equal(generate(pipe), native_regional)
+
+
+def test_whole_model_compile_is_refused_in_every_order() -> None:
+    """Whole-model compilation would break its graph at every block: outputs would differ from native
+    whole-model compilation. Refused at the call, naming regional compilation; nothing is changed."""
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    before = snapshot(pipe.transformer)
+    pipe.transformer.compile()  # compile, then enable
+    with pytest.raises(ft.FlexTensorError, match="compile_repeated_blocks"):
+        pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
+    assert getattr(pipe, "_flextensor", None) is None and type(pipe.transformer).__name__ == "WanTransformer3DModel"
+    assert_same(before, pipe.transformer)
+
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    pipe.transformer = torch.compile(pipe.transformer)  # the wrapper, then enable
+    with pytest.raises(ft.FlexTensorError, match="compile_repeated_blocks"):
+        pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
+
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
+    with pytest.raises(ft.FlexTensorError, match="compile_repeated_blocks"):  # enable, then compile in place
+        compile_pipeline(pipe, "full")
+    pipe.transformer = torch.compile(pipe.transformer)  # enable, then the wrapper: refused at its first call
+    with pytest.raises(ft.FlexTensorError, match="compile_repeated_blocks"):
+        generate(pipe)
+    pipe.transformer = pipe.transformer._orig_mod
+    ref = build_pipeline("wan22_t2v", "tiny")
+    assert torch.equal(generate(pipe), generate(ref))  # still right after the refusal
+    pipe.disable_flextensor_offload()
+
+
+def test_cuda_graph_modes_are_refused_at_the_call() -> None:
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
+    with pytest.raises(ft.FlexTensorError, match=r"CUDA graphs.*max-autotune-no-cudagraphs"):
+        pipe.transformer.compile_repeated_blocks(fullgraph=True, mode="reduce-overhead")
+    with pytest.raises(ft.FlexTensorError, match="CUDA graphs"):
+        pipe.transformer.blocks[0].compile(mode="max-autotune")
+    pipe.disable_flextensor_offload()
+    other = build_pipeline("wan22_t2v", "tiny")
+    other.transformer.compile_repeated_blocks(fullgraph=True, mode="reduce-overhead")
+    with pytest.raises(ft.FlexTensorError, match="CUDA graphs"):
+        other.enable_flextensor_offload(budget=BUDGET, device="cpu")
+    assert getattr(other, "_flextensor", None) is None
