@@ -1,0 +1,234 @@
+"""The command lines as a new user meets them: every documented example runs, every user error is one line."""
+
+from __future__ import annotations
+
+import logging
+import re
+import shlex
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flextensor_diffusers import __main__ as entry
+from flextensor_diffusers import compare
+from flextensor_diffusers.engine.errors import BudgetError
+from flextensor_diffusers.recipes import common, cosmos_transfer25, ltx2_outpaint, wan22_t2v
+from flextensor_diffusers.recipes.options import OptionsError, budget_note
+from flextensor_diffusers.video import write_mp4
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = {"wan22_t2v": wan22_t2v, "ltx2_outpaint": ltx2_outpaint, "cosmos_transfer25": cosmos_transfer25}
+#: Where example commands are written for users: they are collected from here, so they cannot drift.
+DOCUMENTED = {
+    "README.md": (ROOT / "README.md").read_text(),
+    "compare": compare.__doc__,
+    "__main__": entry.USAGE,
+    **{name: module.__doc__ for name, module in RECIPES.items()},
+}
+COMMAND = re.compile(r"python (?:recipes/(\w+)\.py|-m flextensor_diffusers\.(?:recipes\.)?(\w+))(.*)")
+
+
+def example_commands() -> list[tuple[str, str, list[str]]]:
+    """(where, recipe or "compare", argv) of every documented command that runs tiny random weights."""
+    found = []
+    for where, text in DOCUMENTED.items():
+        for line in text.replace("\\\n", " ").splitlines():
+            match = COMMAND.search(line)
+            if match and "--random-weights tiny" in line:
+                argv = shlex.split(match.group(3).split("&&")[0].split("#")[0])
+                found.append((where, match.group(1) or match.group(2), argv))
+    return found
+
+
+def test_examples_are_found_in_every_place_users_read() -> None:
+    places = {where for where, _, _ in example_commands()}
+    assert places == set(DOCUMENTED), set(DOCUMENTED) - places
+    assert {name for _, name, _ in example_commands()} == {*RECIPES, "compare"}
+
+
+def test_every_documented_tiny_example_runs_in_seconds(tmp_path, monkeypatch, capsys) -> None:
+    """Each distinct example (same options, same run) as its command line runs it, in a scratch folder."""
+    monkeypatch.chdir(tmp_path)
+    done: set[str] = set()
+    for where, name, argv in example_commands():
+        argv = [*argv, "-q"]  # no progress bars (after "--" for compare: the recipe takes it)
+        if name == "compare":
+            cut = argv.index("--")
+            key = repr((name, argv[:cut], RECIPES[argv[argv.index("--recipe") + 1]].parse_args(argv[cut + 1 :])))
+        else:
+            key = repr((name, RECIPES[name].parse_args(argv)))
+        if key in done:
+            continue
+        done.add(key)
+        if name == "compare":
+            report = compare.main(argv)
+            assert report["fidelity"]["latents"]["bitwise_equal"], (where, argv)
+        else:
+            info = RECIPES[name].main(argv)
+            assert Path(info["output"]).exists(), (where, argv)
+    assert len(done) >= 5  # wan, ltx2 twice (two canvases), cosmos, compare
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def run_main(main, argv, capsys) -> str:
+    """The stderr of a command that must stop with exit status 2."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+TINY = ["--random-weights", "tiny", "--device", "cpu", "-q"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--budget", "-1"], "error: --budget -1 must be positive: pass e.g. --budget 24GiB"),
+        (["--budget", "0"], "error: --budget 0 must be positive"),
+        (["--budget", "abc"], "error: --budget abc: cannot parse it: pass bytes or a number with a unit"),
+        (["--frames", "0"], "error: --frames 0 must be a positive whole number"),
+        (["--frames", "-3"], "error: --frames -3 must be a positive whole number"),
+        (["--frames", "10"], "error: --frames 10: Wan2.2 makes 4k+1 frames: pass --frames 9 or 13"),
+        (["--steps", "0"], "error: --steps 0 must be a positive whole number"),
+        (["--fps", "0"], "error: --fps 0 must be a positive whole number"),
+        (["--guidance", "-1"], "error: --guidance -1.0 must be 0 or more"),
+        (["--height", "30"], "error: --height 30: Wan2.2 needs a multiple of 16: pass --height 16"),
+        (["--width", "832"], "error: --width 832 is more than the transformer of tiny random weights can place"),
+        (["--frames", "129"], "error: --frames 129 is more than the transformer of tiny random weights can place"),
+    ],
+)
+def test_user_errors_are_one_line_naming_the_flag(argv, says, capsys) -> None:
+    err = run_main(wan22_t2v.main, [*TINY, *argv], capsys)
+    assert err.startswith(says) and len(err.strip().splitlines()) == 1, err
+
+
+def test_no_weights_is_one_line_and_verbose_shows_the_traceback(capsys) -> None:
+    err = run_main(wan22_t2v.main, [], capsys)
+    assert err.startswith("error: wan22_t2v: no weights: pass --model PATH") and len(err.strip().splitlines()) == 1
+    err = run_main(wan22_t2v.main, ["--budget", "-1", "-v", "--random-weights", "tiny"], capsys)
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("error: --budget -1 must be positive")
+
+
+def test_a_budget_too_small_names_the_flag_and_the_smallest_budget_in_gib(tmp_path, capsys) -> None:
+    argv = [*TINY, "--budget", "100KiB", "--output", str(tmp_path / "x.mp4"), "--profile-dir", str(tmp_path)]
+    err = run_main(wan22_t2v.main, argv, capsys)
+    assert err.startswith("error: --budget 100KiB is too small for this pipeline: the smallest workable budget is ")
+    assert err.strip().endswith("; pass --budget 0.01GiB") and len(err.strip().splitlines()) == 1
+
+
+def test_budget_errors_round_the_suggestion_up_and_use_the_flag() -> None:
+    line = common.error_line(BudgetError("gpu_budget too small", required_bytes=2**30 + 1), "1GiB")
+    assert line == (
+        "--budget 1GiB is too small for this pipeline: the smallest workable budget is 1.01 GiB; pass --budget 1.01GiB"
+    )
+    assert common.error_line(BudgetError("Pass gpu_budget >= 5"), "5") == "Pass --budget >= 5"
+
+
+def test_a_decimal_budget_is_printed_in_gib() -> None:
+    assert budget_note("24gb") == "budget: 24gb = 22.35 GiB (GB are powers of ten; write GiB for powers of two)"
+    assert budget_note("24GiB") is None and budget_note("auto") is None and budget_note("250000") is None
+
+
+def test_help_shows_every_flag_with_text_and_its_default(capsys) -> None:
+    for module in RECIPES.values():
+        with pytest.raises(SystemExit):
+            module.parse_args(["--help"])
+        text = capsys.readouterr().out
+        for flag in ("--frames", "--steps", "--profile-dir", "--output", "--budget", "--compile", "--fps"):
+            described = re.search(rf"^  (?:-\w, )?{flag}(?: \S+)?\s+\S", text, re.MULTILINE) or re.search(
+                rf"^  (?:-\w, )?{flag}(?: \S+)?\n\s{{10,}}\S", text, re.MULTILINE
+            )
+            assert described, (module.__name__, flag)
+        assert "with tiny weights" in text and "(default: profiles)" in text and "examples:" in text
+    with pytest.raises(SystemExit):
+        ltx2_outpaint.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "--height" not in text and "--width" not in text  # --canvas sets both
+    with pytest.raises(SystemExit):
+        compare.main(["--help"])
+    assert "-- RECIPE_ARGS" in capsys.readouterr().out
+
+
+def test_module_entry_lists_the_recipes_and_compare(capsys) -> None:
+    assert entry.main([]) == 0
+    out = capsys.readouterr().out
+    assert all(f"flextensor_diffusers.recipes.{name}" in out for name in RECIPES)
+    assert "flextensor_diffusers.compare" in out
+    assert entry.main(["wan"]) == 2
+
+
+def test_tiny_defaults_are_quick_sizes_and_full_defaults_the_published_ones(tmp_path) -> None:
+    tiny = wan22_t2v.parse_args(["--random-weights", "tiny"])
+    assert (tiny.frames, tiny.height, tiny.width, tiny.steps) == (9, 32, 32, 2)
+    full = wan22_t2v.parse_args(["--random-weights", "full"])
+    assert (full.frames, full.height, full.width, full.steps) == (81, 480, 832, 40)
+    ltx = ltx2_outpaint.parse_args(["--random-weights", "tiny"])
+    assert (ltx.frames, ltx.width, ltx.height, ltx.source_size) == (9, 64, 64, (32, 32))
+    cosmos = cosmos_transfer25.parse_args(["--random-weights", "tiny"])
+    assert (cosmos.frames, cosmos.height, cosmos.width, cosmos.chunk) == (5, 32, 32, 16)
+    with pytest.raises(AttributeError):  # frozen: nothing writes into the options after parsing
+        tiny.frames = 5  # type: ignore[misc]
+
+
+def test_compare_refuses_a_bad_memory_cap_and_says_a_good_one_is_ignored_on_the_cpu(monkeypatch, capsys) -> None:
+    err = run_main(compare.main, ["--recipe", "wan22_t2v", "--memory-cap", "abc", "--", *TINY], capsys)
+    assert err.strip() == "error: --memory-cap abc: pass a positive size with a unit, e.g. --memory-cap 24GB"
+
+    def stop(*args, **kwargs):
+        raise OptionsError("stopped after the checks")
+
+    monkeypatch.setattr(wan22_t2v, "load", stop)
+    with pytest.raises(SystemExit):
+        compare.main(["--recipe", "wan22_t2v", "--memory-cap", "24GB", "--", *TINY])
+    captured = capsys.readouterr()
+    assert "stopped after the checks" in captured.err  # the note came first, before loading:
+    assert "note: --memory-cap and --offload-memory-cap have no effect on the CPU" in captured.out
+
+
+def test_component_table_aligns_long_class_names_and_explains_its_columns() -> None:
+    component = {
+        "resident_weight_bytes": 1024,
+        "streamed_unit_bytes": 0,
+        "streamed_units": 0,
+        "units": 2,
+        "stall_ms": 0.0,
+        "overlap_pct": None,
+        "phase": "steady",
+    }
+    report = {
+        "device": "cpu",
+        "budget_bytes": 2**30,
+        "peak_allocated_bytes": None,
+        "vae_tiling": True,
+        "component_switches": 3,
+        "components": {
+            "text_encoder": {**component, "class": "Qwen2_5_VLForConditionalGeneration"},
+            "vae": {**component, "class": "AutoencoderKLWan", "overlap_pct": 97.5, "streamed_units": 1},
+        },
+    }
+    lines = common.format_components(report).splitlines()
+    header, *rows = lines[1:4]
+    assert all(row.index("steady") == header.index("phase") for row in rows)  # columns line up
+    assert all(row.index("iB") == rows[0].index("iB") for row in rows)  # right-aligned sizes
+    legend = "\n".join(lines[4:])
+    assert "units:" in legend and "overlap:" in legend and "switches:" in legend
+
+
+def test_diffusers_empty_fp32_list_warning_is_filtered() -> None:
+    common.setup_logging(False)
+    logger = logging.getLogger("diffusers.models.modeling_utils")
+    keep = logging.LogRecord(logger.name, logging.WARNING, "", 0, "other warning", None, None)
+    drop = logging.LogRecord(
+        logger.name, logging.WARNING, "", 0, "X should be kept in float32: []. Casting", None, None
+    )
+    assert logger.filter(keep) and not logger.filter(drop)
+
+
+def test_the_outpainting_help_example_is_quick(tmp_path) -> None:
+    """The --help example (tiny defaults) makes 9 frames, not the source's 97."""
+    clip = tmp_path / "clip.mp4"
+    write_mp4(clip, np.zeros((20, 32, 32, 3), dtype=np.uint8))
+    options = ltx2_outpaint.parse_args(["--random-weights", "tiny", "--input", str(clip)])
+    assert options.frames == 9 and options.steps == 2
