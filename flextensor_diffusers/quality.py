@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +59,10 @@ def lpips_network(random_backbone: bool = False) -> Any:
     """
     import lpips
 
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         torch.manual_seed(0)
+        # lpips builds its trunk with torchvision's deprecated `pretrained=`; the warning is not ours to fix.
+        warnings.filterwarnings("ignore", category=UserWarning, module="torchvision")
         return lpips.LPIPS(net="alex", pnet_rand=random_backbone, verbose=False).eval()
 
 
@@ -196,7 +199,7 @@ def plot_memory(runs: dict[str, dict[str, Any]]) -> bytes:
     )
 
 
-def plot_steps(runs: dict[str, dict[str, Any]]) -> bytes:
+def steps_figure(runs: dict[str, dict[str, Any]]) -> tuple[Any, Any]:
     """Seconds per denoising step; whole-number steps on x, zero at the bottom of y."""
     from matplotlib.ticker import MaxNLocator
 
@@ -207,10 +210,19 @@ def plot_steps(runs: dict[str, dict[str, Any]]) -> bytes:
             ax.plot(range(1, len(steps) + 1), steps, marker="o", label=name)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(bottom=0)
+    return fig, ax
+
+
+def plot_steps(runs: dict[str, dict[str, Any]]) -> bytes:
+    fig, ax = steps_figure(runs)
     return _finish(fig, ax, "denoising step", "time (s)", "Per-step time", empty="no completed run")
 
 
 def plot_frames(metrics: dict[str, Any] | None) -> bytes:
+    return _png(frames_figure(metrics))
+
+
+def frames_figure(metrics: dict[str, Any] | None) -> Any:
     """PSNR (finite values only), SSIM, max-abs and the perceptual metric per frame, one panel each.
 
     An infinite PSNR is no point on a line: frames that are identical are named in the title instead.
@@ -225,7 +237,7 @@ def plot_frames(metrics: dict[str, Any] | None) -> bytes:
         fig, ax = _axes()
         ax.text(0.5, 0.5, "no native output to compare with", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
-        return _png(fig)
+        return fig
     rows = metrics["frames"]
     name = metrics.get("perceptual_metric")
     panels = [("psnr_db", "PSNR (dB)"), ("ssim", "SSIM"), ("max_abs", "max-abs (0-255)")]
@@ -255,7 +267,7 @@ def plot_frames(metrics: dict[str, Any] | None) -> bytes:
         ax.grid(alpha=0.3)
     fig.suptitle("Per-frame fidelity, offloaded vs native")
     fig.tight_layout()
-    return _png(fig)
+    return fig
 
 
 #: Width of the frame strip; wider strips are scaled down (a full-size strip would be ~10 MB).

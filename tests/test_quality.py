@@ -1,0 +1,109 @@
+"""Metrics, plots and encoding of the report: LPIPS computed (offline), deterministic mp4, readable strip."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import io
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flextensor_diffusers import quality
+from flextensor_diffusers.video import read_mp4, write_mp4
+
+RNG = np.random.default_rng(0)
+VIDEO = RNG.integers(0, 256, size=(3, 48, 64, 3), dtype=np.uint8)
+
+
+def test_lpips_code_path_is_zero_on_identical_frames_and_positive_on_perturbed_ones() -> None:
+    """A random AlexNet trunk needs no download; the package's calibrated linear layers are local."""
+    pytest.importorskip("lpips")
+    net = quality.lpips_network(random_backbone=True)
+    perturbed = np.clip(VIDEO.astype(int) + RNG.integers(-20, 21, VIDEO.shape), 0, 255).astype(np.uint8)
+    same = quality.frame_metrics(VIDEO, VIDEO, perceptual=(net, "lpips", "note"))
+    other = quality.frame_metrics(VIDEO, perturbed, perceptual=(net, "lpips", "note"))
+    assert [r["lpips"] for r in same["frames"]] == [0.0, 0.0, 0.0]
+    assert all(r["lpips"] > 0 for r in other["frames"])
+    assert same["perceptual_metric"] == "lpips" and same["identical"] and not other["identical"]
+    assert quality.plot_frames(other).startswith(b"\x89PNG")  # the LPIPS panel draws
+
+
+def test_without_backbone_weights_the_report_says_why(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "stlpips_pytorch" else real(name))
+    model, name, note = quality.perceptual_metric()
+    assert model is None and name is None
+    assert note.startswith("LPIPS not computed: ") and quality.ALEXNET_CHECKPOINT in note
+    assert "stlpips-pytorch" in note and str(tmp_path) in note
+
+
+def test_with_backbone_weights_real_lpips_is_used(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("lpips")
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / quality.ALEXNET_CHECKPOINT).write_bytes(b"")
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(quality, "lpips_network", lambda random_backbone=False: ("net", random_backbone))
+    model, name, note = quality.perceptual_metric()
+    assert model == ("net", False) and name == "lpips" and note == "LPIPS (AlexNet, v0.1) computed"
+
+
+def test_st_lpips_is_reported_under_its_own_name(tmp_path, monkeypatch) -> None:
+    """Where stlpips-pytorch is installed (it ships its weights) and LPIPS cannot run, ST-LPIPS is named as such."""
+
+    class FakeSTLPIPS(torch.nn.Module):
+        def __init__(self, net: str, variant: str) -> None:
+            super().__init__()
+            assert (net, variant) == ("alex", "shift_tolerant")
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return (a - b).abs().mean().reshape(1, 1, 1, 1)
+
+    package = types.ModuleType("stlpips_pytorch")
+    package.__spec__ = importlib.machinery.ModuleSpec("stlpips_pytorch", None)
+    package.stlpips = types.SimpleNamespace(LPIPS=FakeSTLPIPS)
+    monkeypatch.setitem(sys.modules, "stlpips_pytorch", package)
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
+    metrics = quality.frame_metrics(VIDEO, VIDEO[::-1].copy())
+    assert metrics["perceptual_metric"] == "st_lpips" and "ST-LPIPS" in metrics["lpips_note"]
+    assert all("st_lpips" in r and "lpips" not in r for r in metrics["frames"])
+
+
+def test_same_frames_encode_to_the_same_bytes(tmp_path) -> None:
+    frames = RNG.integers(0, 256, size=(9, 96, 128, 3), dtype=np.uint8)
+    digests = set()
+    for i in range(2):
+        write_mp4(tmp_path / f"{i}.mp4", frames)
+        digests.add(hashlib.sha256((tmp_path / f"{i}.mp4").read_bytes()).hexdigest())
+    assert len(digests) == 1
+    assert np.array_equal(read_mp4(tmp_path / "0.mp4"), read_mp4(tmp_path / "1.mp4"))
+
+
+def test_frame_strip_scales_small_frames_up_and_keeps_labels_off_them() -> None:
+    videos = {"native": VIDEO, "offloaded": VIDEO}
+    strip = np.asarray(Image.open(io.BytesIO(quality.frame_strip(videos))).convert("RGB"))
+    scale = -(-quality.STRIP_MIN_HEIGHT // VIDEO.shape[1])
+    assert strip.shape[0] >= 2 * quality.STRIP_MIN_HEIGHT
+    first = strip[: VIDEO.shape[1] * scale, quality.LABEL_WIDTH : quality.LABEL_WIDTH + VIDEO.shape[2] * scale]
+    assert np.array_equal(first[::scale, ::scale], VIDEO[0])  # the frame itself, nothing drawn over it
+
+
+def test_plots_use_whole_steps_and_say_identical_instead_of_drawing_infinity() -> None:
+    identical = quality.frame_metrics(VIDEO, VIDEO, perceptual=(None, None, "no LPIPS"))
+    assert all(r["psnr_db"] == quality.INF for r in identical["frames"])
+    import matplotlib.pyplot as plt
+
+    psnr, ssim, max_abs = quality.frames_figure(identical).axes
+    assert not psnr.lines and "3 of 3 frames identical" in psnr.get_title()  # no line drawn at a made-up dB
+    assert ssim.get_title() == "SSIM" and max_abs.lines and max_abs.get_ylim()[0] == 0
+    runs = {"native": {"step_s": [0.5, 0.4, 0.45]}, "offloaded": {"step_s": [0.5, 0.41, 0.44]}}
+    fig, ax = quality.steps_figure(runs)
+    fig.canvas.draw()
+    assert all(float(t).is_integer() for t in ax.get_xticks()) and ax.get_ylim()[0] == 0
+    plt.close("all")
+    assert quality.plot_steps(runs).startswith(b"\x89PNG") and quality.plot_frames(identical).startswith(b"\x89PNG")
