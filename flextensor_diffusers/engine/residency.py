@@ -165,6 +165,12 @@ class Residency:
                         "LoRA/state-dict methods do it for you), or disable offload, edit, and enable again"
                     )
 
+    @property
+    def device_bytes(self) -> int:
+        """Device memory this residency holds now (base, resident copies, slots)."""
+        copies = [self.copies.base, *self.copies.resident.values(), *self.copies.slots]
+        return sum(c.numel() for c in copies if c is not None)
+
     # ------------------------------------------------------------------------------------ layout
 
     def unbind_units(self) -> None:

@@ -90,10 +90,14 @@ def find_units(model: nn.Module, include: Sequence[str], exclude: Sequence[str] 
     names = [name for name, _ in model.named_modules()]
     used: set[str] = set()
     selected: list[tuple[str, nn.Module]] = []
+    excluded: list[str] = []  # an excluded module stays whole: its children are never units either
     for name, module in model.named_modules():
         hits = [p for p in include if fnmatch.fnmatchcase(name, p)]
         used.update(hits)
-        if not hits or any(fnmatch.fnmatchcase(name, p) for p in exclude):
+        if any(fnmatch.fnmatchcase(name, p) for p in exclude):
+            excluded.append(name)
+            continue
+        if not hits or any(name.startswith(parent + ".") for parent in excluded):
             continue
         if name == "":
             raise PatternError(

@@ -1,0 +1,152 @@
+"""Regional torch.compile with streaming: the engine benchmark's Wan2.2-A14B block stack.
+
+For each workload: native eager, native with every block compiled (``block.compile(fullgraph=True)``,
+what ``compile_repeated_blocks`` does), then the same compiled model offloaded (compiled before
+enabling) at the smallest workable budget and at a middle one. Reports the median forward time,
+the lower bound max(compiled compute, streamed bytes / profiled bandwidth), the planner's
+prediction against the measurement, recompiles after warm-up, and bitwise equality with the
+natively compiled output.
+
+    python benchmarks/compile_bench.py --out benchmarks/results/compile_h200.json
+    python benchmarks/compile_bench.py --blocks 4 --dim 256 --heads 4 --ffn 512 --small  # any device
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine_bench import (  # noqa: E402
+    WORKLOADS,
+    add_stack_arguments,
+    build,
+    inputs,
+    pinned_bandwidth,
+    sync,
+    time_forwards,
+    write_result,
+)
+
+import flextensor_diffusers as ft  # noqa: E402
+
+
+def graphs() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_stack_arguments(parser)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    result: dict = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "config": vars(args) | {"out": str(args.out)},
+        "bandwidth_GBps": round(pinned_bandwidth(device), 2),
+        "runs": [],
+    }
+    print(f"device {result['device']}, torch {torch.__version__}, pinned H2D {result['bandwidth_GBps']} GB/s")
+
+    model = build(args, device)
+    natives = {}
+    with torch.inference_mode():
+        for workload in args.workloads:
+            x = inputs(args, workload, device)
+            model(*x)
+            eager_ms, _ = time_forwards(model, x, args.reps, device)
+            natives[workload] = {"eager_ms": eager_ms}
+            del x
+        for block in model.blocks:
+            block.compile(fullgraph=True)
+        for workload in args.workloads:
+            x = inputs(args, workload, device)
+            start = time.perf_counter()
+            model(*x)
+            sync(device)
+            compile_s = time.perf_counter() - start
+            model(*x)
+            compiled_ms, ref = time_forwards(model, x, args.reps, device)
+            natives[workload].update(compiled_ms=compiled_ms, out=ref.cpu(), first_call_s=compile_s)
+            print(
+                f"native {workload}: eager {natives[workload]['eager_ms']:.1f} ms, regional compiled "
+                f"{compiled_ms:.1f} ms (x{natives[workload]['eager_ms'] / compiled_ms:.3f}); first call {compile_s:.1f} s"
+            )
+            del x, ref
+    model.to("cpu")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    handle = ft.offload(model, ft.OffloadConfig(include_patterns=["blocks.*"], gpu_budget=10**15, device=device))
+    unit_bytes = max(u.nbytes for u in handle.units)
+    total_units = sum(u.nbytes for u in handle.units)
+    with torch.inference_mode():
+        for workload in args.workloads:
+            x = inputs(args, workload, device)
+            native = natives[workload]
+            handle.set_budget(10**15)
+            for _ in range(3):  # discovery (warm-up: recompiles for the swapped block class), profiling, planned
+                model(*x)
+            act = handle.profile.activation_peak_bytes
+            margin = int(act * (1 + handle.config.activation_margin))
+            low = handle.resident_weight_bytes + 2 * unit_bytes + margin
+            high = handle.resident_weight_bytes + total_units + margin
+            for label, budget in (("smallest", low), ("middle", (low + high) // 2)):
+                plan = handle.set_budget(budget)
+                model(*x)
+                sync(device)
+                warm = graphs()
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                streamed_before = handle.stats().bytes_streamed
+                offload_ms, out = time_forwards(model, x, args.reps, device)
+                stats = handle.stats()
+                streamed = (stats.bytes_streamed - streamed_before) / args.reps
+                bandwidth = handle.profile.bandwidth_bytes_per_ms
+                lower = max(native["compiled_ms"], streamed / bandwidth)
+                run = {
+                    "workload": workload,
+                    "mode": "regional",
+                    "budget": label,
+                    "budget_bytes": int(budget),
+                    "streamed_units": len(plan.streamed),
+                    "num_slots": plan.num_slots,
+                    "native_eager_s": round(native["eager_ms"] / 1e3, 5),
+                    "native_compiled_s": round(native["compiled_ms"] / 1e3, 5),
+                    "offload_compiled_s": round(offload_ms / 1e3, 5),
+                    "over_native_compiled": round(offload_ms / native["compiled_ms"], 4),
+                    "lower_bound_s": round(lower / 1e3, 5),
+                    "over_lower_bound": round(offload_ms / lower, 4),
+                    "planner_predicted_s": round(plan.predicted_ms / 1e3, 5),
+                    "predicted_over_measured": round(plan.predicted_ms / offload_ms, 4),
+                    "recompiles_after_warmup": graphs() - warm,
+                    "peak_allocated_bytes": int(stats.peak_allocated_bytes or 0),
+                    "bitwise_equal_native_compiled": bool(torch.equal(out.cpu(), native["out"])),
+                }
+                result["runs"].append(run)
+                print(
+                    f"{workload:>16} {label:>8} {budget / 2**30:6.2f} GiB  streamed {run['streamed_units']:>2}  "
+                    f"compiled native {native['compiled_ms']:8.1f}  offload {offload_ms:8.1f} ms "
+                    f"(x{run['over_native_compiled']:.4f})  bound x{run['over_lower_bound']:.3f}  predicted "
+                    f"x{run['predicted_over_measured']:.3f}  recompiles {run['recompiles_after_warmup']}  "
+                    f"equal {run['bitwise_equal_native_compiled']}",
+                    flush=True,
+                )
+            del x
+    result["forwards"] = handle.counters
+    handle.remove()
+    write_result(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
