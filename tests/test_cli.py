@@ -97,11 +97,18 @@ TINY = ["--random-weights", "tiny", "--device", "cpu", "-q"]
         (["--height", "30"], "error: --height 30: Wan2.2 needs a multiple of 16: pass --height 16"),
         (["--width", "832"], "error: --width 832 is more than the transformer of tiny random weights can place"),
         (["--frames", "129"], "error: --frames 129 is more than the transformer of tiny random weights can place"),
+        (["--output", f"{__file__}/x.mp4"], f"error: --output {__file__}/x.mp4: {__file__} is not a writable folder"),
     ],
 )
 def test_user_errors_are_one_line_naming_the_flag(argv, says, capsys) -> None:
     err = run_main(wan22_t2v.main, [*TINY, *argv], capsys)
     assert err.startswith(says) and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_asking_for_cuda_without_it_names_the_flag(capsys) -> None:
+    err = run_main(wan22_t2v.main, ["--random-weights", "tiny", "--device", "cuda"], capsys)
+    assert err.startswith("error: --device cuda: no CUDA device is visible") and "pass --device cpu" in err
 
 
 def test_no_weights_is_one_line_and_verbose_shows_the_traceback(capsys) -> None:

@@ -351,6 +351,8 @@ def error_line(exc: BaseException, budget: str) -> str:
                 f"{fix[:-3]} GiB; pass --budget {fix}"
             )
         return " ".join(str(exc).replace("gpu_budget", "--budget").split())
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or exc}"
     return " ".join(str(exc).split())
 
 
@@ -359,7 +361,7 @@ def user_errors(argv: list[str]) -> Iterator[None]:
     """Deliberate errors end the command with one line on stderr and exit status 2; ``-v``: the traceback too."""
     try:
         yield
-    except FlexTensorError as exc:
+    except (FlexTensorError, OSError) as exc:  # OSError: a file the user named cannot be read or written
         if "-v" in argv or "--verbose" in argv:
             traceback.print_exc()
         print(f"error: {error_line(exc, flag_value(argv, '--budget', 'auto'))}", file=sys.stderr)

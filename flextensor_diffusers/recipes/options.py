@@ -15,6 +15,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -189,7 +190,37 @@ def common_values(ns: argparse.Namespace, recipe: str, defaults: dict[str, SizeD
     if ns.guidance < 0:
         raise OptionsError(f"--guidance {ns.guidance} must be 0 or more (1 turns guidance off)")
     check_budget(ns.budget)
+    check_device(ns.device, ns.gpus)
+    for flag in ("--output", "--json", "--profile-dir"):
+        value = getattr(ns, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            writable(flag, value)
     return values
+
+
+def writable(flag: str, path: Path) -> None:
+    """The first existing folder on the way to ``path`` must be writable (checked now, not after the run)."""
+    folder = path.absolute().parent if flag != "--profile-dir" else path.absolute()
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise OptionsError(f"{flag} {path}: {folder} is not a writable folder: pass {flag} somewhere you can write")
+
+
+def check_device(device: str | None, gpus: int) -> None:
+    """``--device cuda[:N]`` needs a visible CUDA device (``--gpus N`` is checked when it launches)."""
+    import torch
+
+    if device is None or not device.startswith("cuda") or gpus > 1:
+        return
+    if not torch.cuda.is_available():
+        raise OptionsError(
+            f"--device {device}: no CUDA device is visible (a CPU build of torch, or CUDA_VISIBLE_DEVICES): "
+            "pass --device cpu, or leave --device out to use the CPU"
+        )
+    index = torch.device(device).index
+    if index is not None and index >= torch.cuda.device_count():
+        raise OptionsError(f"--device {device}: this host has {torch.cuda.device_count()} CUDA devices")
 
 
 def positive(flag: str, value: int) -> None:
