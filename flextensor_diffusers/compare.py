@@ -405,6 +405,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    """Compare with these arguments; the report, or None for --rerender. Errors propagate as exceptions."""
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe_argv: list[str] = []
     if "--" in argv:
@@ -417,11 +418,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if known.recipe is None:
         parser().error("--recipe is required")
     recipe_argv += [flag for flag, on in (("-q", known.quiet), ("-v", known.verbose)) if on]
-    with common.user_errors(argv + recipe_argv):
-        common.setup_logging(known.verbose)
-        report = compare(known.recipe, recipe_argv, known.out, known.memory_cap, known.offload_memory_cap)
+    common.setup_logging(known.verbose)
+    report = compare(known.recipe, recipe_argv, known.out, known.memory_cap, known.offload_memory_cap)
     print_outcome(report, known.out)
     return report
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """`main` as a command: a deliberate error is one line on stderr and exit status 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    with common.user_errors(argv):
+        main(argv)
 
 
 def print_outcome(report: dict[str, Any], out: Path) -> None:
@@ -445,4 +452,4 @@ def print_outcome(report: dict[str, Any], out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flextensor_diffusers.recipes.ltx2_outpaint import main
+from flextensor_diffusers.recipes.ltx2_outpaint import cli
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -71,10 +71,10 @@ def test_every_documented_tiny_example_runs_in_seconds(tmp_path, monkeypatch, ca
     assert "Traceback" not in capsys.readouterr().err
 
 
-def run_main(main, argv, capsys) -> str:
+def run_main(cli, argv, capsys) -> str:
     """The stderr of a command that must stop with exit status 2."""
     with pytest.raises(SystemExit) as info:
-        main(argv)
+        cli(argv)
     assert info.value.code == 2
     return capsys.readouterr().err
 
@@ -101,26 +101,26 @@ TINY = ["--random-weights", "tiny", "--device", "cpu", "-q"]
     ],
 )
 def test_user_errors_are_one_line_naming_the_flag(argv, says, capsys) -> None:
-    err = run_main(wan22_t2v.main, [*TINY, *argv], capsys)
+    err = run_main(wan22_t2v.cli, [*TINY, *argv], capsys)
     assert err.startswith(says) and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_asking_for_cuda_without_it_names_the_flag(capsys) -> None:
-    err = run_main(wan22_t2v.main, ["--random-weights", "tiny", "--device", "cuda"], capsys)
+    err = run_main(wan22_t2v.cli, ["--random-weights", "tiny", "--device", "cuda"], capsys)
     assert err.startswith("error: --device cuda: no CUDA device is visible") and "pass --device cpu" in err
 
 
 def test_no_weights_is_one_line_and_verbose_shows_the_traceback(capsys) -> None:
-    err = run_main(wan22_t2v.main, [], capsys)
+    err = run_main(wan22_t2v.cli, [], capsys)
     assert err.startswith("error: wan22_t2v: no weights: pass --model PATH") and len(err.strip().splitlines()) == 1
-    err = run_main(wan22_t2v.main, ["--budget", "-1", "-v", "--random-weights", "tiny"], capsys)
+    err = run_main(wan22_t2v.cli, ["--budget", "-1", "-v", "--random-weights", "tiny"], capsys)
     assert "Traceback" in err and err.strip().splitlines()[-1].startswith("error: --budget -1 must be positive")
 
 
 def test_a_budget_too_small_names_the_flag_and_the_smallest_budget_in_gib(tmp_path, capsys) -> None:
     argv = [*TINY, "--budget", "100KiB", "--output", str(tmp_path / "x.mp4"), "--profile-dir", str(tmp_path)]
-    err = run_main(wan22_t2v.main, argv, capsys)
+    err = run_main(wan22_t2v.cli, argv, capsys)
     assert err.startswith("error: --budget 100KiB is too small for this pipeline: the smallest workable budget is ")
     assert err.strip().endswith("; pass --budget 0.01GiB") and len(err.strip().splitlines()) == 1
 
@@ -180,7 +180,7 @@ def test_tiny_defaults_are_quick_sizes_and_full_defaults_the_published_ones(tmp_
 
 
 def test_compare_refuses_a_bad_memory_cap_and_says_a_good_one_is_ignored_on_the_cpu(monkeypatch, capsys) -> None:
-    err = run_main(compare.main, ["--recipe", "wan22_t2v", "--memory-cap", "abc", "--", *TINY], capsys)
+    err = run_main(compare.cli, ["--recipe", "wan22_t2v", "--memory-cap", "abc", "--", *TINY], capsys)
     assert err.strip() == "error: --memory-cap abc: pass a positive size with a unit, e.g. --memory-cap 24GB"
 
     def stop(*args, **kwargs):
@@ -188,7 +188,7 @@ def test_compare_refuses_a_bad_memory_cap_and_says_a_good_one_is_ignored_on_the_
 
     monkeypatch.setattr(wan22_t2v, "load", stop)
     with pytest.raises(SystemExit):
-        compare.main(["--recipe", "wan22_t2v", "--memory-cap", "24GB", "--", *TINY])
+        compare.cli(["--recipe", "wan22_t2v", "--memory-cap", "24GB", "--", *TINY])
     captured = capsys.readouterr()
     assert "stopped after the checks" in captured.err  # the note came first, before loading:
     assert "note: --memory-cap and --offload-memory-cap have no effect on the CPU" in captured.out

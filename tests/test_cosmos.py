@@ -80,7 +80,7 @@ def test_recipe_writes_the_frames_and_says_the_safety_check_was_skipped(tmp_path
 
 def test_recipe_without_weights_says_how_to_get_them(capsys) -> None:
     with pytest.raises(SystemExit) as info:
-        recipe.main([])
+        recipe.cli([])
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cosmos_transfer25: no weights") and "--random-weights" in err

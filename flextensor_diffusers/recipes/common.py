@@ -12,8 +12,9 @@ A recipe module provides:
 - optionally ``finish_frames(pipe, options, frames)`` and ``describe(pipe, options)`` (extra
   summary fields).
 
-`run_recipe` does the rest, `main` is the command line around it (one line per user error), and
-`flextensor_diffusers.compare` drives the same functions.
+`run_recipe` does the rest; `main` runs a command line's arguments (errors propagate), `cli` is the
+command itself (one line per user error, exit status 2); `flextensor_diffusers.compare` drives the
+same functions.
 """
 
 from __future__ import annotations
@@ -369,18 +370,27 @@ def user_errors(argv: list[str]) -> Iterator[None]:
 
 
 def main(recipe: Any, argv: list[str] | None) -> dict[str, Any] | None:
-    """A recipe's command line: parse and check, re-launch under torchrun for ``--gpus N``, run."""
+    """A recipe's program: parse and check, re-launch under torchrun for ``--gpus N``, run.
+
+    Errors propagate (Python callers and tests see the exception); `cli` is the command line.
+    """
     from . import parallel
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    options = recipe.parse_args(argv)
+    setup_logging(options.verbose)
+    note = budget_note(options.budget)
+    if note and parallel.current().leader:
+        print(note)
+    parallel.launch_if_needed(options, recipe.__spec__.name, argv)
+    return recipe.run(options)
+
+
+def cli(recipe: Any, argv: list[str] | None) -> dict[str, Any] | None:
+    """`main` as a command: a deliberate error is one line on stderr and exit status 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     with user_errors(argv):
-        options = recipe.parse_args(argv)
-        setup_logging(options.verbose)
-        note = budget_note(options.budget)
-        if note and parallel.current().leader:
-            print(note)
-        parallel.launch_if_needed(options, recipe.__spec__.name, argv)
-        return recipe.run(options)
+        return main(recipe, argv)
 
 
 class _QuietEmptyFp32Warning(logging.Filter):

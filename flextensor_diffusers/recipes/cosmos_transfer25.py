@@ -209,8 +209,14 @@ def run(options: TransferOptions) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    """Run with these arguments; errors propagate as exceptions."""
     return common.main(sys.modules[__name__], argv)
 
 
+def cli(argv: list[str] | None = None) -> None:
+    """The command line: one line per user error, exit status 2 (``-v``: the traceback too)."""
+    common.cli(sys.modules[__name__], argv)
+
+
 if __name__ == "__main__":
-    main()
+    cli()
