@@ -118,7 +118,9 @@ class TransferOptions(RecipeOptions):
 def parse_args(argv: list[str] | None = None) -> TransferOptions:
     parser = recipe_parser(__doc__, DEFAULTS)
     parser.set_defaults(prompt="a robot arm folding a blue cloth on a table, studio light", guidance=3.0)
-    parser.add_argument("--input", type=Path, default=SAMPLE_CLIP, help="source mp4 for the edges")
+    parser.add_argument(
+        "--input", type=Path, default=SAMPLE_CLIP, help="source mp4 for the edges (default: the shipped sample clip)"
+    )
     parser.add_argument(
         "--chunk",
         type=int,

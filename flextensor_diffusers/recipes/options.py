@@ -93,14 +93,36 @@ class RecipeOptions:
         return out
 
 
+#: What a flag's value is, in its usage and help (argparse would write the flag's name in capitals).
+METAVARS = {
+    "model": "PATH",
+    "input": "PATH",
+    "output": "PATH",
+    "json": "PATH",
+    "profile_dir": "DIR",
+    "prompt": "TEXT",
+    "negative_prompt": "TEXT",
+    "budget": "SIZE",
+    "guidance": "SCALE",
+    "canvas": "WxH",
+    "source_size": "WxH",
+}
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the module docstring's layout and appends each flag's default where it has one."""
+    """Keeps the module docstring's layout, names values by kind, appends each flag's default where it has one."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "%(default)" in text or "default:" in text or action.default in (None, False, argparse.SUPPRESS):
+        default = action.default
+        if "%(default)" in text or "default:" in text or default is None or default is False:
+            return text
+        if default == argparse.SUPPRESS:
             return text
         return f"{text} (default: %(default)s)"
+
+    def _get_default_metavar_for_optional(self, action: argparse.Action) -> str:
+        return METAVARS.get(action.dest, "N" if action.type is int else action.dest.upper())
 
 
 def recipe_parser(
