@@ -67,8 +67,11 @@ def test_every_documented_tiny_example_runs_in_seconds(tmp_path, monkeypatch, ca
         else:
             info = RECIPES[name].main(argv)
             assert Path(info["output"]).exists(), (where, argv)
+            assert info["frames_written"] == info["frames"] and info["compile"] == "none"
     assert len(done) >= 5  # wan, ltx2 twice (two canvases), cosmos, compare
-    assert "Traceback" not in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "it/s" not in captured.err  # -q: no bars
+    assert "offload: budget " in captured.out and " profile in profiles: " in captured.out  # one line, without -v
 
 
 def run_main(cli, argv, capsys) -> str:
@@ -239,3 +242,18 @@ def test_the_outpainting_help_example_is_quick(tmp_path) -> None:
     write_mp4(clip, np.zeros((20, 32, 32, 3), dtype=np.uint8))
     options = ltx2_outpaint.parse_args(["--random-weights", "tiny", "--input", str(clip)])
     assert options.frames == 9 and options.steps == 2
+
+
+def test_progress_bars_are_labelled_and_quiet_turns_them_off(capsys) -> None:
+    class Pipe:
+        def set_progress_bar_config(self, **kwargs) -> None:
+            self.config = kwargs
+
+    pipe = Pipe()
+    common.label_generation(pipe, "profiling generation", quiet=False)
+    assert pipe.config == {"desc": "profiling generation", "disable": None}  # None: off when not a terminal
+    common.label_generation(pipe, "generation", quiet=True)
+    assert pipe.config == {"desc": "generation", "disable": True}
+    with common.stage("loading weights", quiet=True):
+        pass
+    assert capsys.readouterr().err == ""

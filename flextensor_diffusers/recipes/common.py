@@ -37,6 +37,7 @@ from ..engine import Phase, format_bytes
 from ..engine.errors import BudgetError, FlexTensorError
 from ..pipelines.offload import resolve_budget, resolve_vae_tiling
 from .options import RecipeOptions, budget_note, budget_suggestion
+from .parallel import Placement
 
 #: Exit status of a run stopped by a user error (argparse's own errors exit with 2 as well).
 USAGE_EXIT = 2
@@ -218,7 +219,9 @@ def summary(
     }
 
 
-def offload_and_profile(recipe: Any, pipe: Any, options: RecipeOptions, device: torch.device, placement: Any) -> Any:
+def offload_and_profile(
+    recipe: Any, pipe: Any, options: RecipeOptions, device: torch.device, placement: Placement
+) -> float | None:
     """Enable offload; run the profiling generation unless a profile of this workload exists. Its seconds."""
     with stage("packing and pinning weights", options.quiet):
         enable_offload(pipe, options, device, shared_host=placement.shared_host)
