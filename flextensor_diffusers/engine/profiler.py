@@ -81,15 +81,12 @@ class Profiler:
         self._forward_start: Any = None
         self._alloc_at_start = 0
 
-    def start_forward(self, profiling: bool, own_device_bytes: int = 0) -> None:
-        """``own_device_bytes``: the handle's weights on the device now. Everything else allocated
-        during the forward, including tensors already alive at its start (its inputs, a pipeline's
-        latents and embeddings), counts as activations: the budget must hold all of it."""
+    def start_forward(self, profiling: bool) -> None:
         self.observed, self._marks, self._open = [], [], None
         if profiling:
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
-                self._alloc_at_start = own_device_bytes
+                self._alloc_at_start = torch.cuda.memory_allocated(self.device)
             self._forward_start = self.clock.mark()
 
     def abandon(self) -> None:

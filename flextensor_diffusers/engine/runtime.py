@@ -324,7 +324,7 @@ class OffloadHandle:
             if not self.schedule.primed:
                 self.schedule.prime()
         elif self.phase in (Phase.DISCOVERY, Phase.PROFILING):
-            self.profiler.start_forward(self.phase is Phase.PROFILING, self.residency.device_bytes)
+            self.profiler.start_forward(profiling=self.phase is Phase.PROFILING)
 
     def _exit_workload(self) -> None:
         self._depth -= 1
