@@ -1,7 +1,11 @@
 """Writing and reading mp4 files with PyAV.
 
-Encoding is deterministic: the same frames give the same bytes. The encoder runs on one thread
-(x264's output depends on its thread count, which is the core count by default), and the muxer
+Encoding is deterministic: the same frames give the same bytes, and the same bytes decode to the
+same frames. The colour conversion (RGB <-> YUV 4:2:0, BT.601 limited range) is done here in
+float64 NumPy, not by swscale: through swscale, identical frames encoded to different files within
+one process (seen in the test suite once other tests had run; the cause inside swscale was not
+pinned down), while this conversion depends on nothing but the pixel values. The encoder runs on one
+thread (x264's output depends on its thread count, the core count by default), and the muxer
 writes no version or time stamps (``bitexact``).
 """
 
@@ -37,6 +41,40 @@ def to_uint8_frames(video: Any) -> np.ndarray:
     return arr
 
 
+#: BT.601 (limited range) RGB -> YCbCr, rows Y, Cb, Cr, for RGB in 0..255; the offsets are added after.
+RGB_TO_YUV = (
+    np.array([[65.481, 128.553, 24.966], [-37.797, -74.203, 112.0], [112.0, -93.786, -18.214]], dtype=np.float64)
+    / 255.0
+)
+YUV_OFFSET = np.array([16.0, 128.0, 128.0])
+
+
+def rgb_to_yuv420p(frame: np.ndarray) -> np.ndarray:
+    """(H, W, 3) uint8 RGB, even H and W -> the (3H/2, W) uint8 planes of yuv420p (chroma: 2x2 means)."""
+    height, width, _ = frame.shape
+    yuv = frame.astype(np.float64) @ RGB_TO_YUV.T + YUV_OFFSET
+    luma = yuv[..., 0]
+    chroma = yuv[..., 1:].reshape(height // 2, 2, width // 2, 2, 2).mean(axis=(1, 3))
+    planes = [luma.ravel(), chroma[..., 0].ravel(), chroma[..., 1].ravel()]
+    flat = np.clip(np.rint(np.concatenate(planes)), 0, 255).astype(np.uint8)
+    return flat.reshape(height * 3 // 2, width)
+
+
+def yuv420p_to_rgb(planes: np.ndarray, height: int, width: int) -> np.ndarray:
+    """The inverse of `rgb_to_yuv420p` (chroma repeated over each 2x2 block), as (H, W, 3) uint8."""
+    flat = planes.ravel().astype(np.float64)
+    luma = flat[: height * width].reshape(height, width)
+    quarter = (height // 2) * (width // 2)
+    cb, cr = (
+        flat[height * width + i * quarter : height * width + (i + 1) * quarter].reshape(height // 2, width // 2)
+        for i in range(2)
+    )
+    chroma = np.stack([cb, cr], axis=-1).repeat(2, axis=0).repeat(2, axis=1)
+    yuv = np.concatenate([luma[..., None], chroma], axis=-1) - YUV_OFFSET
+    rgb = yuv @ np.linalg.inv(RGB_TO_YUV).T
+    return np.clip(np.rint(rgb), 0, 255).astype(np.uint8)
+
+
 def write_mp4(path: str | Path, video: Any, fps: int = 16) -> str:
     """Write frames to ``path`` as yuv420p; returns the codec used (H.264 unless unavailable)."""
     import av
@@ -66,7 +104,8 @@ def write_mp4(path: str | Path, video: Any, fps: int = 16) -> str:
             )
         stream.options = options
         for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+            planes = rgb_to_yuv420p(frame)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(planes, format="yuv420p")))
         container.mux(stream.encode())
         container.close()
         if codec == "mpeg4":
@@ -76,11 +115,18 @@ def write_mp4(path: str | Path, video: Any, fps: int = 16) -> str:
 
 
 def read_mp4(path: str | Path) -> np.ndarray:
-    """All frames of a video as (frames, height, width, 3) uint8."""
+    """All frames of a video as (frames, height, width, 3) uint8 (yuv420p converted here, see above)."""
     import av
 
     with av.open(str(path)) as container:
-        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+        return np.stack([frame_to_rgb(f) for f in container.decode(video=0)])
+
+
+def frame_to_rgb(frame: Any) -> np.ndarray:
+    """One decoded frame as RGB: yuv420p of even size by `yuv420p_to_rgb`, anything else by swscale."""
+    if frame.format.name == "yuv420p" and frame.height % 2 == 0 and frame.width % 2 == 0:
+        return yuv420p_to_rgb(frame.to_ndarray(), frame.height, frame.width)
+    return frame.to_ndarray(format="rgb24")
 
 
 @dataclass(frozen=True)

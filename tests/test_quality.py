@@ -74,14 +74,25 @@ def test_st_lpips_is_reported_under_its_own_name(tmp_path, monkeypatch) -> None:
     assert all("st_lpips" in r and "lpips" not in r for r in metrics["frames"])
 
 
-def test_same_frames_encode_to_the_same_bytes(tmp_path) -> None:
+def test_same_frames_encode_to_the_same_bytes_wherever_they_lie_in_memory(tmp_path) -> None:
+    """Equal frames, equal files: whatever the arrays' memory layout (the colour conversion is ours)."""
     frames = RNG.integers(0, 256, size=(9, 96, 128, 3), dtype=np.uint8)
+    shifted = np.zeros(frames.size + 1, dtype=np.uint8)[1:].reshape(frames.shape)  # one byte off
+    shifted[...] = frames
     digests = set()
-    for i in range(2):
-        write_mp4(tmp_path / f"{i}.mp4", frames)
+    for i, copy in enumerate((frames, shifted, frames.copy())):
+        write_mp4(tmp_path / f"{i}.mp4", copy)
         digests.add(hashlib.sha256((tmp_path / f"{i}.mp4").read_bytes()).hexdigest())
     assert len(digests) == 1
     assert np.array_equal(read_mp4(tmp_path / "0.mp4"), read_mp4(tmp_path / "1.mp4"))
+
+
+def test_colour_conversion_round_trips_within_rounding() -> None:
+    from flextensor_diffusers.video import rgb_to_yuv420p, yuv420p_to_rgb
+
+    flat = np.repeat(np.repeat(VIDEO[0, ::2, ::2], 2, axis=0), 2, axis=1)  # constant over each 2x2 block
+    back = yuv420p_to_rgb(rgb_to_yuv420p(flat), *flat.shape[:2])
+    assert np.abs(back.astype(int) - flat).max() <= 3
 
 
 def test_frame_strip_scales_small_frames_up_and_keeps_labels_off_them() -> None:
