@@ -257,3 +257,13 @@ def test_progress_bars_are_labelled_and_quiet_turns_them_off(capsys) -> None:
     with common.stage("loading weights", quiet=True):
         pass
     assert capsys.readouterr().err == ""
+
+
+def test_running_out_of_gpu_memory_is_one_line_naming_the_budget(monkeypatch, capsys) -> None:
+    def out_of_memory(options):
+        raise __import__("torch").OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+
+    monkeypatch.setattr(wan22_t2v, "run", out_of_memory)
+    err = run_main(wan22_t2v.cli, [*TINY, "--budget", "20GiB"], capsys)
+    assert err.startswith("error: the GPU ran out of memory under --budget 20GiB (CUDA out of memory. Tried")
+    assert "pass a smaller --budget" in err and len(err.strip().splitlines()) == 1

@@ -355,6 +355,12 @@ def error_line(exc: BaseException, budget: str) -> str:
                 f"{fix[:-3]} GiB; pass --budget {fix}"
             )
         return " ".join(str(exc).replace("gpu_budget", "--budget").split())
+    if isinstance(exc, torch.OutOfMemoryError):
+        return (
+            f"the GPU ran out of memory under --budget {budget} ({str(exc).splitlines()[0][:160]}): pass a smaller "
+            "--budget (the card also holds what other processes and the allocator's cache use), or fewer --frames "
+            "or a smaller size"
+        )
     if isinstance(exc, OSError) and exc.filename is not None:
         return f"{exc.filename}: {exc.strerror or exc}"
     return " ".join(str(exc).split())
@@ -365,7 +371,7 @@ def user_errors(argv: list[str]) -> Iterator[None]:
     """Deliberate errors end the command with one line on stderr and exit status 2; ``-v``: the traceback too."""
     try:
         yield
-    except (FlexTensorError, OSError) as exc:  # OSError: a file the user named cannot be read or written
+    except (FlexTensorError, OSError, torch.OutOfMemoryError) as exc:  # OSError: a file the user named
         if "-v" in argv or "--verbose" in argv:
             traceback.print_exc()
         print(f"error: {error_line(exc, flag_value(argv, '--budget', 'auto'))}", file=sys.stderr)
