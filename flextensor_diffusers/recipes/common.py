@@ -36,6 +36,7 @@ import torch
 from ..engine import Phase, format_bytes
 from ..engine.errors import BudgetError, FlexTensorError
 from ..pipelines.offload import resolve_budget, resolve_vae_tiling
+from . import parallel
 from .options import RecipeOptions, budget_note, budget_suggestion
 from .parallel import Placement
 
@@ -244,7 +245,6 @@ def offload_and_profile(
 def run_recipe(recipe: Any, options: RecipeOptions) -> dict[str, Any]:
     """Load, compile, offload (or not), profile once per workload, generate, write the mp4 and the summary."""
     from ..video import to_uint8_frames, write_mp4
-    from . import parallel
 
     placement = parallel.set_up(options)
     device = device_of(options, placement.device)
@@ -383,8 +383,6 @@ def main(recipe: Any, argv: list[str] | None) -> dict[str, Any] | None:
 
     Errors propagate (Python callers and tests see the exception); `cli` is the command line.
     """
-    from . import parallel
-
     argv = list(sys.argv[1:] if argv is None else argv)
     options = recipe.parse_args(argv)
     setup_logging(options.verbose)
