@@ -122,7 +122,8 @@ def test_compare_report_for_cosmos_is_bitwise(tmp_path) -> None:
     clip = tmp_path / "edges.mp4"
     write_mp4(clip, SOURCE, fps=24)
     argv = ["--random-weights", "tiny", "--input", str(clip), "--frames", "5", "--height", "32", "--width", "32"]
-    report = compare("cosmos_transfer25", [*argv, "--steps", "2", "--chunk", "16"], tmp_path / "report")
+    argv += ["--steps", "2", "--chunk", "16", "--profile-dir", str(tmp_path / "profiles")]
+    report = compare("cosmos_transfer25", argv, tmp_path / "report")
     assert report["fidelity"]["latents"]["bitwise_equal"]
     assert report["runs"]["offloaded"]["status"] == "completed"
     assert json.loads((tmp_path / "report" / "report.json").read_text())["recipe"] == "cosmos_transfer25"
