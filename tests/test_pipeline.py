@@ -77,8 +77,11 @@ def test_wrong_component_and_small_budget_are_clear_errors(pipe) -> None:
     before = snapshot(pipe.transformer)
     with pytest.raises(ft.FlexTensorError, match=r"unknown component\(s\) 'transfomer'.*transformer_2"):
         pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", components=["transfomer"])
-    with pytest.raises(ft.BudgetError, match=r"component 'transformer'.*gpu_budget >="):
-        pipe.enable_flextensor_offload(budget=150_000, device="cpu")
+    with pytest.raises(ft.BudgetError, match=r"whole pipeline is .*transformer .*transformer_2") as raised:
+        pipe.enable_flextensor_offload(budget=150_000, device="cpu")  # all components named at once
+    assert raised.value.required_bytes > 150_000
+    pipe.enable_flextensor_offload(budget=raised.value.required_bytes, device="cpu")  # the named budget works
+    pipe.disable_flextensor_offload()
     assert getattr(pipe, "_flextensor", None) is None
     assert_same(before, pipe.transformer)
     assert not hasattr(pipe.text_encoder, "_hf_hook")
