@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine_bench import (  # noqa: E402
+from engine_bench import (
     WORKLOADS,
     add_stack_arguments,
     build,
@@ -34,7 +34,7 @@ from engine_bench import (  # noqa: E402
     write_result,
 )
 
-import flextensor_diffusers as ft  # noqa: E402
+import flextensor_diffusers as ft
 
 
 def graphs() -> int:
@@ -80,7 +80,8 @@ def main() -> None:
             natives[workload].update(compiled_ms=compiled_ms, out=ref.cpu(), first_call_s=compile_s)
             print(
                 f"native {workload}: eager {natives[workload]['eager_ms']:.1f} ms, regional compiled "
-                f"{compiled_ms:.1f} ms (x{natives[workload]['eager_ms'] / compiled_ms:.3f}); first call {compile_s:.1f} s"
+                f"{compiled_ms:.1f} ms (x{natives[workload]['eager_ms'] / compiled_ms:.3f}); "
+                f"first call {compile_s:.1f} s"
             )
             del x, ref
     model.to("cpu")
