@@ -100,7 +100,9 @@ def write_mp4(path: str | Path, video: Any, fps: int = 16) -> str:
         options = {"threads": "1"}
         if codec != "mpeg4":
             options.update(
-                crf="12", preset="medium", **{"x264-params": "threads=1:lookahead-threads=1:deterministic=1"}
+                crf="12",
+                preset="medium",
+                **{"x264-params": "threads=1:lookahead-threads=1:deterministic=1:cpu-independent=1"},
             )
         stream.options = options
         for frame in frames:
