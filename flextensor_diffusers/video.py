@@ -2,9 +2,9 @@
 
 Encoding is deterministic: the same frames give the same bytes, and the same bytes decode to the
 same frames. The colour conversion (RGB <-> YUV 4:2:0, BT.601 limited range) is done here in
-float64 NumPy, not by swscale: through swscale, identical frames encoded to different files within
+integer NumPy, not by swscale: through swscale, identical frames encoded to different files within
 one process (seen in the test suite once other tests had run; the cause inside swscale was not
-pinned down), while this conversion depends on nothing but the pixel values. The encoder runs on one
+pinned down), while integer arithmetic depends on nothing but the pixel values. The encoder runs on one
 thread (x264's output depends on its thread count, the core count by default), and the muxer
 writes no version or time stamps (``bitexact``).
 """
@@ -41,38 +41,43 @@ def to_uint8_frames(video: Any) -> np.ndarray:
     return arr
 
 
-#: BT.601 (limited range) RGB -> YCbCr, rows Y, Cb, Cr, for RGB in 0..255; the offsets are added after.
-RGB_TO_YUV = (
-    np.array([[65.481, 128.553, 24.966], [-37.797, -74.203, 112.0], [112.0, -93.786, -18.214]], dtype=np.float64)
-    / 255.0
-)
-YUV_OFFSET = np.array([16.0, 128.0, 128.0])
-
-
 def rgb_to_yuv420p(frame: np.ndarray) -> np.ndarray:
-    """(H, W, 3) uint8 RGB, even H and W -> the (3H/2, W) uint8 planes of yuv420p (chroma: 2x2 means)."""
+    """(H, W, 3) uint8 RGB, even H and W -> the (3H/2, W) uint8 planes of yuv420p.
+
+    BT.601 limited range in 8-bit fixed point (integers only: no BLAS, no float rounding that could
+    differ between code paths); chroma is the rounded mean of each 2x2 block.
+    """
     height, width, _ = frame.shape
-    yuv = frame.astype(np.float64) @ RGB_TO_YUV.T + YUV_OFFSET
-    luma = yuv[..., 0]
-    chroma = yuv[..., 1:].reshape(height // 2, 2, width // 2, 2, 2).mean(axis=(1, 3))
-    planes = [luma.ravel(), chroma[..., 0].ravel(), chroma[..., 1].ravel()]
-    flat = np.clip(np.rint(np.concatenate(planes)), 0, 255).astype(np.uint8)
-    return flat.reshape(height * 3 // 2, width)
+    r, g, b = (frame[..., i].astype(np.int32) for i in range(3))
+    y = ((66 * r + 129 * g + 25 * b + 128) >> 8) + 16
+    cb = ((-38 * r - 74 * g + 112 * b + 128) >> 8) + 128
+    cr = ((112 * r - 94 * g - 18 * b + 128) >> 8) + 128
+
+    def quarter(plane: np.ndarray) -> np.ndarray:
+        return (plane.reshape(height // 2, 2, width // 2, 2).sum(axis=(1, 3)) + 2) // 4
+
+    planes = np.concatenate([y.ravel(), quarter(cb).ravel(), quarter(cr).ravel()])
+    return np.clip(planes, 0, 255).astype(np.uint8).reshape(height * 3 // 2, width)
 
 
 def yuv420p_to_rgb(planes: np.ndarray, height: int, width: int) -> np.ndarray:
     """The inverse of `rgb_to_yuv420p` (chroma repeated over each 2x2 block), as (H, W, 3) uint8."""
-    flat = planes.ravel().astype(np.float64)
-    luma = flat[: height * width].reshape(height, width)
-    quarter = (height // 2) * (width // 2)
-    cb, cr = (
-        flat[height * width + i * quarter : height * width + (i + 1) * quarter].reshape(height // 2, width // 2)
+    flat = planes.ravel().astype(np.int32)
+    size, quarter = height * width, (height // 2) * (width // 2)
+    c = flat[:size].reshape(height, width) - 16
+    d, e = (
+        flat[size + i * quarter : size + (i + 1) * quarter]
+        .reshape(height // 2, width // 2)
+        .repeat(2, axis=0)
+        .repeat(2, axis=1)
+        - 128
         for i in range(2)
     )
-    chroma = np.stack([cb, cr], axis=-1).repeat(2, axis=0).repeat(2, axis=1)
-    yuv = np.concatenate([luma[..., None], chroma], axis=-1) - YUV_OFFSET
-    rgb = yuv @ np.linalg.inv(RGB_TO_YUV).T
-    return np.clip(np.rint(rgb), 0, 255).astype(np.uint8)
+    rgb = np.stack(
+        [(298 * c + 409 * e + 128) >> 8, (298 * c - 100 * d - 208 * e + 128) >> 8, (298 * c + 516 * d + 128) >> 8],
+        axis=-1,
+    )
+    return np.clip(rgb, 0, 255).astype(np.uint8)
 
 
 def write_mp4(path: str | Path, video: Any, fps: int = 16) -> str:
