@@ -28,8 +28,8 @@ KW = dict(
 BUDGET = 250_000  # streams the transformer blocks through two slots
 
 
-def generate(pipe) -> torch.Tensor:
-    return pipe(**KW, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+def generate(pipe, **shape) -> torch.Tensor:
+    return pipe(**{**KW, **shape}, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
 
 
 def graphs() -> int:
@@ -75,6 +75,42 @@ def test_regional_compile_with_offload_is_bitwise_equal_to_native_regional(nativ
     for name, snap in before.items():
         assert_same(snap, getattr(pipe, name))
     assert torch.equal(generate(pipe), native_regional)
+
+
+def test_blocks_compiled_natively_for_two_shapes_stream_without_recompiling() -> None:
+    """Offloading keeps the compiled regions native compilation made: no recompilation (which, for
+    blocks already seen at two shapes, would be a dynamic-shape graph with other numerics)."""
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    compile_pipeline(pipe, "regional")
+    shapes = [dict(height=32, width=32), dict(height=48, width=32)]
+    refs = [
+        pipe(**{**KW, **shape}, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+        for shape in shapes
+    ]
+    pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
+    before = graphs()
+    for _ in range(2):
+        for shape, ref in zip(shapes, refs, strict=True):
+            assert torch.equal(generate(pipe, **shape), ref)
+    assert graphs() == before
+    pipe.disable_flextensor_offload()
+
+
+def test_compiling_after_profiling_profiles_again() -> None:
+    """The plan is made from compiled compute times: compiling a steady handle's blocks sends it back
+    to a warm-up forward and a profiling forward."""
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
+    generate(pipe)
+    handle = pipe._flextensor.handles["transformer"]
+    assert handle.phase.value == "steady"
+    plans = handle.counters["plans"]
+    compile_pipeline(pipe, "regional")
+    assert handle.phase.value == "discovery"
+    generate(pipe)
+    assert handle.phase.value == "steady" and handle.counters["plans"] == plans + 1
+    assert handle.counters["discovery"] == 2
+    pipe.disable_flextensor_offload()
 
 
 def test_whole_model_compile_is_refused_in_every_order() -> None:

@@ -2,30 +2,29 @@
 
 Streaming has to run *between* compiled regions, never inside one: a hook traced by
 ``torch.compile`` would be replayed as a graph without its side effects (the loads, the events),
-silently computing with whatever a slot holds. So instead of module hooks (which
-``module.compile()`` and ``compile_repeated_blocks`` compile together with the forward), every unit
-and the model itself get their class swapped for a subclass of the same name whose ``__call__``
-does the handle's work around the original call:
+silently computing with whatever a slot holds. So no module hooks (which ``module.compile()`` and
+``compile_repeated_blocks`` compile together with the forward); instead:
 
-* ``__call__`` is hidden from dynamo (``torch.compiler.disable(recursive=False)``): a whole-model
-  compile breaks its graph there and compiles what the original call runs as graphs of their own;
-  a regionally compiled unit runs its compiled ``_call_impl`` inside, its weights already loaded.
+* **units** keep their class (dynamo guards on it: a new class would recompile their regions) and
+  get three instance attributes: ``_call_impl`` (the eager path: the handle's work around the
+  original), ``_compiled_call_impl`` when the unit was compiled before (the same work around the
+  compiled region), and ``compile`` (a later ``unit.compile(...)`` compiles the original and
+  wraps the result the same way, refusing CUDA graphs, which would replay kernels outside the
+  events that order slot reuse). The compiled region is exactly the one native compilation makes.
+* the **model** gets its class swapped for a same-named subclass whose ``__call__`` does the
+  workload's work, hidden from dynamo, and whose ``compile()`` is refused: whole-model compilation
+  (`refuse_whole_model_compile`) would have to break its graph at every unit, so its kernels
+  (fusions across block boundaries) and outputs would differ from the same compilation run natively.
 * the handle's work (``enter``/``exit``) is hidden from dynamo entirely.
-* ``compile()`` on a unit refuses CUDA graphs, which would replay kernels outside the events that
-  order slot reuse (not supported yet).
-* Whole-model compilation is refused (`refuse_whole_model_compile`): its graph would have to break
-  at every unit, so its kernels (fusions across block boundaries) would differ from the same
-  compilation run natively, and the outputs with them. Regional compilation has no such break:
-  each unit is exactly one compiled region, natively and offloaded alike.
 
-Swapping ``__class__`` keeps the object, its parameters and ``type(m).__name__`` (diffusers finds
-repeated blocks by class name); `Boundaries.remove` puts every original class back.
+`Boundaries.remove` puts every attribute and class back.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +47,7 @@ class Crossing:
     enter: Callable[[tuple, dict], None]
     exit: Callable[[], None]
     fail: Callable[[], None]
-    whole_model: bool = False  # the model's own boundary (compiling it whole is refused)
+    compiled: Callable[[], None] | None = None  # a unit was compiled: its compute times change
 
 
 def hidden(fn: Callable) -> Callable:
@@ -130,10 +129,8 @@ def _bordered_class(cls: type) -> type:
         return output
 
     def compile(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-        crossing = self.__dict__.get(ATTRIBUTE)
-        if crossing is not None and crossing.whole_model:
+        if self.__dict__.get(ATTRIBUTE) is not None:
             raise FlexTensorError(WHOLE_MODEL_COMPILE.format(cls=type(self).__name__))
-        _refuse_cudagraphs(args, kwargs, self)
         cls.compile(self, *args, **kwargs)
 
     sub = type(cls.__name__, (cls,), {"__call__": __call__, "compile": compile, "__module__": cls.__module__})
@@ -143,12 +140,55 @@ def _bordered_class(cls: type) -> type:
     return sub
 
 
+def _crossing_call(module: nn.Module, inner: Callable[..., Any]) -> Callable[..., Any]:
+    """``inner`` (the unit's original or compiled call) with its crossing's work around it."""
+
+    @torch.compiler.disable(recursive=False)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        crossing = module.__dict__.get(ATTRIBUTE)
+        if crossing is None:  # removed, but a compiled wrapper may still hold this function
+            return inner(*args, **kwargs)
+        crossing.enter(args, kwargs)
+        try:
+            output = inner(*args, **kwargs)
+        except BaseException:
+            crossing.fail()
+            raise
+        crossing.exit()
+        return output
+
+    call._flextensor_inner = inner  # type: ignore[attr-defined]
+    return call
+
+
 class Boundaries:
-    """The swapped classes and wrapped entry methods of one offloaded model, and their undoing."""
+    """The swapped classes and wrapped methods of one offloaded model, and their undoing."""
 
     def __init__(self) -> None:
         self._modules: list[tuple[nn.Module, type]] = []
         self._methods: list[tuple[nn.Module, str]] = []
+        self._units: list[nn.Module] = []
+
+    def border_unit(self, module: nn.Module, crossing: Crossing) -> None:
+        """Route a unit's calls, eager or compiled, through ``crossing``; its class stays."""
+        if compiled_with_cudagraphs(module):
+            _refuse_cudagraphs((), {"mode": "reduce-overhead"}, module)
+        original = types.MethodType(type(module)._call_impl, module)  # what native compile() compiles
+        module.__dict__[ATTRIBUTE] = crossing
+        module.__dict__["_call_impl"] = _crossing_call(module, original)
+        compiled = module.__dict__.get("_compiled_call_impl")
+        if compiled is not None:
+            module.__dict__["_compiled_call_impl"] = _crossing_call(module, compiled)
+
+        def compile(*args: Any, **kwargs: Any) -> None:
+            _refuse_cudagraphs(args, kwargs, module)
+            region = torch.compile(original, *args, **kwargs)
+            module.__dict__["_compiled_call_impl"] = _crossing_call(module, region)
+            if crossing.compiled is not None:
+                crossing.compiled()
+
+        module.__dict__["compile"] = compile
+        self._units.append(module)
 
     def border(self, module: nn.Module, crossing: Crossing) -> None:
         """Route ``module``'s calls through ``crossing``."""
@@ -191,6 +231,13 @@ class Boundaries:
         self._methods.append((module, name))
 
     def remove(self) -> None:
+        for module in self._units:
+            module.__dict__.pop(ATTRIBUTE, None)
+            module.__dict__.pop("_call_impl", None)
+            module.__dict__.pop("compile", None)
+            compiled = module.__dict__.get("_compiled_call_impl")
+            module.__dict__["_compiled_call_impl"] = getattr(compiled, "_flextensor_inner", compiled)
+        self._units = []
         for module, name in self._methods:
             if name in vars(module):
                 delattr(module, name)

@@ -171,7 +171,7 @@ class OffloadHandle:
         if shared is not None and shared.create:
             shared.publish(self.fingerprint["sha256"])
         hooking = time.perf_counter()
-        workload = Crossing(hidden(self._enter_forward), hidden(self._exit_workload), hidden(self._fail), True)
+        workload = Crossing(hidden(self._enter_forward), hidden(self._exit_workload), hidden(self._fail))
         self.boundaries.border(self.model, workload)
         for name in self.config.entry_methods:
             entry = Crossing(enter=hidden(self._entry(name)), exit=workload.exit, fail=workload.fail)
@@ -182,7 +182,7 @@ class OffloadHandle:
         nothing = hidden(lambda: None)
         for unit in self.units:
             enter, exit_ = hidden(self._unit_enter(unit.index)), hidden(self._unit_exit(unit.index))
-            self.boundaries.border(unit.module, Crossing(enter, exit_, nothing))
+            self.boundaries.border_unit(unit.module, Crossing(enter, exit_, nothing, self._unit_compiled))
         self._state_dict_hooks = [
             unit.module._register_state_dict_hook(self._state_dict_hook(unit))
             for unit in [self.residency.base, *self.units]
@@ -389,6 +389,15 @@ class OffloadHandle:
         self.schedule.leave()
         self.phase = Phase.PROFILING
         self.profiler.runs = []
+
+    def _unit_compiled(self) -> None:
+        """A unit was compiled after set-up: its compute times change, so every workload is measured
+        again, after a warm-up forward (which compiles), and planned from the compiled times."""
+        self._known.clear()
+        if self.phase in (Phase.STEADY, Phase.PROFILING, Phase.OVER_BUDGET) and self.units:
+            self.schedule.leave()
+            self.phase = Phase.DISCOVERY
+            self.profiler.runs = []
 
     def _note_units_not_run(self) -> None:
         ran = set(self.profiler.observed)
