@@ -274,6 +274,10 @@ def compare(
     check_cap("--offload-memory-cap", offload_memory_cap)
     recipe = importlib.import_module(f"flextensor_diffusers.recipes.{recipe_name}")
     options = recipe.parse_args(recipe_argv)
+    if options.compile == "full":  # reached with --no-offload, which compare does not use
+        raise OptionsError(
+            "--compile full cannot be offloaded, and compare runs offloaded too: pass --compile regional"
+        )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     device = common.device_of(options)

@@ -100,6 +100,7 @@ TINY = ["--random-weights", "tiny", "--device", "cpu", "-q"]
         (["--height", "30"], "error: --height 30: Wan2.2 needs a multiple of 16: pass --height 16"),
         (["--width", "832"], "error: --width 832 is more than the transformer of tiny random weights can place"),
         (["--frames", "129"], "error: --frames 129 is more than the transformer of tiny random weights can place"),
+        (["--compile", "full"], "error: --compile full compiles each denoiser whole, which offloading cannot stream"),
         (["--output", f"{__file__}/x.mp4"], f"error: --output {__file__}/x.mp4: {__file__} is not a writable folder"),
     ],
 )
@@ -185,6 +186,12 @@ def test_tiny_defaults_are_quick_sizes_and_full_defaults_the_published_ones(tmp_
 def test_compare_refuses_a_bad_memory_cap_and_says_a_good_one_is_ignored_on_the_cpu(monkeypatch, capsys) -> None:
     err = run_main(compare.cli, ["--recipe", "wan22_t2v", "--memory-cap", "abc", "--", *TINY], capsys)
     assert err.strip() == "error: --memory-cap abc: pass a positive size with a unit, e.g. --memory-cap 24GB"
+    err = run_main(compare.cli, ["--recipe", "wan22_t2v", "--", *TINY, "--compile", "full", "--no-offload"], capsys)
+    assert (
+        err.strip()
+        == "error: --compile full cannot be offloaded, and compare runs offloaded too: pass --compile regional"
+    )
+    assert wan22_t2v.parse_args([*TINY, "--compile", "full", "--no-offload"]).compile == "full"  # natively it is fine
 
     def stop(*args, **kwargs):
         raise OptionsError("stopped after the checks")

@@ -183,7 +183,8 @@ def recipe_parser(
         "--compile",
         choices=COMPILE_MODES,
         default="none",
-        help="torch.compile the denoisers: regional (each repeated block once) or full",
+        help="torch.compile the denoisers: regional (each repeated block once; works with offload) or full "
+        "(each denoiser whole; with --no-offload only)",
     )
     parser.add_argument(
         "--gpus",
@@ -213,6 +214,7 @@ def common_values(ns: argparse.Namespace, recipe: str, defaults: dict[str, SizeD
         raise OptionsError(f"--guidance {ns.guidance} must be 0 or more (1 turns guidance off)")
     check_budget(ns.budget)
     check_device(ns.device, ns.gpus)
+    check_compile(ns.compile, ns.no_offload)
     for flag in ("--output", "--json", "--profile-dir"):
         value = getattr(ns, flag[2:].replace("-", "_"), None)
         if value is not None:
@@ -227,6 +229,15 @@ def writable(flag: str, path: Path) -> None:
         folder = folder.parent
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise OptionsError(f"{flag} {path}: {folder} is not a writable folder: pass {flag} somewhere you can write")
+
+
+def check_compile(mode: str, no_offload: bool) -> None:
+    """Whole-denoiser compilation cannot be streamed (its graph would break at every block): native runs only."""
+    if mode == "full" and not no_offload:
+        raise OptionsError(
+            "--compile full compiles each denoiser whole, which offloading cannot stream: pass --compile regional "
+            "(each repeated block compiled once, streamed between blocks), or --no-offload"
+        )
 
 
 def check_device(device: str | None, gpus: int) -> None:
