@@ -36,7 +36,7 @@ class WorkloadProfile:
     calls: list[Call]
     tail_ms: float  # compute after the last unit call
     bandwidth_bytes_per_ms: float  # host→device
-    activation_peak_bytes: int  # peak allocated during a forward above what was allocated at its start
+    activation_peak_bytes: int  # peak allocated during a forward, beyond own weights and what preceded offload
     resident_bytes: int  # weights that are not in any unit (always on the device)
 
     @property

@@ -81,12 +81,16 @@ class Profiler:
         self._forward_start: Any = None
         self._alloc_at_start = 0
 
-    def start_forward(self, profiling: bool) -> None:
+    def start_forward(self, profiling: bool, outside_bytes: int = 0) -> None:
+        """``outside_bytes``: device memory that is not this forward's to count, the handle's own
+        weights and what the process held before offloading began. Everything else allocated at the
+        peak counts as activations, including tensors already alive when the forward starts (a
+        pipeline's latents and prompt embeddings): the budget has to hold them too."""
         self.observed, self._marks, self._open = [], [], None
         if profiling:
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
-                self._alloc_at_start = torch.cuda.memory_allocated(self.device)
+                self._alloc_at_start = outside_bytes
             self._forward_start = self.clock.mark()
 
     def abandon(self) -> None:

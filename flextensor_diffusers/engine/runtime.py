@@ -119,6 +119,9 @@ class OffloadHandle:
         if self._from_file is not None:  # measured activations known now: check before packing anything
             self._check_profile_budget(self._from_file.profile)
         self.setup_times = SetupTimes(layout=1e3 * (time.perf_counter() - started))
+        #: Device memory the process held before this handle (other models, workspaces): not counted
+        #: as this model's activations. What it allocates later, while this model runs, is.
+        self._allocated_before = torch.cuda.memory_allocated(self.device) if self.cuda else 0
 
         self.phase = Phase.DISCOVERY if self.units else Phase.STEADY
         self.plan: Plan | None = None
@@ -324,7 +327,7 @@ class OffloadHandle:
             if not self.schedule.primed:
                 self.schedule.prime()
         elif self.phase in (Phase.DISCOVERY, Phase.PROFILING):
-            self.profiler.start_forward(profiling=self.phase is Phase.PROFILING)
+            self.profiler.start_forward(self.phase is Phase.PROFILING, self._not_activations())
 
     def _exit_workload(self) -> None:
         self._depth -= 1
@@ -389,6 +392,17 @@ class OffloadHandle:
         self.schedule.leave()
         self.phase = Phase.PROFILING
         self.profiler.runs = []
+
+    def _not_activations(self) -> int:
+        """Device memory at a forward's start that is not this workload's: the handle's own copies and
+        what the process held before offloading (capped by what is still allocated, so memory freed
+        since, e.g. other components packed after this one, is not subtracted twice). Tensors made
+        since, such as a pipeline's latents and prompt embeddings, stay in the activation peak."""
+        if not self.cuda:
+            return 0
+        own = self.residency.device_bytes
+        others_now = max(torch.cuda.memory_allocated(self.device) - own, 0)
+        return own + min(self._allocated_before, others_now)
 
     def _unit_compiled(self) -> None:
         """A unit was compiled after set-up: its compute times change, so every workload is measured
