@@ -13,6 +13,7 @@ import pytest
 from flextensor_diffusers import __main__ as entry
 from flextensor_diffusers import compare
 from flextensor_diffusers.engine.errors import BudgetError
+from flextensor_diffusers.pipelines.offload import format_report
 from flextensor_diffusers.recipes import common, cosmos_transfer25, ltx2_outpaint, wan22_t2v
 from flextensor_diffusers.recipes.options import OptionsError, budget_note
 from flextensor_diffusers.video import write_mp4
@@ -225,7 +226,7 @@ def test_component_table_aligns_long_class_names_and_explains_its_columns() -> N
             "vae": {**component, "class": "AutoencoderKLWan", "overlap_pct": 97.5, "streamed_units": 1},
         },
     }
-    lines = common.format_components(report).splitlines()
+    lines = format_report(report).splitlines()
     header, *rows = lines[1:4]
     assert all(row.index("steady") == header.index("phase") for row in rows)  # columns line up
     assert all(row.index("iB") == rows[0].index("iB") for row in rows)  # right-aligned sizes

@@ -16,6 +16,8 @@ from typing import Any
 from torch import nn
 
 from ..engine.errors import FlexTensorError
+from ..engine.units import find_units
+from .patterns import patterns_for
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +25,19 @@ logger = logging.getLogger(__name__)
 COMPILE_MODES = ("none", "regional", "full")
 #: Components that run every denoising step: the ones worth compiling.
 DENOISERS = ("transformer", "transformer_2", "controlnet")
+
+
+def compile_blocks(name: str, module: nn.Module, **compile_kwargs: Any) -> None:
+    """Compile each repeated block: diffusers' ``compile_repeated_blocks`` where the model declares
+    them, else each block the offload patterns stream (Cosmos' transformer and ControlNet declare none)."""
+    if getattr(module, "_repeated_blocks", None):
+        module.compile_repeated_blocks(fullgraph=True, **compile_kwargs)
+        return
+    blocks = find_units(module, patterns_for(name, module))
+    if not blocks:
+        raise FlexTensorError(f"{type(module).__name__} has no repeated blocks to compile regionally")
+    for _, block in blocks:
+        block.compile(fullgraph=True, **compile_kwargs)
 
 
 def compile_pipeline(pipe: Any, mode: str, **compile_kwargs: Any) -> list[str]:
@@ -41,12 +56,7 @@ def compile_pipeline(pipe: Any, mode: str, **compile_kwargs: Any) -> list[str]:
         if not isinstance(module, nn.Module):
             continue
         if mode == "regional":
-            if not getattr(module, "_repeated_blocks", None):
-                raise FlexTensorError(
-                    f"{type(module).__name__} declares no repeated blocks, so it cannot be compiled regionally: "
-                    "use full compilation (--compile full) for it"
-                )
-            module.compile_repeated_blocks(fullgraph=True, **compile_kwargs)
+            compile_blocks(name, module, **compile_kwargs)
         else:
             module.compile(**compile_kwargs)
         compiled.append(name)

@@ -144,23 +144,45 @@ class PipelineOffload:
         self.handles = {}
 
 
+COMPONENT_LEGEND = (
+    "units: blocks streamed / blocks found (0/0: no repeated blocks, the component moves whole)\n"
+    "overlap: share of copy time hidden behind compute (blank: nothing was streamed)\n"
+    "switches: times the active component changed (the previous one gives its GPU memory back)"
+)
+
+
 def format_report(report: dict[str, Any]) -> str:
-    """The report as a small table, for consoles and logs."""
+    """The offload report as an aligned table (columns as wide as their longest cell) with a legend."""
     peak = report["peak_allocated_bytes"]
+    head = ("component", "class", "resident", "streamed", "units", "stall ms", "overlap", "phase")
+    rows = [head]
+    for name, c in report["components"].items():
+        overlap = "" if c["overlap_pct"] is None else f"{c['overlap_pct']:.1f}%"
+        rows.append(
+            (
+                name,
+                c["class"],
+                format_bytes(c["resident_weight_bytes"]),
+                format_bytes(c["streamed_unit_bytes"]),
+                f"{c['streamed_units']}/{c['units']}",
+                f"{c['stall_ms']:.1f}",
+                overlap,
+                c["phase"],
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    left = {0, 1, 7}  # names left-aligned, numbers right-aligned
     lines = [
         f"device {report['device']}  budget {format_bytes(report['budget_bytes'])}  "
         f"peak allocated {format_bytes(peak) if peak is not None else 'n/a'}  "
-        f"VAE tiling {'on' if report['vae_tiling'] else 'off'}  switches {report['component_switches']}",
-        f"{'component':<14} {'class':<28} {'resident':>11} {'streamed':>11} {'units':>9} {'stall ms':>9} "
-        f"{'overlap':>8}  phase",
+        f"VAE tiling {'on' if report['vae_tiling'] else 'off'}  switches {report['component_switches']}"
     ]
-    for name, c in report["components"].items():
-        overlap = "" if c["overlap_pct"] is None else f"{c['overlap_pct']:.1f}%"
-        lines.append(
-            f"{name:<14} {c['class']:<28} {format_bytes(c['resident_weight_bytes']):>11} "
-            f"{format_bytes(c['streamed_unit_bytes']):>11} {c['streamed_units']:>4}/{c['units']:<4} "
-            f"{c['stall_ms']:>9.1f} {overlap:>8}  {c['phase']}"
-        )
+    for row in rows:
+        cells = [
+            cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    lines.append(COMPONENT_LEGEND)
     return "\n".join(lines)
 
 

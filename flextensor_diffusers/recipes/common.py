@@ -35,7 +35,7 @@ import torch
 
 from ..engine import Phase, format_bytes
 from ..engine.errors import BudgetError, FlexTensorError
-from ..pipelines.offload import resolve_budget, resolve_vae_tiling
+from ..pipelines.offload import format_report, resolve_budget, resolve_vae_tiling
 from . import parallel
 from .options import RecipeOptions, budget_note, budget_suggestion
 from .parallel import Placement
@@ -286,49 +286,7 @@ def print_summary(info: dict[str, Any]) -> None:
         + f"), peak allocated GPU memory {format_bytes(peak) if peak is not None else 'n/a (CPU)'}"
     )
     if info["offload_report"] is not None:
-        print(format_components(info["offload_report"]))
-
-
-COMPONENT_LEGEND = (
-    "units: blocks streamed / blocks found (0/0: no repeated blocks, the component moves whole)\n"
-    "overlap: share of copy time hidden behind compute (blank: nothing was streamed)\n"
-    "switches: times the active component changed (the previous one gives its GPU memory back)"
-)
-
-
-def format_components(report: dict[str, Any]) -> str:
-    """The offload report as an aligned table (columns as wide as their longest cell) with a legend."""
-    peak = report["peak_allocated_bytes"]
-    head = ("component", "class", "resident", "streamed", "units", "stall ms", "overlap", "phase")
-    rows = [head]
-    for name, c in report["components"].items():
-        overlap = "" if c["overlap_pct"] is None else f"{c['overlap_pct']:.1f}%"
-        rows.append(
-            (
-                name,
-                c["class"],
-                format_bytes(c["resident_weight_bytes"]),
-                format_bytes(c["streamed_unit_bytes"]),
-                f"{c['streamed_units']}/{c['units']}",
-                f"{c['stall_ms']:.1f}",
-                overlap,
-                c["phase"],
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    left = {0, 1, 7}  # names left-aligned, numbers right-aligned
-    lines = [
-        f"device {report['device']}  budget {format_bytes(report['budget_bytes'])}  "
-        f"peak allocated {format_bytes(peak) if peak is not None else 'n/a'}  "
-        f"VAE tiling {'on' if report['vae_tiling'] else 'off'}  switches {report['component_switches']}"
-    ]
-    for row in rows:
-        cells = [
-            cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        lines.append("  ".join(cells).rstrip())
-    lines.append(COMPONENT_LEGEND)
-    return "\n".join(lines)
+        print(format_report(info["offload_report"]))
 
 
 # ---------------------------------------------------------------------------------------- command line
