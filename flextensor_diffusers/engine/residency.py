@@ -20,8 +20,10 @@ and release, so they are always on the device the model computes on.
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -35,6 +37,22 @@ from .shared_host import SharedHostMemory
 from .units import Unit, UnitLayout, pack_unit, pin_unit, restore_unit
 
 logger = logging.getLogger(__name__)
+
+#: Threads that pack and pin units at set-up.
+PACK_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+def _on_threads(work: Callable[[Unit], None], units: list[Unit], desc: str) -> float:
+    """Run ``work`` on every unit on `PACK_THREADS` threads; seconds of wall time. Every started
+    task finishes before the first failure is raised."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(PACK_THREADS) as pool, tqdm(total=len(units), desc=desc, disable=None, leave=False) as bar:
+        futures = [pool.submit(work, unit) for unit in units]
+        for _done in as_completed(futures):
+            bar.update()
+        for future in futures:
+            future.result()
+    return time.perf_counter() - start
 
 
 @dataclass
@@ -91,18 +109,26 @@ class Residency:
     # ------------------------------------------------------------------------------------ set-up
 
     def pack(self, times: SetupTimes, pin: bool, shared: SharedHostMemory | None, attaching: bool) -> None:
-        """Copy every unit and the base into flat host buffers (or attach to shared ones), then pin."""
-        desc = "attaching to shared weights" if attaching else ("packing + pinning weights" if pin else "packing")
-        with torch.no_grad(), torch.inference_mode(False):
-            for unit in tqdm([self.base, *self.units], desc=desc, disable=None, leave=False):
-                host = shared.buffer(unit.index) if shared is not None else None
-                start = time.perf_counter()
-                pack_unit(unit, host=host, filled=attaching)
-                packed = time.perf_counter()
-                times.pack += 1e3 * (packed - start)
-                if pin:
-                    pin_unit(unit, attached=attaching)
-                    times.pin += 1e3 * (time.perf_counter() - packed)
+        """Copy every unit and the base into flat host buffers (or attach to shared ones), then pin.
+
+        Units are packed, then pinned, on `PACK_THREADS` threads (a copy into host memory is bound
+        by one core's memory bandwidth; the copies and ``cudaHostRegister`` release the GIL). Host
+        memory grows by at most one unit per thread. A failure waits for the other threads, then
+        raises: the caller's teardown restores whatever was packed.
+        """
+
+        def pack_one(unit: Unit) -> None:
+            with torch.no_grad():
+                pack_unit(unit, host=shared.buffer(unit.index) if shared is not None else None, filled=attaching)
+
+        def pin_one(unit: Unit) -> None:
+            pin_unit(unit, attached=attaching)
+
+        units = [self.base, *self.units]
+        verb = "attaching to shared weights" if attaching else "packing weights"
+        times.pack = 1e3 * _on_threads(pack_one, units, verb)
+        if pin:
+            times.pin = 1e3 * _on_threads(pin_one, units, "pinning weights")
 
     @property
     def resident_weight_bytes(self) -> int:
