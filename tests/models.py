@@ -47,6 +47,24 @@ class Stack(nn.Module):
         return self.head(x)
 
 
+#: Call arguments of a short tiny-Wan2.2 generation (both experts run, with CFG).
+TINY_WAN_CALL = dict(
+    prompt="a cat walking on the beach",
+    negative_prompt="blurry",
+    num_frames=9,
+    height=32,
+    width=32,
+    num_inference_steps=4,
+    guidance_scale=4.0,
+)
+
+
+def wan_latents(pipe, **overrides) -> torch.Tensor:
+    """Latents of one seeded tiny-Wan2.2 generation (no VAE decode)."""
+    call = {**TINY_WAN_CALL, **overrides}
+    return pipe(**call, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+
+
 #: Recipe arguments for the tiny Wan2.2 pipeline on the CPU; the budget streams its transformer blocks.
 TINY_WAN_ARGV = [
     "--random-weights",

@@ -10,26 +10,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import assert_same, snapshot
+from models import assert_same, snapshot, wan_latents
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.models import build_pipeline
 from flextensor_diffusers.pipelines.compile import compile_pipeline
 
-KW = dict(
-    prompt="a cat walking on the beach",
-    negative_prompt="blurry",
-    num_frames=9,
-    height=32,
-    width=32,
-    num_inference_steps=3,
-    guidance_scale=4.0,
-)
 BUDGET = 250_000  # streams the transformer blocks through two slots
 
 
 def generate(pipe, **shape) -> torch.Tensor:
-    return pipe(**{**KW, **shape}, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+    return wan_latents(pipe, num_inference_steps=3, **shape)
 
 
 def graphs() -> int:
@@ -83,10 +74,7 @@ def test_blocks_compiled_natively_for_two_shapes_stream_without_recompiling() ->
     pipe = build_pipeline("wan22_t2v", "tiny")
     compile_pipeline(pipe, "regional")
     shapes = [dict(height=32, width=32), dict(height=48, width=32)]
-    refs = [
-        pipe(**{**KW, **shape}, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
-        for shape in shapes
-    ]
+    refs = [generate(pipe, **shape) for shape in shapes]
     pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
     before = graphs()
     for _ in range(2):

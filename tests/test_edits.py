@@ -6,27 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import Stack, snapshot
+from models import Stack, snapshot, wan_latents
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.models import build_pipeline
 
 peft = pytest.importorskip("peft")
 
-KW = dict(
-    prompt="a cat walking on the beach",
-    negative_prompt="blurry",
-    num_frames=9,
-    height=32,
-    width=32,
-    num_inference_steps=4,
-    guidance_scale=4.0,
-)
 BUDGET = 250_000
 
 
 def generate(pipe) -> torch.Tensor:
-    return pipe(**KW, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+    return wan_latents(pipe)
 
 
 def with_lora(pipe):

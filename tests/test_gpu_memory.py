@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import models
 import pytest
 import torch
 from models import Stack
@@ -14,16 +15,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 BLOCKS = ["blocks.*"]
 DEPTH = 8
-WAN_KW = dict(
-    prompt="a cat walking on the beach",
-    negative_prompt="blurry",
-    num_frames=9,
-    height=32,
-    width=32,
-    num_inference_steps=2,
-    guidance_scale=4.0,
-    max_sequence_length=16,  # at 512 tokens the text encoder's activations (~18 MB) need more than all weights
-)
+#: At 512 tokens the text encoder's activations (~18 MB) need more than all weights: 16 tokens.
+WAN_KW = dict(num_inference_steps=2, max_sequence_length=16)
 
 
 def big_stack() -> tuple[Stack, torch.Tensor]:
@@ -104,7 +97,7 @@ def wan():
 
 
 def wan_latents(pipe) -> torch.Tensor:
-    return pipe(**WAN_KW, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+    return models.wan_latents(pipe, **WAN_KW)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from models import TINY_WAN_ARGV, assert_same, snapshot
+from models import TINY_WAN_ARGV, assert_same, snapshot, wan_latents
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.models import build_pipeline
@@ -14,15 +14,6 @@ from flextensor_diffusers.recipes import wan22_t2v
 from flextensor_diffusers.recipes.options import OptionsError
 from flextensor_diffusers.video import read_mp4
 
-KW = dict(
-    prompt="a cat walking on the beach",
-    negative_prompt="blurry",
-    num_frames=9,
-    height=32,
-    width=32,
-    num_inference_steps=4,
-    guidance_scale=4.0,
-)
 BUDGET = 250_000  # streams the transformer blocks; the tiny VAE and text encoder stay whole
 
 
@@ -32,7 +23,7 @@ def pipe():
 
 
 def latents(pipe, **extra):
-    return pipe(**KW, **extra, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+    return wan_latents(pipe, **extra)
 
 
 def test_offloaded_latents_bitwise_equal_and_disable_restores(pipe) -> None:

@@ -108,6 +108,22 @@ def compiled_with_cudagraphs(module: nn.Module) -> bool:
     return False
 
 
+@torch.compiler.disable(recursive=False)
+def _cross(crossing: Crossing | None, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``inner(*args, **kwargs)`` with the crossing's work around it; the one place that does it.
+    Hidden from dynamo itself; what ``inner`` runs is compiled as it would be natively."""
+    if crossing is None:
+        return inner(*args, **kwargs)
+    crossing.enter(args, kwargs)
+    try:
+        output = inner(*args, **kwargs)
+    except BaseException:
+        crossing.fail()
+        raise
+    crossing.exit()
+    return output
+
+
 def _bordered_class(cls: type) -> type:
     """The subclass of ``cls`` (same name) whose calls go through the instance's `Crossing`."""
     if cls in _SUBCLASSES:
@@ -116,17 +132,7 @@ def _bordered_class(cls: type) -> type:
 
     @torch.compiler.disable(recursive=False)
     def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        crossing = self.__dict__.get(ATTRIBUTE)
-        if crossing is None:
-            return base_call(self, *args, **kwargs)
-        crossing.enter(args, kwargs)
-        try:
-            output = base_call(self, *args, **kwargs)
-        except BaseException:
-            crossing.fail()
-            raise
-        crossing.exit()
-        return output
+        return _cross(self.__dict__.get(ATTRIBUTE), functools.partial(base_call, self), args, kwargs)
 
     def compile(self: nn.Module, *args: Any, **kwargs: Any) -> None:
         if self.__dict__.get(ATTRIBUTE) is not None:
@@ -141,21 +147,12 @@ def _bordered_class(cls: type) -> type:
 
 
 def _crossing_call(module: nn.Module, inner: Callable[..., Any]) -> Callable[..., Any]:
-    """``inner`` (the unit's original or compiled call) with its crossing's work around it."""
+    """``inner`` (a unit's original or compiled call) through the unit's crossing, if it still has one
+    (after removal a compiled wrapper may still hold this function)."""
 
     @torch.compiler.disable(recursive=False)
     def call(*args: Any, **kwargs: Any) -> Any:
-        crossing = module.__dict__.get(ATTRIBUTE)
-        if crossing is None:  # removed, but a compiled wrapper may still hold this function
-            return inner(*args, **kwargs)
-        crossing.enter(args, kwargs)
-        try:
-            output = inner(*args, **kwargs)
-        except BaseException:
-            crossing.fail()
-            raise
-        crossing.exit()
-        return output
+        return _cross(module.__dict__.get(ATTRIBUTE), inner, args, kwargs)
 
     call._flextensor_inner = inner  # type: ignore[attr-defined]
     return call
@@ -206,14 +203,7 @@ class Boundaries:
         @functools.wraps(method)
         @torch.compiler.disable(recursive=False)
         def entry(*args: Any, **kwargs: Any) -> Any:
-            crossing.enter(args, kwargs)
-            try:
-                output = method(*args, **kwargs)
-            except BaseException:
-                crossing.fail()
-                raise
-            crossing.exit()
-            return output
+            return _cross(crossing, method, args, kwargs)
 
         setattr(module, name, entry)
         self._methods.append((module, name))

@@ -85,14 +85,10 @@ class PipelineOffload:
         short = {name: h.shortfall for name, h in self.handles.items() if h.shortfall is not None}
         if not short:
             return
-        need = max(exc.required_bytes or 0 for exc in short.values())
-        need = max(need, self.smallest_budget())
-        parts = ", ".join(f"{name} {format_bytes(exc.required_bytes or 0)}" for name, exc in short.items())
-        raise BudgetError(
-            f"budget {format_bytes(self.budget_bytes)} cannot run this workload: the smallest workable budget for "
-            f"the whole pipeline is {format_bytes(need)} ({parts}, measured). Raise the budget to at least "
-            f"{format_bytes(need)}, or shrink the workload (fewer frames, smaller resolution, VAE tiling)",
-            required_bytes=need,
+        needs = {name: exc.required_bytes or 0 for name, exc in short.items()}
+        need = max(*needs.values(), self.smallest_budget())
+        raise pipeline_budget_error(
+            self.budget_bytes, need, needs, "weights outside blocks + 2 slots + measured activations", workload=True
         )
 
     def report(self) -> dict[str, Any]:
@@ -304,14 +300,20 @@ def _check_setup_budgets(components: dict[str, nn.Module], includes: dict[str, l
         needs[name] = smallest_budget(layout.resident_bytes, [u.nbytes for u in layout.units])
     short = {name: need for name, need in needs.items() if need > budget}
     if short:
-        need = max(needs.values())
-        parts = ", ".join(f"{name} {format_bytes(n)}" for name, n in short.items())
-        raise BudgetError(
-            f"budget {format_bytes(budget)} is smaller than the least streaming needs: the smallest workable budget "
-            f"for the whole pipeline is {format_bytes(need)} (weights outside blocks + 2 slots of the largest block; "
-            f"short: {parts}). Raise the budget to at least {format_bytes(need)}",
-            required_bytes=need,
-        )
+        raise pipeline_budget_error(budget, max(needs.values()), short, "weights outside blocks + 2 slots")
+
+
+def pipeline_budget_error(
+    budget: int, need: int, short: dict[str, int], rule: str, workload: bool = False
+) -> BudgetError:
+    """One error for every component ``short`` of ``budget``, naming the whole pipeline's smallest budget."""
+    parts = ", ".join(f"{name} {format_bytes(n)}" for name, n in short.items())
+    fix = ", or shrink the workload (fewer frames, smaller resolution, VAE tiling)" if workload else ""
+    return BudgetError(
+        f"budget {format_bytes(budget)} is too small: the smallest workable budget for the whole pipeline is "
+        f"{format_bytes(need)} ({rule}; short: {parts}). Raise the budget to at least {format_bytes(need)}{fix}",
+        required_bytes=need,
+    )
 
 
 def _checking_budget(end_of_generation: Any, state: PipelineOffload) -> Any:
