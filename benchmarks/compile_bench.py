@@ -28,7 +28,7 @@ from engine_bench import (
     add_stack_arguments,
     build,
     inputs,
-    pinned_bandwidth,
+    result_header,
     sync,
     time_forwards,
     write_result,
@@ -49,14 +49,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    result: dict = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "config": vars(args) | {"out": str(args.out)},
-        "bandwidth_GBps": round(pinned_bandwidth(device), 2),
-        "runs": [],
-    }
-    print(f"device {result['device']}, torch {torch.__version__}, pinned H2D {result['bandwidth_GBps']} GB/s")
+    result = result_header(args, device)
 
     model = build(args, device)
     natives = {}

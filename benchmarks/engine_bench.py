@@ -146,6 +146,19 @@ def pinned_bandwidth(device: torch.device) -> float:
     return 5 * host.numel() / (time.perf_counter() - start) / 1e9
 
 
+def result_header(args: argparse.Namespace, device: torch.device) -> dict:
+    """What every stack benchmark's JSON starts with (device, torch, arguments, pinned bandwidth); printed."""
+    result: dict = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "config": vars(args) | {"out": str(args.out)},
+        "bandwidth_GBps": round(pinned_bandwidth(device), 2),
+        "runs": [],
+    }
+    print(f"device {result['device']}, torch {torch.__version__}, pinned H2D {result['bandwidth_GBps']} GB/s")
+    return result
+
+
 def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     """Size of the block stack; defaults are Wan2.2-A14B's."""
     parser.add_argument("--blocks", type=int, default=40)
@@ -171,14 +184,7 @@ def main() -> None:
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    result: dict = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "config": vars(args) | {"out": str(args.out)},
-        "bandwidth_GBps": round(pinned_bandwidth(device), 2),
-        "runs": [],
-    }
-    print(f"device {result['device']}, torch {torch.__version__}, pinned H2D {result['bandwidth_GBps']} GB/s")
+    result = result_header(args, device)
 
     # Native: everything on the device.
     model = build(args, device)
