@@ -85,35 +85,33 @@ class OffloadHandle:
 
     def __init__(self, model: nn.Module, config: OffloadConfig) -> None:
         refuse_whole_model_compile(model)
-        target = model
-        if any(m in _OFFLOADED for m in target.modules()):
+        if any(m in _OFFLOADED for m in model.modules()):
             raise OffloadStateError(
-                f"{type(target).__name__} (or a module inside it) is already offloaded: call remove() on "
+                f"{type(model).__name__} (or a module inside it) is already offloaded: call remove() on "
                 "the existing handle before offloading again"
             )
         started = time.perf_counter()
         self.model = model
-        self.target = target
         self.config = config
         self.device = resolve_device(config.device)
         self.cuda = self.device.type == "cuda"
         # Another process packed these weights into shared memory: point at them, copy nothing.
         self._attaching = config.shared_host is not None and not config.shared_host.create
         layout = plan_layout(
-            target, find_units(target, config.include_patterns, config.exclude_patterns), meta_ok=self._attaching
+            model, find_units(model, config.include_patterns, config.exclude_patterns), meta_ok=self._attaching
         )
         for name in config.entry_methods:
-            if not callable(getattr(target, name, None)):
-                raise FlexTensorError(f"entry method {name!r} is not a method of {type(target).__name__}")
-        self.residency = Residency(target, layout, self.device)
+            if not callable(getattr(model, name, None)):
+                raise FlexTensorError(f"entry method {name!r} is not a method of {type(model).__name__}")
+        self.residency = Residency(model, layout, self.device)
         self.units = layout.units
         self.resident_weight_bytes = self.residency.resident_weight_bytes
-        tensors = {id(t): t for t in [*target.parameters(), *target.buffers()]}
+        tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
         on_device = sum(tensor_nbytes(t) for t in tensors.values() if t.device == self.device)
         self.budget_bytes = resolve_budget(config.gpu_budget, self.device, already_on_device=on_device)
         self._unit_bytes = [u.nbytes for u in self.units]
         check_budget(self.budget_bytes, self.resident_weight_bytes, self._unit_bytes)
-        self.fingerprint = model_fingerprint(target, [u.name for u in self.units])
+        self.fingerprint = model_fingerprint(model, [u.name for u in self.units])
         self.device_name = device_name(self.device)
         self._from_file = self._load_profile(config.profile) if config.profile else None
         if self._from_file is not None:  # measured activations known now: check before packing anything
@@ -148,14 +146,10 @@ class OffloadHandle:
         try:
             self._set_up()
         except BaseException:
-            self.boundaries.remove()
-            for hook in self._state_dict_hooks:
-                hook.remove()
             self.residency.teardown()
-            if config.shared_host is not None:
-                config.shared_host.unlink()
+            self._unhook()
             raise
-        _OFFLOADED.update(target.modules())
+        _OFFLOADED.update(model.modules())
 
     # ------------------------------------------------------------------------------------ set-up
 
@@ -178,10 +172,10 @@ class OffloadHandle:
         self.boundaries.border(self.model, workload)
         for name in self.config.entry_methods:
             entry = Crossing(enter=hidden(self._entry(name)), exit=workload.exit, fail=workload.fail)
-            self.boundaries.wrap_entry(self.target, name, entry)
+            self.boundaries.wrap_entry(self.model, name, entry)
         for name in self.config.edit_methods:
-            if callable(getattr(self.target, name, None)):
-                self.boundaries.wrap_edit(self.target, name, self.editing)
+            if callable(getattr(self.model, name, None)):
+                self.boundaries.wrap_edit(self.model, name, self.editing)
         nothing = hidden(lambda: None)
         for unit in self.units:
             enter, exit_ = hidden(self._unit_enter(unit.index)), hidden(self._unit_exit(unit.index))
@@ -192,6 +186,15 @@ class OffloadHandle:
         ]
         self.activate()
         self.setup_times.hooks = 1e3 * (time.perf_counter() - hooking)
+
+    def _unhook(self) -> None:
+        """Undo what set-up added besides packing: boundaries, state-dict hooks, shared files."""
+        self.boundaries.remove()
+        for hook in self._state_dict_hooks:
+            hook.remove()
+        self._state_dict_hooks = []
+        if self.config.shared_host is not None:
+            self.config.shared_host.unlink()
 
     def _state_dict_hook(self, unit: Any) -> Callable[..., None]:
         """state_dict() reads host copies, the weights' truth: a slot may hold another unit's weights."""
@@ -231,7 +234,7 @@ class OffloadHandle:
             return None
         slug = re.sub(r"[^A-Za-z0-9]+", "-", self.device_name).strip("-").lower()
         workload = hashlib.sha256(signature.encode()).hexdigest()[:12]
-        name = f"{type(self.target).__name__}-{self.fingerprint['sha256'][:12]}-{slug}-{workload}.json"
+        name = f"{type(self.model).__name__}-{self.fingerprint['sha256'][:12]}-{slug}-{workload}.json"
         return Path(self.config.profile_dir) / name
 
     def smallest_budget(self, profile: WorkloadProfile | None = None) -> int:
@@ -297,7 +300,7 @@ class OffloadHandle:
     # ------------------------------------------------------------------------------------ workloads
 
     def _enter_forward(self, args: tuple, kwargs: dict) -> None:
-        refuse_if_inside_whole_model_compile(self.target)
+        refuse_if_inside_whole_model_compile(self.model)
         self._enter(args, kwargs, "forward")
 
     def _entry(self, name: str) -> Callable[[tuple, dict], None]:
@@ -359,7 +362,7 @@ class OffloadHandle:
             self._start_profiling()
         else:
             self.schedule.leave()
-        logger.debug("a forward of %s raised; resynchronising at the next one", type(self.target).__name__)
+        logger.debug("a forward of %s raised; resynchronising at the next one", type(self.model).__name__)
 
     def _new_workload(self, signature: str) -> None:
         """Inputs not seen by the current plan: adopt a known or saved profile for them, or profile them."""
@@ -384,7 +387,7 @@ class OffloadHandle:
                 )
             logger.warning("profile %s was recorded for other inputs; profiling again", path)
         if not first:
-            logger.info("inputs of %s differ from the profiled workloads; profiling again", type(self.target).__name__)
+            logger.info("inputs of %s differ from the profiled workloads; profiling again", type(self.model).__name__)
             self._start_profiling()
 
     def _start_profiling(self) -> None:
@@ -516,7 +519,7 @@ class OffloadHandle:
         except BudgetError as exc:
             self.shortfall = exc
             self.phase = Phase.OVER_BUDGET
-            logger.warning("%s: %s", type(self.target).__name__, exc)
+            logger.warning("%s: %s", type(self.model).__name__, exc)
             return
         self.shortfall = None
         self.plan = plan
@@ -529,7 +532,7 @@ class OffloadHandle:
         logger.info(
             "%s plan: %d resident, %d streamed through %d slots; predicted %.2f ms/forward (lower bound %.2f ms), "
             "memory %s of budget %s",
-            type(self.target).__name__,
+            type(self.model).__name__,
             len(plan.resident),
             len(plan.streamed),
             plan.num_slots,
@@ -634,14 +637,9 @@ class OffloadHandle:
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
         self.residency.teardown()
-        self.boundaries.remove()
-        for hook in self._state_dict_hooks:
-            hook.remove()
-        self._state_dict_hooks = []
-        for module in self.target.modules():
+        self._unhook()
+        for module in self.model.modules():
             _OFFLOADED.discard(module)
-        if self.config.shared_host is not None:
-            self.config.shared_host.unlink()
         self.phase = Phase.REMOVED
 
 

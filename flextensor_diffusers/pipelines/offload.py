@@ -127,7 +127,7 @@ class PipelineOffload:
         if END_OF_GENERATION in vars(self.pipeline):
             delattr(self.pipeline, END_OF_GENERATION)
         for name, handle in self.handles.items():
-            module = handle.target
+            module = handle.model
             if isinstance(getattr(module, "_hf_hook", None), _ExecutionDevice):
                 del module._hf_hook
             if handle.phase is not Phase.REMOVED:
@@ -247,14 +247,13 @@ def enable(
     try:
         for name in chosen:
             module = available[name]
-            target = module
             cfg = OffloadConfig(
                 include_patterns=includes[name],
                 gpu_budget=budget_bytes,
                 device=device,
                 profile_dir=Path(profile_dir) / name if profile_dir is not None else None,
-                entry_methods=[m for m in ENTRY_METHODS if callable(getattr(target, m, None))],
-                edit_methods=[m for m in EDIT_METHODS if callable(getattr(target, m, None))],
+                entry_methods=[m for m in ENTRY_METHODS if callable(getattr(module, m, None))],
+                edit_methods=[m for m in EDIT_METHODS if callable(getattr(module, m, None))],
                 **config,
             )
             try:
@@ -268,7 +267,7 @@ def enable(
             handle.defer_budget_errors = True  # reported for all components at once, by check_budget
             state.handles[name] = handle
             handle.release()  # nothing on the device until the component runs
-            target._hf_hook = _ExecutionDevice(device)
+            module._hf_hook = _ExecutionDevice(device)
         for name, module in available.items():
             if name not in state.handles:
                 state.moved[name] = next(module.parameters()).device
@@ -294,9 +293,9 @@ def _check_setup_budgets(components: dict[str, nn.Module], includes: dict[str, l
     smallest budget for the whole pipeline (every component gets the whole budget)."""
     needs = {}
     for name, patterns in includes.items():
-        target = components[name]
-        refuse_whole_model_compile(target)
-        layout = plan_layout(target, find_units(target, patterns), meta_ok=True)
+        module = components[name]
+        refuse_whole_model_compile(module)
+        layout = plan_layout(module, find_units(module, patterns), meta_ok=True)
         needs[name] = smallest_budget(layout.resident_bytes, [u.nbytes for u in layout.units])
     short = {name: need for name, need in needs.items() if need > budget}
     if short:
