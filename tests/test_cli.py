@@ -130,6 +130,22 @@ def test_a_budget_too_small_names_the_flag_and_the_smallest_budget_in_gib(tmp_pa
     assert err.strip().endswith("; pass --budget 0.01GiB") and len(err.strip().splitlines()) == 1
 
 
+def test_a_budget_too_small_is_refused_before_the_weights_load(tmp_path, capsys, monkeypatch) -> None:
+    """Random weights: the architecture is built on the meta device only, then the budget refused."""
+    builds = []
+    real = wan22_t2v.load
+
+    def load(options, device, attach=False):
+        builds.append(attach)
+        return real(options, device, attach=attach)
+
+    monkeypatch.setattr(wan22_t2v, "load", load)
+    argv = [*TINY, "--budget", "100KiB", "--output", str(tmp_path / "x.mp4"), "--profile-dir", str(tmp_path)]
+    err = run_main(wan22_t2v.cli, argv, capsys)
+    assert "smallest workable budget" in err
+    assert builds == [True]  # the meta-device skeleton; no weights were made
+
+
 def test_budget_errors_round_the_suggestion_up_and_use_the_flag() -> None:
     line = common.error_line(BudgetError("gpu_budget too small", required_bytes=2**30 + 1), "1GiB")
     assert line == (

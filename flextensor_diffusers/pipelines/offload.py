@@ -240,8 +240,7 @@ def enable(
         )
     device = resolve_device(device)
     budget_bytes = resolve_budget(budget, device)
-    patterns = patterns or {}
-    includes = {name: patterns[name] if name in patterns else patterns_for(name, available[name]) for name in chosen}
+    includes = _includes(available, chosen, patterns or {})
     _check_setup_budgets(available, includes, budget_bytes)
     state = PipelineOffload(pipeline=pipeline, device=device, budget_bytes=budget_bytes)
     try:
@@ -286,6 +285,19 @@ def enable(
         raise
     pipeline._flextensor = state
     return state
+
+
+def _includes(
+    available: dict[str, nn.Module], chosen: list[str], patterns: dict[str, list[str]]
+) -> dict[str, list[str]]:
+    return {name: patterns[name] if name in patterns else patterns_for(name, available[name]) for name in chosen}
+
+
+def check_setup_budget(pipeline: Any, budget_bytes: int, patterns: dict[str, list[str]] | None = None) -> None:
+    """Refuse ``budget_bytes`` when a component cannot stream in it, from the architecture alone:
+    ``pipeline`` may be built on the meta device, so a command line can check before loading weights."""
+    available = _weighted_components(pipeline)
+    _check_setup_budgets(available, _includes(available, list(available), patterns or {}), budget_bytes)
 
 
 def _check_setup_budgets(components: dict[str, nn.Module], includes: dict[str, list[str]], budget: int) -> None:

@@ -35,7 +35,7 @@ import torch
 
 from ..engine import Phase, format_bytes
 from ..engine.errors import BudgetError, FlexTensorError
-from ..pipelines.offload import format_report, resolve_budget, resolve_vae_tiling
+from ..pipelines.offload import check_setup_budget, format_report, resolve_budget, resolve_vae_tiling
 from . import parallel
 from .options import RecipeOptions, budget_note, budget_suggestion
 from .parallel import Placement
@@ -248,6 +248,9 @@ def run_recipe(recipe: Any, options: RecipeOptions) -> dict[str, Any]:
 
     placement = parallel.set_up(options)
     device = device_of(options, placement.device)
+    if not options.no_offload and options.random_weights is not None:
+        # The smallest workable budget follows from the architecture: check it on a meta-device build.
+        check_setup_budget(recipe.load(options, device, attach=True), resolve_budget(options.budget, device))
     with stage("loading weights", options.quiet):
         pipe = recipe.load(options, device, attach=placement.attach_to_shared)
     parallel.split_transformers(pipe, placement.rank)
