@@ -76,3 +76,19 @@ def test_pipeline_vae_decode_is_planned() -> None:
     assert vae["phase"] == "steady" and vae["plan"] is not None and vae["units"] > 0
     assert all((o == ref).all() for o in outs)
     pipe.disable_flextensor_offload()
+
+
+def test_a_small_vae_is_resident_while_it_is_profiled() -> None:
+    """A decode in a single generation runs before any plan: with weights far under the budget, every
+    block is resident from the start instead of loading into one profiling slot at every call."""
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    kw = dict(prompt="a cat", num_frames=9, height=32, width=32, num_inference_steps=2, guidance_scale=1.0)
+    ref = pipe(**kw, output_type="np", generator=torch.Generator().manual_seed(0)).frames
+    pipe.enable_flextensor_offload(budget="1GiB", device="cpu")
+    out = pipe(**kw, output_type="np", generator=torch.Generator().manual_seed(0)).frames
+    vae = pipe._flextensor.handles["vae"]
+    assert vae.phase is Phase.PROFILING  # decoded once: discovery only
+    assert sum(vae.residency.loads) == 0
+    assert {u.placement for u in vae.stats().units} == {"resident (until planned)"}
+    assert (out == ref).all()
+    pipe.disable_flextensor_offload()

@@ -203,6 +203,21 @@ def check_budget(
     )
 
 
+def everything_resident(unit_bytes: list[int], resident_bytes: int, budget: int) -> Plan:
+    """Every unit resident, no slots: the layout while a small model is profiled (see the runtime)."""
+    n = len(unit_bytes)
+    return Plan(
+        resident=frozenset(range(n)),
+        num_slots=0,
+        slot_bytes=0,
+        slot_of=[None] * n,
+        predicted_ms=0.0,
+        lower_bound_ms=0.0,
+        memory_bytes=resident_bytes + sum(unit_bytes),
+        budget_bytes=budget,
+    )
+
+
 def plan_residency(profile: WorkloadProfile, budget: int, max_slots: int = 6, margin: float = 0.05) -> Plan:
     """The plan with the least predicted step time whose memory fits ``budget``.
 

@@ -55,7 +55,7 @@ from .boundaries import (
 )
 from .config import OffloadConfig, format_bytes, parse_bytes, resolve_budget, resolve_device
 from .errors import BudgetError, FlexTensorError, InferenceOnlyError, OffloadStateError, ProfileMismatchError
-from .planner import Plan, WorkloadProfile, check_budget, plan_residency, smallest_budget
+from .planner import Plan, WorkloadProfile, check_budget, everything_resident, plan_residency, smallest_budget
 from .profile import SavedProfile, device_name, model_fingerprint, workload_signature
 from .profiler import Clock, Profiler
 from .residency import Residency, SetupTimes
@@ -66,6 +66,9 @@ from .units import find_units, plan_layout, tensor_nbytes
 
 logger = logging.getLogger(__name__)
 
+#: Before a plan exists, units are all resident when the weights take at most this share of the
+#: budget: the rest is left for activations, which are not measured yet.
+PROFILE_RESIDENT_SHARE = 0.25
 #: Every module that is part of an offloaded model, so that offloading it again is refused.
 _OFFLOADED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -276,10 +279,18 @@ class OffloadHandle:
         return self.residency.active
 
     def _layout_plan(self) -> Plan | None:
-        return self.plan if self.phase in (Phase.STEADY, Phase.DESYNCED) else None
+        """The layout of device memory now: the plan once there is one; before that, every unit
+        resident when all weights take at most `PROFILE_RESIDENT_SHARE` of the budget (a VAE, say:
+        no loads while it is profiled, whatever its activations), else one shared profiling slot."""
+        if self.phase in (Phase.STEADY, Phase.DESYNCED):
+            return self.plan
+        weights = self.resident_weight_bytes + sum(self._unit_bytes)
+        if self.phase in (Phase.DISCOVERY, Phase.PROFILING) and weights <= PROFILE_RESIDENT_SHARE * self.budget_bytes:
+            return everything_resident(self._unit_bytes, self.resident_weight_bytes, self.budget_bytes)
+        return None
 
     def _follow_plan(self) -> None:
-        if self.plan is not None and self._layout_plan() is not None and self.units:
+        if self.plan is not None and self.phase in (Phase.STEADY, Phase.DESYNCED) and self.units:
             self.schedule.follow(self.plan, [c.unit for c in self.profile.calls])  # type: ignore[union-attr]
 
     @contextmanager
@@ -558,13 +569,16 @@ class OffloadHandle:
                 calls[call.unit] = calls.get(call.unit, 0) + 1
                 compute[call.unit] = compute.get(call.unit, 0.0) + call.compute_ms
         units = []
+        layout = self._layout_plan()
         for unit in self.units:
-            if self.plan is None or self.phase is Phase.OVER_BUDGET:
+            if layout is None:
                 placement = "on demand"
-            elif unit.index in self.plan.resident:
+            elif self.plan is None or self.phase is Phase.OVER_BUDGET:
+                placement = "resident (until planned)"
+            elif unit.index in layout.resident:
                 placement = "resident"
             else:
-                placement = f"slot {self.plan.slot_of[unit.index]}"
+                placement = f"slot {layout.slot_of[unit.index]}"
             units.append(
                 UnitStats(
                     name=unit.name,
