@@ -143,3 +143,23 @@ def test_cuda_graph_modes_are_refused_at_the_call() -> None:
     with pytest.raises(ft.FlexTensorError, match="CUDA graphs"):
         other.enable_flextensor_offload(budget=BUDGET, device="cpu")
     assert getattr(other, "_flextensor", None) is None
+
+
+def test_models_without_declared_repeated_blocks_compile_their_streamed_blocks() -> None:
+    """Cosmos' models declare no ``_repeated_blocks``: regional compilation compiles each block the
+    offload patterns stream (here a block stack), and offloading keeps those regions."""
+    from models import Stack
+
+    from flextensor_diffusers.pipelines.compile import compile_blocks
+
+    torch.manual_seed(0)
+    model, x = Stack(depth=3).eval().requires_grad_(False), torch.randint(0, 50, (2, 16))
+    compile_blocks("transformer", model)
+    assert all(block.__dict__.get("_compiled_call_impl") is not None for block in model.blocks)
+    with torch.inference_mode():
+        ref = model(x)
+        handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=100_000, device="cpu")
+        before = graphs()
+        outs = [model(x) for _ in range(3)]
+    assert graphs() == before and all(torch.equal(o, ref) for o in outs)
+    handle.remove()
