@@ -12,6 +12,10 @@ So an edit that writes into device memory is lost at the next load or release. E
 through `Residency.editing`: every tensor points at its host copy while the edit runs, tensors the
 edit replaced are adopted into the host buffer, and device copies are made again afterwards.
 
+A host copy may live on disk instead of in RAM (`spill` / `fill`, for a host-memory budget): the
+flat buffers are then views of a shared mapping of a cache file, so the truth is the file, edits
+included, until `fill` reads it back into (pinned) RAM.
+
 Tensors of the model that are not packed (``loose``: they share storage with another tensor; and
 ``foreign``: added after set-up, e.g. LoRA adapters) follow the model with ``.to()`` on activate
 and release, so they are always on the device the model computes on.
@@ -26,6 +30,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -34,7 +39,7 @@ from tqdm.auto import tqdm
 from .errors import FlexTensorError, OffloadStateError
 from .planner import Plan
 from .shared_host import SharedHostMemory
-from .units import Unit, UnitLayout, pack_unit, pin_unit, restore_unit
+from .units import ALIGNMENT, Unit, UnitLayout, align, pack_unit, pin_unit, restore_unit, unpin_unit
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +110,10 @@ class Residency:
         self.dst: list[torch.Tensor | None] = [None] * len(self.units)
         self.loads = [0] * len(self.units)
         self.bytes_streamed = 0
+        #: The cache file the host copies live in while spilled (None: in RAM).
+        self.spilled_to: Path | None = None
+        #: The file still holds the RAM copies' bytes (no edit since `fill`): spilling needs no write.
+        self._file_current = False
 
     # ------------------------------------------------------------------------------------ set-up
 
@@ -266,6 +275,7 @@ class Residency:
         back as it was and the edit is refused. The caller activates the model again.
         """
         self.release()
+        self._file_current = False  # the RAM copies may change: the next spill writes them
         foreign = self._find_foreign()
         with torch.no_grad(), torch.inference_mode(False):
             for t, _ in foreign:
@@ -297,6 +307,79 @@ class Residency:
                 f"an edit changed the shape or dtype of streamed weights ({', '.join(refused[:3])}); they were put "
                 "back as they were. Disable offload, make the edit, and enable it again"
             )
+
+    # ------------------------------------------------------------------------------------ host tier
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of all host copies (base and units), wherever they live."""
+        return sum(u.nbytes for u in [self.base, *self.units])
+
+    @property
+    def host_ram_bytes(self) -> int:
+        """Host RAM the host copies take now: all of them, or none while spilled."""
+        return 0 if self.spilled_to is not None else self.packed_bytes
+
+    def _file_offsets(self) -> list[int]:
+        offsets, offset = [], 0
+        for unit in [self.base, *self.units]:
+            offsets.append(offset)
+            offset = align(offset + unit.nbytes, ALIGNMENT)
+        return [*offsets, offset]
+
+    def spill(self, path: Path) -> None:
+        """Move the host copies to ``path`` and free their RAM (the model must be inactive).
+
+        All or nothing: the file is written completely before any tensor points at it, so a full or
+        unwritable disk raises with the copies still in RAM. Writing is skipped when the file
+        already holds these bytes (spilled before, no edit since).
+        """
+        if self.spilled_to is not None:
+            return
+        if self.active:
+            raise OffloadStateError("spill() needs an inactive model: release() it first")
+        units = [self.base, *self.units]
+        offsets = self._file_offsets()
+        if not (self._file_current and path.exists()):
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            try:
+                with open(tmp, "wb") as file:
+                    for unit, offset in zip(units, offsets, strict=False):
+                        file.seek(offset)
+                        file.write(memoryview(unit.host.numpy()))  # type: ignore[union-attr]
+                    file.truncate(offsets[-1])
+                tmp.replace(path)
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                raise FlexTensorError(
+                    f"could not write the weight cache {path} ({exc}): free space there or choose another cache_dir"
+                ) from exc
+        mapped = torch.from_file(str(path), shared=True, size=max(offsets[-1], 1), dtype=torch.uint8)
+        with torch.no_grad(), torch.inference_mode(False):
+            for unit, offset in zip(units, offsets, strict=False):
+                view = mapped[offset : offset + unit.nbytes]
+                unit.bind(view)
+                unpin_unit(unit)
+                unit.host = view
+        self.spilled_to = path
+        self._file_current = True
+
+    def fill(self, pin: bool) -> None:
+        """Read spilled host copies back into RAM (pinned when ``pin``); the file is kept for the next spill."""
+        if self.spilled_to is None:
+            return
+
+        def read_one(unit: Unit) -> None:
+            buffer = torch.empty(unit.nbytes, dtype=torch.uint8)
+            buffer.copy_(unit.host)  # type: ignore[arg-type]
+            with torch.no_grad():
+                unit.bind(buffer)
+            unit.host = buffer
+            if pin:
+                pin_unit(unit)
+
+        _on_threads(read_one, [self.base, *self.units], "reading weights from disk")
+        self.spilled_to = None
 
     # ------------------------------------------------------------------------------------ teardown
 

@@ -268,6 +268,14 @@ def _unpin(buffer: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
+def unpin_unit(unit: Unit) -> None:
+    """Undo `pin_unit`'s in-place registration (a pinned copy is simply dropped with its buffer)."""
+    if unit.pinned_in_place:
+        assert unit.host is not None
+        _unpin(unit.host)
+        unit.pinned_in_place = False
+
+
 def pack_unit(unit: Unit, host: torch.Tensor | None = None, filled: bool = False) -> None:
     """Copy the unit's tensors into one flat host buffer and make them views of it.
 
@@ -324,7 +332,5 @@ def restore_unit(unit: Unit) -> None:
         fresh.append(t)
     for packed, t in zip(unit.tensors, fresh, strict=True):
         packed.tensor.data = t
-    if unit.pinned_in_place:
-        _unpin(unit.host)
-        unit.pinned_in_place = False
+    unpin_unit(unit)
     unit.host = None

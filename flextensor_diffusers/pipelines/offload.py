@@ -25,6 +25,7 @@ from ..engine.config import resolve_budget, resolve_device
 from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
 from ..engine.planner import smallest_budget
 from ..engine.units import find_units, plan_layout
+from .host_tier import HostTier, cache_folder, check_host_budget, resolve_host_budget
 from .patterns import patterns_for
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class PipelineOffload:
     vae_tiling: bool = False
     moved: dict[str, torch.device] = field(default_factory=dict)  # components not handled, moved whole
     switches: int = 0
+    host_tier: HostTier | None = None
 
     def activate(self, handle: OffloadHandle) -> None:
         """Called before ``handle`` takes device memory: every other component gives its memory back."""
@@ -74,6 +76,8 @@ class PipelineOffload:
             if other is not handle and other.active:
                 other.release()
                 self.switches += 1
+        if self.host_tier is not None:
+            self.host_tier.bring_in(handle)
 
     def smallest_budget(self) -> int:
         """The least budget every component can run in: the largest of their minimums (measured
@@ -111,6 +115,7 @@ class PipelineOffload:
                 "overlap_pct": None if stats.overlap_pct is None else round(stats.overlap_pct, 2),
                 "forwards": stats.forwards,
                 "plan": stats.plan,
+                "host": "disk" if handle.residency.spilled_to is not None else "ram",
             }
         cuda = self.device.type == "cuda"
         return {
@@ -119,6 +124,7 @@ class PipelineOffload:
             "peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
             "vae_tiling": self.vae_tiling,
             "component_switches": self.switches,
+            "host_tier": self.host_tier.report() if self.host_tier is not None else None,
             "components": components,
         }
 
@@ -138,6 +144,8 @@ class PipelineOffload:
         if self.vae_tiling and hasattr(self.pipeline, "vae") and hasattr(self.pipeline.vae, "disable_tiling"):
             self.pipeline.vae.disable_tiling()
         self.handles = {}
+        if self.host_tier is not None:
+            self.host_tier.close()
 
 
 COMPONENT_LEGEND = (
@@ -209,6 +217,8 @@ def enable(
     vae_tiling: bool | None = None,
     shared_host: str | None = None,
     shared_host_root: str | Path = "/dev/shm",
+    host_budget: int | str | None = None,
+    cache_dir: str | Path | None = None,
     **config: Any,
 ) -> PipelineOffload:
     """Stream every component of ``pipeline`` from host memory under one GPU ``budget``.
@@ -226,6 +236,10 @@ def enable(
             streams from one host copy (local rank 0 packs each component into shared memory,
             the others attach; build their pipeline on the meta device). See `offload_shared`.
         shared_host_root: where the shared files live (a RAM-backed filesystem).
+        host_budget: bytes, a string like ``"32GiB"`` or ``"auto"`` (80 % of the RAM available): host
+            RAM for the components' host copies; those that do not fit wait in cache files and are
+            read back before they run (see `host_tier`). ``None``: every host copy in RAM.
+        cache_dir: where those cache files go (default: a ``flextensor-cache`` folder in the temp dir).
         **config: further `OffloadConfig` fields (``max_slots``, ``profiling_runs``, ...).
     """
     if getattr(pipeline, "_flextensor", None) is not None:
@@ -241,8 +255,16 @@ def enable(
     device = resolve_device(device)
     budget_bytes = resolve_budget(budget, device)
     includes = _includes(available, chosen, patterns or {})
-    _check_setup_budgets(available, includes, budget_bytes)
-    state = PipelineOffload(pipeline=pipeline, device=device, budget_bytes=budget_bytes)
+    packed = _check_setup_budgets(available, includes, budget_bytes)
+    tier = None
+    if host_budget is not None:
+        if shared_host is not None:
+            raise FlexTensorError("host_budget and shared_host cannot be combined yet: pass one of them")
+        host_bytes = resolve_host_budget(host_budget)
+        check_host_budget(host_bytes, packed)
+        pin = device.type == "cuda" and config.get("pin_memory", True)
+        tier = HostTier(budget=host_bytes, folder=cache_folder(cache_dir), pin=pin)
+    state = PipelineOffload(pipeline=pipeline, device=device, budget_bytes=budget_bytes, host_tier=tier)
     try:
         for name in chosen:
             module = available[name]
@@ -255,6 +277,8 @@ def enable(
                 edit_methods=[m for m in EDIT_METHODS if callable(getattr(module, m, None))],
                 **config,
             )
+            if tier is not None:
+                tier.room_for_packing(packed[name])
             try:
                 if shared_host is None:
                     handle = OffloadHandle(module, cfg)
@@ -266,6 +290,8 @@ def enable(
             handle.defer_budget_errors = True  # reported for all components at once, by check_budget
             state.handles[name] = handle
             handle.release()  # nothing on the device until the component runs
+            if tier is not None:
+                tier.add(name, handle)
             module._hf_hook = _ExecutionDevice(device)
         for name, module in available.items():
             if name not in state.handles:
@@ -300,18 +326,23 @@ def check_setup_budget(pipeline: Any, budget_bytes: int, patterns: dict[str, lis
     _check_setup_budgets(available, _includes(available, list(available), patterns or {}), budget_bytes)
 
 
-def _check_setup_budgets(components: dict[str, nn.Module], includes: dict[str, list[str]], budget: int) -> None:
+def _check_setup_budgets(
+    components: dict[str, nn.Module], includes: dict[str, list[str]], budget: int
+) -> dict[str, int]:
     """Refuse a budget under any component's set-up minimum before anything is packed, naming the
-    smallest budget for the whole pipeline (every component gets the whole budget)."""
-    needs = {}
+    smallest budget for the whole pipeline (every component gets the whole budget). Returns each
+    component's packed host bytes."""
+    needs, packed = {}, {}
     for name, patterns in includes.items():
         module = components[name]
         refuse_whole_model_compile(module)
         layout = plan_layout(module, find_units(module, patterns), meta_ok=True)
         needs[name] = smallest_budget(layout.resident_bytes, [u.nbytes for u in layout.units])
+        packed[name] = layout.base.nbytes + sum(u.nbytes for u in layout.units)
     short = {name: need for name, need in needs.items() if need > budget}
     if short:
         raise pipeline_budget_error(budget, max(needs.values()), short, "weights outside blocks + 2 slots")
+    return packed
 
 
 def pipeline_budget_error(
