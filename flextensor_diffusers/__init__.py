@@ -7,6 +7,7 @@ engine (`flextensor_diffusers.engine`) works on any ``torch.nn.Module``.
 from .engine import (
     BudgetError,
     FlexTensorError,
+    HostBudgetError,
     InferenceOnlyError,
     NoCudaDeviceError,
     OffloadConfig,
@@ -31,6 +32,7 @@ __all__ = [
     "BudgetError",
     "FlexTensorError",
     "FlexTensorPipelineMixin",
+    "HostBudgetError",
     "InferenceOnlyError",
     "NoCudaDeviceError",
     "OffloadConfig",

@@ -75,7 +75,7 @@ def test_an_edit_while_on_disk_reaches_the_file(tmp_path) -> None:
 def test_a_host_budget_under_the_largest_component_names_the_smallest(tmp_path) -> None:
     pipe = build_pipeline("wan22_t2v", "tiny")
     before = snapshot(pipe.transformer)
-    with pytest.raises(ft.BudgetError, match="smallest workable host budget") as raised:
+    with pytest.raises(ft.HostBudgetError, match="smallest workable host budget") as raised:
         pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget=1000, cache_dir=tmp_path)
     assert raised.value.required_bytes > 1000
     assert getattr(pipe, "_flextensor", None) is None
@@ -125,3 +125,15 @@ def test_a_full_disk_while_moving_a_component_out_is_a_clear_error(tmp_path, mon
     assert getattr(pipe, "_flextensor", None) is None
     monkeypatch.undo()
     assert torch.equal(wan_latents(pipe), reference)
+
+
+def test_the_recipe_names_the_host_budget_flag(tmp_path, capsys) -> None:
+    from flextensor_diffusers.recipes import wan22_t2v
+
+    argv = ["--random-weights", "tiny", "--device", "cpu", "-q", "--host-budget", "1KiB", "--cache-dir", str(tmp_path)]
+    argv += ["--output", str(tmp_path / "x.mp4"), "--profile-dir", str(tmp_path / "p")]
+    with pytest.raises(SystemExit):
+        wan22_t2v.cli(argv)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --host-budget 1KiB cannot hold the largest component")
+    assert "; pass --host-budget 0." in err and len(err.splitlines()) == 1

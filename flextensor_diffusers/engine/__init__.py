@@ -4,6 +4,7 @@ from .config import OffloadConfig, format_bytes, parse_bytes
 from .errors import (
     BudgetError,
     FlexTensorError,
+    HostBudgetError,
     InferenceOnlyError,
     NoCudaDeviceError,
     OffloadStateError,
@@ -19,6 +20,7 @@ __all__ = [
     "BudgetError",
     "Call",
     "FlexTensorError",
+    "HostBudgetError",
     "InferenceOnlyError",
     "NoCudaDeviceError",
     "OffloadConfig",

@@ -28,6 +28,10 @@ class BudgetError(FlexTensorError, ValueError):
         self.required_bytes = required_bytes
 
 
+class HostBudgetError(BudgetError):
+    """The host-memory budget cannot hold the largest component; ``required_bytes`` is the least that can."""
+
+
 class ProfileMismatchError(FlexTensorError):
     """A saved profile was recorded for another model, device, dtype or workload."""
 

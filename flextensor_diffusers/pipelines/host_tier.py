@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from ..engine import format_bytes
 from ..engine.config import is_auto, parse_bytes
-from ..engine.errors import BudgetError, FlexTensorError
+from ..engine.errors import FlexTensorError, HostBudgetError
 
 if TYPE_CHECKING:
     from ..engine import OffloadHandle
@@ -53,7 +53,7 @@ def check_host_budget(host_budget: int, component_bytes: dict[str, int]) -> None
     """Refuse a host budget under the largest component's packed weights, naming the smallest one."""
     name, largest = max(component_bytes.items(), key=lambda kv: kv[1])
     if host_budget < largest:
-        raise BudgetError(
+        raise HostBudgetError(
             f"host_budget {format_bytes(host_budget)} cannot hold the largest component, {name} "
             f"({format_bytes(largest)}), which must be in RAM while it runs: the smallest workable host budget "
             f"is {format_bytes(largest)}",

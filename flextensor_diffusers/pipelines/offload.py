@@ -181,6 +181,14 @@ def format_report(report: dict[str, Any]) -> str:
         f"peak allocated {format_bytes(peak) if peak is not None else 'n/a'}  "
         f"VAE tiling {'on' if report['vae_tiling'] else 'off'}  switches {report['component_switches']}"
     ]
+    tier = report.get("host_tier")
+    if tier:
+        disk = ", ".join(tier["on_disk"]) or "none"
+        lines.append(
+            f"host RAM {format_bytes(tier['host_ram_bytes'])} of {format_bytes(tier['host_budget_bytes'])} "
+            f"(peak {format_bytes(tier['peak_host_ram_bytes'])}); on disk now: {disk}; "
+            f"{len(tier['disk_reads_s'])} reads from disk, {sum(tier['disk_reads_s']):.2f} s"
+        )
     for row in rows:
         cells = [
             cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ..engine import Phase, format_bytes
-from ..engine.errors import BudgetError, FlexTensorError
+from ..engine.errors import BudgetError, FlexTensorError, HostBudgetError
 from ..pipelines.offload import check_setup_budget, format_report, resolve_budget, resolve_vae_tiling
 from . import parallel
 from .options import RecipeOptions, budget_note, budget_suggestion
@@ -75,6 +75,8 @@ def enable_offload(pipe: Any, options: RecipeOptions, device: torch.device, shar
         device=device,
         vae_tiling=options.vae_tiling_choice,
         shared_host=shared_host,
+        host_budget=options.host_budget,
+        cache_dir=options.cache_dir,
     )
 
 
@@ -305,8 +307,14 @@ def flag_value(argv: list[str], flag: str, default: str) -> str:
     return default
 
 
-def error_line(exc: BaseException, budget: str) -> str:
+def error_line(exc: BaseException, budget: str, host_budget: str = "auto") -> str:
     """One line for a deliberate error, in the command line's words (``--budget``, not ``gpu_budget``)."""
+    if isinstance(exc, HostBudgetError) and exc.required_bytes is not None:
+        fix = budget_suggestion(exc.required_bytes)
+        return (
+            f"--host-budget {host_budget} cannot hold the largest component, which must be in RAM while it runs: "
+            f"the smallest workable host budget is {fix[:-3]} GiB; pass --host-budget {fix}"
+        )
     if isinstance(exc, BudgetError):
         required = getattr(exc, "required_bytes", None)
         if required is not None:
@@ -335,7 +343,8 @@ def user_errors(argv: list[str]) -> Iterator[None]:
     except (FlexTensorError, OSError, torch.OutOfMemoryError) as exc:  # OSError: a file the user named
         if "-v" in argv or "--verbose" in argv:
             traceback.print_exc()
-        print(f"error: {error_line(exc, flag_value(argv, '--budget', 'auto'))}", file=sys.stderr)
+        budgets = flag_value(argv, "--budget", "auto"), flag_value(argv, "--host-budget", "auto")
+        print(f"error: {error_line(exc, *budgets)}", file=sys.stderr)
         raise SystemExit(USAGE_EXIT) from None
 
 

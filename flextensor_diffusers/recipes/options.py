@@ -60,6 +60,8 @@ class RecipeOptions:
     guidance: float
     seed: int = 0
     budget: str = "auto"
+    host_budget: str | None = None
+    cache_dir: Path | None = None
     profile_dir: Path | None = Path("profiles")
     device: str | None = None
     no_offload: bool = False
@@ -103,6 +105,8 @@ METAVARS = {
     "prompt": "TEXT",
     "negative_prompt": "TEXT",
     "budget": "SIZE",
+    "host_budget": "SIZE",
+    "cache_dir": "DIR",
     "guidance": "SCALE",
     "canvas": "WxH",
     "source_size": "WxH",
@@ -166,6 +170,12 @@ def recipe_parser(
         "--budget", default="auto", help="GPU memory budget, e.g. 24GiB or 500MB; auto: the device's free memory"
     )
     parser.add_argument(
+        "--host-budget",
+        help="host RAM for the weights' host copies, e.g. 32GiB, or auto (80%% of the RAM available); "
+        "components that do not fit wait in cache files (default: all in RAM)",
+    )
+    parser.add_argument("--cache-dir", type=Path, help="where those cache files go (default: the temp folder)")
+    parser.add_argument(
         "--profile-dir",
         type=Path,
         default=Path("profiles"),
@@ -213,9 +223,11 @@ def common_values(ns: argparse.Namespace, recipe: str, defaults: dict[str, SizeD
     if ns.guidance < 0:
         raise OptionsError(f"--guidance {ns.guidance} must be 0 or more (1 turns guidance off)")
     check_budget(ns.budget)
+    if ns.host_budget is not None:
+        check_budget(ns.host_budget, "--host-budget")
     check_device(ns.device, ns.gpus)
     check_compile(ns.compile, ns.no_offload)
-    for flag in ("--output", "--json", "--profile-dir"):
+    for flag in ("--output", "--json", "--profile-dir", "--cache-dir"):
         value = getattr(ns, flag[2:].replace("-", "_"), None)
         if value is not None:
             writable(flag, value)
@@ -276,18 +288,18 @@ def require_weights(model: Path | None, random_weights: str | None, recipe: str)
         )
 
 
-def check_budget(text: str) -> None:
-    """``--budget``: "auto" or a positive byte count with a unit; named in the flag's own words."""
+def check_budget(text: str, flag: str = "--budget") -> None:
+    """``--budget``, ``--host-budget``: "auto" or a positive byte count with a unit; named in the flag's own words."""
     if text.strip().lower() == "auto":
         return
     number = re.match(r"\s*(-?[0-9]*\.?[0-9]+)", text)
     if number and float(number.group(1)) <= 0:
-        raise OptionsError(f"--budget {text} must be positive: pass e.g. --budget 24GiB")
+        raise OptionsError(f"{flag} {text} must be positive: pass e.g. {flag} 24GiB")
     try:
         parse_bytes(text)
     except BudgetError:
         raise OptionsError(
-            f"--budget {text}: cannot parse it: pass bytes or a number with a unit, e.g. 24GiB, 500MB, or auto"
+            f"{flag} {text}: cannot parse it: pass bytes or a number with a unit, e.g. 24GiB, 500MB, or auto"
         ) from None
 
 
