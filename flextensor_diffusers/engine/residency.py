@@ -60,6 +60,21 @@ def _on_threads(work: Callable[[Unit], None], units: list[Unit], desc: str) -> f
     return time.perf_counter() - start
 
 
+def _drop_cached_pages(path: Path) -> None:
+    """Ask the kernel to drop the file's cached pages: once read into RAM, a second copy in the page
+    cache would only crowd out other memory (it is clean, so dropping it costs nothing)."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 @dataclass
 class SetupTimes:
     """Where set-up time went (ms): unit layout, copies into the flat buffers, page-locking, hooks."""
@@ -379,6 +394,7 @@ class Residency:
                 pin_unit(unit)
 
         _on_threads(read_one, [self.base, *self.units], "reading weights from disk")
+        _drop_cached_pages(self.spilled_to)
         self.spilled_to = None
 
     # ------------------------------------------------------------------------------------ teardown
