@@ -369,6 +369,8 @@ class Residency:
                 raise FlexTensorError(
                     f"could not write the weight cache {path} ({exc}): free space there or choose another cache_dir"
                 ) from exc
+        if self.cuda:  # copies issued before release may still be reading the buffers about to be freed
+            torch.cuda.synchronize(self.device)
         mapped = torch.from_file(str(path), shared=True, size=max(offsets[-1], 1), dtype=torch.uint8)
         with torch.no_grad(), torch.inference_mode(False):
             for unit, offset in zip(units, offsets, strict=False):
