@@ -290,6 +290,8 @@ class Residency:
         back as it was and the edit is refused. The caller activates the model again.
         """
         self.release()
+        if self.cuda:  # no copy issued before may still be reading a host buffer the edit writes
+            torch.cuda.synchronize(self.device)
         self._file_current = False  # the RAM copies may change: the next spill writes them
         foreign = self._find_foreign()
         with torch.no_grad(), torch.inference_mode(False):
