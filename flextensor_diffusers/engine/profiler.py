@@ -42,6 +42,16 @@ class Clock:
 
 
 @dataclass(frozen=True)
+class OpenCall:
+    """A unit call whose compute has not finished yet: its marks so far."""
+
+    unit: int
+    start: Any
+    loaded: Any
+    load_bytes: int
+
+
+@dataclass(frozen=True)
 class CallMark:
     """One unit call of a profiling forward: clock marks before and after its load and its compute."""
 
@@ -77,7 +87,7 @@ class Profiler:
         self.observed: list[int] = []  # units called in the current forward, in order
         self.runs: list[ProfiledRun] = []
         self._marks: list[CallMark] = []
-        self._open: tuple[int, Any, Any, int] | None = None  # unit, start, loaded, load bytes
+        self._open: OpenCall | None = None
         self._forward_start: Any = None
         self._alloc_at_start = 0
 
@@ -102,13 +112,13 @@ class Profiler:
         """Time ``load()`` (returns whether it copied) as the load of ``unit``."""
         start = self.clock.mark()
         loaded = load()
-        self._open = (unit, start, self.clock.mark(), nbytes if loaded else 0)
+        self._open = OpenCall(unit, start, self.clock.mark(), nbytes if loaded else 0)
         self.observed.append(unit)
 
     def after_unit(self) -> None:
         if self._open is not None:
-            unit, start, loaded, load_bytes = self._open
-            self._marks.append(CallMark(unit, start, loaded, self.clock.mark(), load_bytes))
+            call = self._open
+            self._marks.append(CallMark(call.unit, call.start, call.loaded, self.clock.mark(), call.load_bytes))
             self._open = None
 
     def end_forward(self) -> ProfiledRun:
