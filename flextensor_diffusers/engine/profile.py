@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,8 @@ from torch import nn
 
 from .errors import ProfileMismatchError
 from .planner import Call, WorkloadProfile
+
+logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 
@@ -120,3 +124,87 @@ class SavedProfile:
         if self.device != device:
             return f"it was recorded on {self.device!r}, this device is {device!r}"
         return None
+
+
+class ProfileStore:
+    """The profiles of one offloaded model: per workload signature, in memory for this process and,
+    with ``profile`` or ``profile_dir``, on disk. A saved profile of another model, dtype or device is
+    refused (or ignored with ``reprofile``); so is ``profile`` recorded for other inputs."""
+
+    def __init__(
+        self,
+        model_class: str,
+        fingerprint: dict[str, Any],
+        device: str,
+        profile: str | Path | None,
+        profile_dir: str | Path | None,
+        reprofile: bool,
+    ) -> None:
+        self.model_class = model_class
+        self.fingerprint = fingerprint
+        self.device = device
+        self.profile_file = Path(profile) if profile is not None else None
+        self.profile_dir = Path(profile_dir) if profile_dir is not None else None
+        self.reprofile = reprofile
+        self.known: dict[str, SavedProfile] = {}
+        #: The ``profile`` file, checked at once against this model (the workload is checked at first use).
+        self.given = self.load(self.profile_file) if self.profile_file is not None else None
+
+    def load(self, path: Path) -> SavedProfile | None:
+        """The profile at ``path`` when it describes this model and device; None when there is none."""
+        if not path.exists():
+            return None
+        saved = SavedProfile.load(path)
+        reason = saved.mismatch(self.fingerprint, self.device)
+        if reason is None:
+            return saved
+        if not self.reprofile:
+            raise ProfileMismatchError(
+                f"profile {path} does not match: {reason}. Delete it or point OffloadConfig.profile elsewhere, "
+                "or pass reprofile_on_mismatch=True to profile again"
+            )
+        logger.warning("profile %s does not match (%s); profiling again", path, reason)
+        return None
+
+    def path_for(self, signature: str) -> Path | None:
+        """Where the profile of this model, device and workload lives (None: not kept)."""
+        if self.profile_file is not None:
+            return self.profile_file
+        if self.profile_dir is None:
+            return None
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", self.device).strip("-").lower()
+        workload = hashlib.sha256(signature.encode()).hexdigest()[:12]
+        return self.profile_dir / f"{self.model_class}-{self.fingerprint['sha256'][:12]}-{slug}-{workload}.json"
+
+    def find(self, signature: str, first: bool) -> SavedProfile | None:
+        """A profile of this workload: known in this process, the given file (first workload only),
+        or the workload's file in ``profile_dir``; None: it has to be profiled."""
+        saved = self.known.get(signature)
+        path = self.path_for(signature)
+        if saved is None and first and self.given is not None:
+            saved, self.given = self.given, None
+        elif saved is None and self.profile_dir is not None and path is not None:
+            saved = self.load(path)
+        if saved is None:
+            return None
+        if saved.workload == signature:
+            self.known[signature] = saved
+            return saved
+        if not self.reprofile:
+            raise ProfileMismatchError(
+                f"profile {path} was recorded for inputs {saved.workload}, these are {signature}. "
+                "Delete it, use profile_dir= to keep one profile per workload, or pass "
+                "reprofile_on_mismatch=True to profile this workload"
+            )
+        logger.warning("profile %s was recorded for other inputs; profiling again", path)
+        return None
+
+    def record(self, signature: str, profile: WorkloadProfile) -> SavedProfile:
+        """Keep a freshly measured profile (and save it where profiles are kept)."""
+        saved = SavedProfile(self.fingerprint, self.device, signature, profile)
+        self.known[signature] = saved
+        path = self.path_for(signature)
+        if path is not None:
+            saved.save(path)
+            logger.info("saved profile %s", path)
+        return saved

@@ -31,10 +31,8 @@ how a pipeline keeps only its active component on the GPU.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
-import re
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -54,9 +52,9 @@ from .boundaries import (
     refuse_whole_model_compile,
 )
 from .config import OffloadConfig, format_bytes, parse_bytes, resolve_budget, resolve_device
-from .errors import BudgetError, FlexTensorError, InferenceOnlyError, OffloadStateError, ProfileMismatchError
+from .errors import BudgetError, FlexTensorError, InferenceOnlyError, OffloadStateError
 from .planner import Plan, WorkloadProfile, check_budget, everything_resident, plan_residency, smallest_budget
-from .profile import SavedProfile, device_name, model_fingerprint, workload_signature
+from .profile import ProfileStore, SavedProfile, device_name, model_fingerprint, workload_signature
 from .profiler import Clock, Profiler
 from .residency import Residency, SetupTimes
 from .schedule import SteadySchedule, TransferTotals
@@ -116,9 +114,16 @@ class OffloadHandle:
         check_budget(self.budget_bytes, self.resident_weight_bytes, self._unit_bytes)
         self.fingerprint = model_fingerprint(model, [u.name for u in self.units])
         self.device_name = device_name(self.device)
-        self._from_file = self._load_profile(config.profile) if config.profile else None
-        if self._from_file is not None:  # measured activations known now: check before packing anything
-            self._check_profile_budget(self._from_file.profile)
+        self.profiles = ProfileStore(
+            type(model).__name__,
+            self.fingerprint,
+            self.device_name,
+            config.profile,
+            config.profile_dir,
+            config.reprofile_on_mismatch,
+        )
+        if self.profiles.given is not None:  # measured activations known now: check before packing anything
+            self._check_profile_budget(self.profiles.given.profile)
         self.setup_times = SetupTimes(layout=1e3 * (time.perf_counter() - started))
         #: Device memory the process held before this handle (other models, workspaces): not counted
         #: as this model's activations. What it allocates later, while this model runs, is.
@@ -128,7 +133,6 @@ class OffloadHandle:
         self.plan: Plan | None = None
         self.profile: WorkloadProfile | None = None
         self._saved: SavedProfile | None = None  # the profile the current plan was made from
-        self._known: dict[str, SavedProfile] = {}  # workload signature -> profile, this process
         self._signature: str | None = None
         #: The measured minimum exceeded the budget (phase OVER_BUDGET); raised before the next forward.
         self.shortfall: BudgetError | None = None
@@ -212,33 +216,7 @@ class OffloadHandle:
 
         return hook
 
-    # ------------------------------------------------------------------------------------ profiles
-
-    def _load_profile(self, path: str | Path) -> SavedProfile | None:
-        if not Path(path).exists():
-            return None
-        saved = SavedProfile.load(path)
-        reason = saved.mismatch(self.fingerprint, self.device_name)
-        if reason is None:
-            return saved
-        if not self.config.reprofile_on_mismatch:
-            raise ProfileMismatchError(
-                f"profile {path} does not match: {reason}. Delete it or point OffloadConfig.profile elsewhere, "
-                "or pass reprofile_on_mismatch=True to profile again"
-            )
-        logger.warning("profile %s does not match (%s); profiling again", path, reason)
-        return None
-
-    def _profile_path(self, signature: str) -> Path | None:
-        """Where the profile of this model, device and workload lives (None: not kept)."""
-        if self.config.profile is not None:
-            return Path(self.config.profile)
-        if self.config.profile_dir is None:
-            return None
-        slug = re.sub(r"[^A-Za-z0-9]+", "-", self.device_name).strip("-").lower()
-        workload = hashlib.sha256(signature.encode()).hexdigest()[:12]
-        name = f"{type(self.model).__name__}-{self.fingerprint['sha256'][:12]}-{slug}-{workload}.json"
-        return Path(self.config.profile_dir) / name
+    # ------------------------------------------------------------------------------------ budgets
 
     def smallest_budget(self, profile: WorkloadProfile | None = None) -> int:
         """The least budget for ``profile`` (default: the current one; none yet: the set-up minimum)."""
@@ -379,24 +357,11 @@ class OffloadHandle:
         """Inputs not seen by the current plan: adopt a known or saved profile for them, or profile them."""
         first = self._signature is None
         self._signature = signature
-        saved = self._known.get(signature)
-        path = self._profile_path(signature)
-        if saved is None and first and self._from_file is not None:
-            saved, self._from_file = self._from_file, None
-        elif saved is None and self.config.profile_dir is not None and path is not None:
-            saved = self._load_profile(path)
+        saved = self.profiles.find(signature, first)
         if saved is not None:
-            if saved.workload == signature:
-                self._saved = saved
-                self._apply(saved.profile)
-                return
-            if not self.config.reprofile_on_mismatch:
-                raise ProfileMismatchError(
-                    f"profile {path} was recorded for inputs {saved.workload}, these are {signature}. "
-                    "Delete it, use profile_dir= to keep one profile per workload, or pass "
-                    "reprofile_on_mismatch=True to profile this workload"
-                )
-            logger.warning("profile %s was recorded for other inputs; profiling again", path)
+            self._saved = saved
+            self._apply(saved.profile)
+            return
         if not first:
             logger.info("inputs of %s differ from the profiled workloads; profiling again", type(self.model).__name__)
             self._start_profiling()
@@ -421,7 +386,7 @@ class OffloadHandle:
     def _unit_compiled(self) -> None:
         """A unit was compiled after set-up: its compute times change, so every workload is measured
         again, after a warm-up forward (which compiles), and planned from the compiled times."""
-        self._known.clear()
+        self.profiles.known.clear()
         if self.phase in (Phase.STEADY, Phase.PROFILING, Phase.OVER_BUDGET) and self.units:
             self.schedule.leave()
             self.phase = Phase.DISCOVERY
@@ -512,18 +477,12 @@ class OffloadHandle:
         profile = self.profiler.workload_profile(
             [u.name for u in self.units], list(self._unit_bytes), self.resident_weight_bytes, self._measure_bandwidth
         )
-        self._saved = SavedProfile(self.fingerprint, self.device_name, self._signature or "", profile)
-        path = self._profile_path(self._signature or "")
-        if path is not None:
-            self._saved.save(path)
-            logger.info("saved profile %s", path)
+        self._saved = self.profiles.record(self._signature or "", profile)
         self._apply(profile)
 
     def _apply(self, profile: WorkloadProfile) -> None:
         """Plan under the budget and lay out resident copies and slots accordingly; a budget the
         measured minimum does not fit leaves the handle over budget, on demand."""
-        if self._saved is not None:
-            self._known[self._saved.workload] = self._saved
         self.profile = profile
         try:
             plan = plan_residency(profile, self.budget_bytes, self.config.max_slots, self.config.activation_margin)
