@@ -30,6 +30,8 @@ _BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 #: What "auto" leaves free on the device for other processes, the CUDA context and fragmentation.
 AUTO_BUDGET_MARGIN_BYTES = 2 * 2**30
+#: What ``OffloadConfig.compression`` accepts.
+COMPRESSION_MODES = ("none", "lossless")
 
 
 def parse_bytes(value: int | float | str) -> int:
@@ -149,6 +151,9 @@ class OffloadConfig:
             of its own that is profiled and planned (a VAE's ``["encode", "decode"]``).
         edit_methods: methods that change weights in place; each call runs inside
             ``handle.editing()`` so the change reaches the host copies (diffusers' ``fuse_lora``...).
+        compression: ``"lossless"``: units that stream faster compressed keep a compressed copy in
+            host memory too; a load moves it and decodes it on the device into the slot, bit-exact
+            (`codec`). ``"none"``: raw copies only.
     """
 
     include_patterns: list[str]
@@ -166,6 +171,7 @@ class OffloadConfig:
     shared_host: SharedHostMemory | None = None
     entry_methods: list[str] = field(default_factory=list)
     edit_methods: list[str] = field(default_factory=lambda: ["load_state_dict"])
+    compression: str = "none"
 
     def __post_init__(self) -> None:
         if isinstance(self.include_patterns, str):
@@ -181,5 +187,12 @@ class OffloadConfig:
         if not is_auto(self.gpu_budget):
             parse_bytes(self.gpu_budget)  # fail now, not at set-up
         self.entry_methods = list(self.entry_methods)
+        if self.compression not in COMPRESSION_MODES:
+            raise FlexTensorError(
+                f"compression={self.compression!r} is not one of {', '.join(COMPRESSION_MODES)}: "
+                "pass 'lossless' or 'none'"
+            )
+        if self.compression != "none" and self.shared_host is not None:
+            raise FlexTensorError("compression and shared_host cannot be combined yet: pass one of them")
         if "forward" in self.entry_methods:
             raise FlexTensorError("entry_methods lists methods besides forward (e.g. ['encode', 'decode'])")

@@ -38,6 +38,16 @@ class WorkloadProfile:
     bandwidth_bytes_per_ms: float  # host→device
     activation_peak_bytes: int  # peak allocated during a forward, beyond own weights and what preceded offload
     resident_bytes: int  # weights that are not in any unit (always on the device)
+    #: Bytes a load of each unit moves over the link when it differs from ``unit_bytes`` (a unit kept
+    #: compressed in host memory and decoded on the device); None: every load moves the raw bytes.
+    transfer_bytes: list[int] | None = None
+
+    def transfer(self, unit: int) -> int:
+        return self.transfer_bytes[unit] if self.transfer_bytes is not None else self.unit_bytes[unit]
+
+    def staging_bytes(self, streamed: list[int]) -> int:
+        """Device room one slot needs to receive a compressed load before decoding it into the slot."""
+        return max((self.transfer(u) for u in streamed if self.transfer(u) != self.unit_bytes[u]), default=0)
 
     @property
     def compute_ms(self) -> float:
@@ -56,6 +66,7 @@ class Plan:
     lower_bound_ms: float
     memory_bytes: int  # predicted peak allocated: resident weights + residents + slots + activations
     budget_bytes: int
+    staging_bytes: int = 0  # per slot: room for a compressed load before it is decoded into the slot
     loads: list[tuple[int, int] | None] = field(default_factory=list)  # after call p: (slot, unit) to load
     first_loads: list[tuple[int, int]] = field(default_factory=list)  # (slot, unit) to prime
 
@@ -134,7 +145,7 @@ def simulate(profile: WorkloadProfile, resident: frozenset[int], num_slots: int,
     copy_t = 0.0
     ready: dict[int, float] = {}
     for _slot, unit in first:
-        copy_t += profile.unit_bytes[unit] / bw
+        copy_t += profile.transfer(unit) / bw
         ready[unit] = copy_t
     t = 0.0
     start = 0.0
@@ -147,7 +158,7 @@ def simulate(profile: WorkloadProfile, resident: frozenset[int], num_slots: int,
             t += call.compute_ms
             load = loads[p]
             if load is not None:
-                copy_t = max(copy_t, t) + profile.unit_bytes[load[1]] / bw
+                copy_t = max(copy_t, t) + profile.transfer(load[1]) / bw
                 ready[load[1]] = copy_t
         t += profile.tail_ms
     return max(t, copy_t) - start
@@ -156,7 +167,7 @@ def simulate(profile: WorkloadProfile, resident: frozenset[int], num_slots: int,
 def streamed_bytes_per_forward(profile: WorkloadProfile, resident: frozenset[int], num_slots: int) -> int:
     slot_of = assign_slots(profile.calls, resident, num_slots, len(profile.unit_bytes))
     loads, _ = schedule_loads(profile.calls, slot_of)
-    return sum(profile.unit_bytes[load[1]] for load in loads if load is not None)
+    return sum(profile.transfer(load[1]) for load in loads if load is not None)
 
 
 def lower_bound(profile: WorkloadProfile, resident: frozenset[int], num_slots: int) -> float:
@@ -166,33 +177,46 @@ def lower_bound(profile: WorkloadProfile, resident: frozenset[int], num_slots: i
 
 
 def memory_needed(profile: WorkloadProfile, resident: frozenset[int], num_slots: int, margin: float) -> int:
-    streamed = [b for u, b in enumerate(profile.unit_bytes) if u not in resident]
-    slots = num_slots * max(streamed) if streamed else 0
+    streamed = [u for u in range(len(profile.unit_bytes)) if u not in resident]
+    slot = max(profile.unit_bytes[u] for u in streamed) + profile.staging_bytes(streamed) if streamed else 0
+    slots = num_slots * slot
     residents = sum(profile.unit_bytes[u] for u in resident)
     activations = int(profile.activation_peak_bytes * (1 + margin))
     return profile.resident_bytes + residents + slots + activations
 
 
 def smallest_budget(
-    resident_bytes: int, unit_bytes: list[int], activation_peak_bytes: int = 0, margin: float = 0.0
+    resident_bytes: int,
+    unit_bytes: list[int],
+    activation_peak_bytes: int = 0,
+    margin: float = 0.0,
+    staging_bytes: int = 0,
 ) -> int:
     """The least budget streaming can run in: weights outside units + 2 slots of the largest unit
-    (one computing, one loading) + the activation peak with its margin. The one place this rule lives:
-    at set-up activations are not known yet (0); after profiling they are."""
-    slots = 2 * max(unit_bytes) if unit_bytes else 0
+    (one computing, one loading; each with room for a compressed load) + the activation peak with its
+    margin. The one place this rule lives: at set-up activations are not known yet (0); after profiling
+    they are."""
+    slots = 2 * (max(unit_bytes) + staging_bytes) if unit_bytes else 0
     return resident_bytes + slots + int(activation_peak_bytes * (1 + margin))
 
 
 def check_budget(
-    budget: int, resident_bytes: int, unit_bytes: list[int], activation_peak_bytes: int = 0, margin: float = 0.0
+    budget: int,
+    resident_bytes: int,
+    unit_bytes: list[int],
+    activation_peak_bytes: int = 0,
+    margin: float = 0.0,
+    staging_bytes: int = 0,
 ) -> None:
     """Raise `BudgetError` (with ``required_bytes``) when ``budget`` is under `smallest_budget`."""
-    need = smallest_budget(resident_bytes, unit_bytes, activation_peak_bytes, margin)
+    need = smallest_budget(resident_bytes, unit_bytes, activation_peak_bytes, margin, staging_bytes)
     if budget >= need:
         return
     parts = f"weights outside units {format_bytes(resident_bytes)}"
     if unit_bytes:
         parts += f" + 2 slots of the largest unit, {format_bytes(max(unit_bytes))}"
+        if staging_bytes:
+            parts += f", each with {format_bytes(staging_bytes)} of room for a compressed load"
     if activation_peak_bytes:
         parts += f" + activation peak {format_bytes(activation_peak_bytes)} (+{margin:.0%})"
     raise BudgetError(
@@ -230,7 +254,8 @@ def plan_residency(profile: WorkloadProfile, budget: int, max_slots: int = 6, ma
     everything = frozenset(range(n))
     if memory_needed(profile, everything, 0, margin) <= budget:
         return _make_plan(profile, everything, 0, budget, margin)
-    check_budget(budget, profile.resident_bytes, profile.unit_bytes, profile.activation_peak_bytes, margin)
+    staging = profile.staging_bytes(list(range(n)))
+    check_budget(budget, profile.resident_bytes, profile.unit_bytes, profile.activation_peak_bytes, margin, staging)
     best: tuple[float, int, frozenset[int], int] | None = None
     for slots in range(2, max_slots + 1):
         if memory_needed(profile, frozenset(), slots, margin) > budget:
@@ -276,10 +301,12 @@ def _make_plan(profile: WorkloadProfile, resident: frozenset[int], slots: int, b
         )
     slot_of = assign_slots(profile.calls, resident, slots, n)
     loads, first = schedule_loads(profile.calls, slot_of)
+    streamed = [u for u in range(n) if u not in resident]
     return Plan(
         resident=resident,
         num_slots=slots,
-        slot_bytes=max(b for u, b in enumerate(profile.unit_bytes) if u not in resident),
+        slot_bytes=max(profile.unit_bytes[u] for u in streamed),
+        staging_bytes=profile.staging_bytes(streamed),
         slot_of=slot_of,
         predicted_ms=simulate(profile, resident, slots),
         lower_bound_ms=lower_bound(profile, resident, slots),

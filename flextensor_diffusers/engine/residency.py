@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .codec import EncodedUnit, Segment, decode_into, encode_unit, worth_compressing
 from .errors import FlexTensorError, OffloadStateError
 from .planner import Plan
 from .shared_host import SharedHostMemory
@@ -83,9 +84,10 @@ class SetupTimes:
     pack: float = 0.0
     pin: float = 0.0
     hooks: float = 0.0
+    compress: float | None = None  # only with compression
 
     def as_dict(self) -> dict[str, float]:
-        return {k: round(v, 3) for k, v in vars(self).items()}
+        return {k: round(v, 3) for k, v in vars(self).items() if v is not None}
 
 
 @dataclass
@@ -95,6 +97,7 @@ class DeviceCopies:
     base: torch.Tensor | None = None
     resident: dict[int, torch.Tensor] = field(default_factory=dict)
     slots: list[torch.Tensor] = field(default_factory=list)
+    staging: list[torch.Tensor] = field(default_factory=list)  # per slot: a compressed load before decoding
 
 
 class Residency:
@@ -125,6 +128,9 @@ class Residency:
         self.dst: list[torch.Tensor | None] = [None] * len(self.units)
         self.loads = [0] * len(self.units)
         self.bytes_streamed = 0
+        #: Units kept compressed as well (`compress`): their loads move the payload and decode it.
+        self.encoded: dict[int, EncodedUnit] = {}
+        self.payloads: dict[int, torch.Tensor] = {}  # pinned copies of the encoded payloads
         #: The cache file the host copies live in while spilled (None: in RAM).
         self.spilled_to: Path | None = None
         #: The file still holds the RAM copies' bytes (no edit since `fill`): spilling needs no write.
@@ -228,7 +234,7 @@ class Residency:
         for unit in self.units:
             if unit.host is not None:  # during a failed set-up, not every unit is packed yet
                 unit.bind(unit.host)
-        self.copies.resident, self.copies.slots = {}, []
+        self.copies.resident, self.copies.slots, self.copies.staging = {}, [], []
         self.dst = [None] * len(self.units)
 
     def lay_out(self, plan: Plan | None) -> None:
@@ -242,6 +248,7 @@ class Residency:
                 slot = torch.empty(max((u.nbytes for u in packed), default=0), dtype=torch.uint8, device=self.device)
                 self.copies.slots = [slot]
                 self.slot_of = [0 if u.host is not None else None for u in self.units]
+                self._allocate_staging(1, [u.index for u in packed])
                 for unit in packed:
                     unit.bind(slot)
                     self.dst[unit.index] = slot[: unit.nbytes]
@@ -255,12 +262,23 @@ class Residency:
                 self.copies.slots = [
                     torch.empty(plan.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(plan.num_slots)
                 ]
+                self._allocate_staging(plan.num_slots, plan.streamed)
                 for index, slot in enumerate(plan.slot_of):
                     if slot is not None:
                         self.units[index].bind(self.copies.slots[slot])
                         self.dst[index] = self.copies.slots[slot][: self.units[index].nbytes]
                 self.slot_of = list(plan.slot_of)
         self.slot_owner = [None] * len(self.copies.slots)
+
+    @property
+    def largest_payload(self) -> int:
+        """Bytes of the largest compressed copy: the staging room a slot may need."""
+        return max((p.numel() for p in self.payloads.values()), default=0)
+
+    def _allocate_staging(self, num_slots: int, streamed: list[int]) -> None:
+        size = max((self.payloads[i].numel() for i in streamed if i in self.payloads), default=0)
+        if size:
+            self.copies.staging = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(num_slots)]
 
     # ------------------------------------------------------------------------------------ loading
 
@@ -269,9 +287,40 @@ class Residency:
         slot = self.slot_of[index]
         if slot is None or self.slot_owner[slot] == index:
             return False
-        self.dst[index].copy_(self.units[index].host, non_blocking=True)  # type: ignore[union-attr]
+        self.copy_in(index, slot)
         self.note_load(slot, index)
         return True
+
+    def copy_in(self, index: int, slot: int) -> None:
+        """Enqueue ``index``'s load into ``slot`` on the current stream: one copy of its raw bytes, or of
+        its compressed payload into the slot's staging buffer and a decode into the slot."""
+        dst = self.dst[index]
+        assert dst is not None
+        payload = self.payloads.get(index)
+        if payload is None:
+            dst.copy_(self.units[index].host, non_blocking=True)  # type: ignore[arg-type]
+            return
+        staging = self.copies.staging[slot][: payload.numel()]
+        staging.copy_(payload, non_blocking=True)
+        decode_into(self.encoded[index], staging, dst)
+
+    def transfer_bytes(self, index: int) -> int:
+        """What a load of ``index`` moves over the link."""
+        payload = self.payloads.get(index)
+        return payload.numel() if payload is not None else self.units[index].nbytes
+
+    # ------------------------------------------------------------------------------------ compression
+
+    def compress(self, pin: bool) -> None:
+        """Keep a compressed copy of every unit that streams faster that way (see `codec`): loads then
+        move the payload and decode it on the device, bit-exact. The raw host copy stays the truth."""
+        self.encoded, self.payloads = {}, {}
+        for unit in self.units:
+            segments = [Segment(p.offset, p.nbytes, p.dtype) for p in unit.tensors]
+            encoded = encode_unit(unit.host, segments)  # type: ignore[arg-type]
+            if worth_compressing(encoded):
+                self.encoded[unit.index] = encoded
+                self.payloads[unit.index] = encoded.payload.pin_memory() if pin else encoded.payload
 
     def note_load(self, slot: int, index: int) -> None:
         self.slot_owner[slot] = index
@@ -302,6 +351,8 @@ class Residency:
         finally:
             with torch.no_grad(), torch.inference_mode(False):
                 self._adopt_replaced()
+            if self.encoded:  # the compressed copies must say what the edited host copies say
+                self.compress(pin=any(p.is_pinned() for p in self.payloads.values()))
 
     def _adopt_replaced(self) -> None:
         refused: list[str] = []
@@ -334,8 +385,9 @@ class Residency:
 
     @property
     def host_ram_bytes(self) -> int:
-        """Host RAM the host copies take now: all of them, or none while spilled."""
-        return 0 if self.spilled_to is not None else self.packed_bytes
+        """Host RAM the host copies take now (all of them, or none while spilled), and compressed copies."""
+        payloads = sum(p.numel() for p in self.payloads.values())
+        return payloads + (0 if self.spilled_to is not None else self.packed_bytes)
 
     def _file_offsets(self) -> list[int]:
         offsets, offset = [], 0

@@ -112,7 +112,9 @@ class OffloadHandle:
         self.budget_bytes = resolve_budget(config.gpu_budget, self.device, already_on_device=on_device)
         self._unit_bytes = [u.nbytes for u in self.units]
         check_budget(self.budget_bytes, self.resident_weight_bytes, self._unit_bytes)
-        self.fingerprint = model_fingerprint(model, [u.name for u in self.units])
+        # A compressed model loads other bytes (and needs staging room): its profiles are its own.
+        marker = [f"compression={config.compression}"] if config.compression != "none" else []
+        self.fingerprint = model_fingerprint(model, [u.name for u in self.units] + marker)
         self.device_name = device_name(self.device)
         self.profiles = ProfileStore(
             type(model).__name__,
@@ -172,6 +174,16 @@ class OffloadHandle:
             shared.open(self.fingerprint["sha256"], {u.index: u.nbytes for u in units})
         pin = self.cuda and self.config.pin_memory
         self.residency.pack(self.setup_times, pin=pin, shared=shared, attaching=self._attaching)
+        if self.config.compression == "lossless":
+            start = time.perf_counter()
+            self.residency.compress(pin)
+            self.setup_times.compress = 1e3 * (time.perf_counter() - start)
+            staging = (
+                max(self.residency.payloads[i].numel() for i in self.residency.payloads)
+                if self.residency.payloads
+                else 0
+            )
+            check_budget(self.budget_bytes, self.resident_weight_bytes, self._unit_bytes, staging_bytes=staging)
         if shared is not None and shared.create:
             shared.publish(self.fingerprint["sha256"])
         hooking = time.perf_counter()
@@ -433,7 +445,9 @@ class OffloadHandle:
                 return
             self._desync(index, pos)
         if self.phase is Phase.PROFILING and in_workload:
-            self.profiler.before_unit(index, lambda: self.residency.load_now(index), self.units[index].nbytes)
+            self.profiler.before_unit(
+                index, lambda: self.residency.load_now(index), self.residency.transfer_bytes(index)
+            )
             return
         self.residency.load_now(index)
         if self.phase is Phase.DISCOVERY and in_workload:
@@ -477,6 +491,8 @@ class OffloadHandle:
         profile = self.profiler.workload_profile(
             [u.name for u in self.units], list(self._unit_bytes), self.resident_weight_bytes, self._measure_bandwidth
         )
+        if self.residency.payloads:
+            profile.transfer_bytes = [self.residency.transfer_bytes(u.index) for u in self.units]
         self._saved = self.profiles.record(self._signature or "", profile)
         self._apply(profile)
 
@@ -563,6 +579,8 @@ class OffloadHandle:
             peak_allocated_bytes=torch.cuda.max_memory_allocated(self.device) if self.cuda else None,
             plan=self.plan.summary() if self.plan else None,
             setup_ms=self.setup_times.as_dict(),
+            transfer_unit_bytes=sum(self.residency.transfer_bytes(u.index) for u in self.units),
+            unit_bytes=sum(self._unit_bytes),
             units=units,
         )
 

@@ -114,22 +114,21 @@ class SteadySchedule:
     def issue(self, slot: int, index: int) -> None:
         """Load ``index`` into ``slot`` on the copy stream once the slot's last reader has finished."""
         residency = self.residency
-        host, dst = residency.units[index].host, residency.dst[index]
         if self.cuda:
             stream = self.copy_stream
             with torch.cuda.stream(stream):
                 stream.wait_event(self._free[slot])
                 if self.measure_stalls:
                     start = self.clock.mark(stream)
-                    dst.copy_(host, non_blocking=True)
+                    residency.copy_in(index, slot)
                     self._ready[index].record(stream)
                     self._pending.append(PendingTiming("copy", index, start, self.clock.mark(stream)))
                 else:
-                    dst.copy_(host, non_blocking=True)
+                    residency.copy_in(index, slot)
                     self._ready[index].record(stream)
         else:
             start = time.perf_counter()
-            dst.copy_(host)
+            residency.copy_in(index, slot)
             self.totals.copy_ms += (time.perf_counter() - start) * 1e3
         residency.note_load(slot, index)
 

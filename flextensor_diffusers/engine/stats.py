@@ -35,7 +35,10 @@ class OffloadStats:
     measured_forwards: int = 0
     peak_allocated_bytes: int | None = None
     plan: dict[str, Any] | None = None
-    setup_ms: dict[str, float] = field(default_factory=dict)  # layout, pack, pin, hooks
+    setup_ms: dict[str, float] = field(default_factory=dict)  # layout, pack, pin, hooks (compress)
+    #: Bytes a load of every unit moves (compressed copies where kept); equals the units' bytes without.
+    transfer_unit_bytes: int = 0
+    unit_bytes: int = 0
     units: list[UnitStats] = field(default_factory=list)
 
     @property

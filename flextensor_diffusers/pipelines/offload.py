@@ -116,6 +116,8 @@ class PipelineOffload:
                 "forwards": stats.forwards,
                 "plan": stats.plan,
                 "host": "disk" if handle.residency.spilled_to is not None else "ram",
+                "unit_bytes": stats.unit_bytes,
+                "transfer_unit_bytes": stats.transfer_unit_bytes,
             }
         cuda = self.device.type == "cuda"
         return {

@@ -77,6 +77,7 @@ def enable_offload(pipe: Any, options: RecipeOptions, device: torch.device, shar
         shared_host=shared_host,
         host_budget=options.host_budget,
         cache_dir=options.cache_dir,
+        compression=options.compression,
     )
 
 
@@ -208,6 +209,8 @@ def summary(
         "budget": options.budget,
         "budget_bytes": state.budget_bytes if state else None,
         "compile": options.compile,
+        "compression": options.compression,
+        "host_budget": options.host_budget,
         "frames": options.frames,
         "height": options.height,
         "width": options.width,

@@ -62,6 +62,7 @@ class RecipeOptions:
     budget: str = "auto"
     host_budget: str | None = None
     cache_dir: Path | None = None
+    compression: str = "none"
     profile_dir: Path | None = Path("profiles")
     device: str | None = None
     no_offload: bool = False
@@ -175,6 +176,12 @@ def recipe_parser(
         "components that do not fit wait in cache files (default: all in RAM)",
     )
     parser.add_argument("--cache-dir", type=Path, help="where those cache files go (default: the temp folder)")
+    parser.add_argument(
+        "--compression",
+        choices=("none", "lossless"),
+        default="none",
+        help="lossless: stream blocks compressed and decode them on the GPU, bit-exact (not yet measured on a GPU)",
+    )
     parser.add_argument(
         "--profile-dir",
         type=Path,

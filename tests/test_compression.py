@@ -1,0 +1,98 @@
+"""Compressed streaming (``compression="lossless"``): loads move a compressed copy and decode it in
+the slot; outputs stay bitwise equal to native, edits reach the compressed copies too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import Stack, assert_same, snapshot, wan_latents
+
+import flextensor_diffusers as ft
+from flextensor_diffusers.engine import Phase
+from flextensor_diffusers.engine.planner import Call, WorkloadProfile, plan_residency, simulate
+from flextensor_diffusers.models import build_pipeline
+
+
+def make(dtype: torch.dtype) -> tuple[Stack, torch.Tensor]:
+    torch.manual_seed(0)
+    return Stack(dim=256, depth=5, dtype=dtype).eval().requires_grad_(False), torch.randint(0, 50, (2, 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compressed_loads_are_bitwise_equal_and_move_fewer_bytes(dtype: torch.dtype) -> None:
+    model, x = make(dtype)
+    with torch.inference_mode():
+        ref = model(x)
+    before = snapshot(model)
+    unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=5 * unit, device="cpu", compression="lossless")
+    with torch.inference_mode():
+        outs = [model(x) for _ in range(5)]
+    assert all(torch.equal(o, ref) for o in outs)
+    assert handle.phase is Phase.STEADY and len(handle.plan.streamed) > 0
+    stored = [handle.residency.transfer_bytes(u.index) for u in handle.units]
+    assert all(s < u.nbytes for s, u in zip(stored, handle.units, strict=True))  # every block compressed
+    assert handle.profile.transfer_bytes == stored and handle.plan.staging_bytes > 0
+    stats = handle.stats()
+    assert "compress" in stats.setup_ms and stats.transfer_unit_bytes == sum(stored) < stats.unit_bytes
+    handle.remove()
+    assert_same(before, model)
+
+
+def test_an_edit_reaches_the_compressed_copies() -> None:
+    model, x = make(torch.bfloat16)
+    other, _ = make(torch.bfloat16)
+    torch.manual_seed(1)
+    for p in other.parameters():
+        p.data.add_(torch.randn_like(p) * 0.1)
+    with torch.inference_mode():
+        expected = other(x)
+    unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=5 * unit, device="cpu", compression="lossless")
+    with torch.inference_mode():
+        for _ in range(3):
+            model(x)
+    model.load_state_dict(other.state_dict())
+    with torch.inference_mode():
+        assert all(torch.equal(model(x), expected) for _ in range(2))
+    handle.remove()
+
+
+def test_the_tiny_pipeline_with_compression_is_bitwise_equal() -> None:
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    ref = wan_latents(pipe)
+    pipe.enable_flextensor_offload(budget=340_000, device="cpu", compression="lossless")
+    assert all(torch.equal(wan_latents(pipe), ref) for _ in range(3))
+    handles = pipe._flextensor.handles
+    assert handles["transformer"].residency.payloads and handles["transformer"].plan.streamed  # streamed compressed
+    pipe.disable_flextensor_offload()
+    assert torch.equal(wan_latents(pipe), ref)
+
+
+def test_bad_compression_settings_are_refused() -> None:
+    with pytest.raises(ft.FlexTensorError, match="'lossless' or 'none'"):
+        ft.OffloadConfig(include_patterns=["blocks.*"], compression="zstd")
+    with pytest.raises(ft.FlexTensorError, match="shared_host"):
+        ft.OffloadConfig(include_patterns=["blocks.*"], compression="lossless", shared_host=object())
+
+
+def test_the_planner_counts_transfer_bytes_and_staging() -> None:
+    """A transfer-bound workload: moving 0.7x the bytes shortens the predicted step; staging is budgeted."""
+    calls = [Call(unit=u, compute_ms=1.0) for u in range(4)]
+    raw = WorkloadProfile(["a", "b", "c", "d"], [1000] * 4, calls, 0.0, 100.0, 0, 0)
+    packed = WorkloadProfile(["a", "b", "c", "d"], [1000] * 4, calls, 0.0, 100.0, 0, 0, transfer_bytes=[700] * 4)
+    assert simulate(packed, frozenset(), 2) < 0.75 * simulate(raw, frozenset(), 2)
+    plan = plan_residency(packed, 2 * (1000 + 700), max_slots=2, margin=0.0)
+    assert plan.staging_bytes == 700 and plan.memory_bytes == 2 * (1000 + 700)
+    with pytest.raises(ft.BudgetError):
+        plan_residency(packed, 2 * (1000 + 700) - 1, max_slots=2, margin=0.0)
+
+
+def test_the_recipe_streams_compressed(tmp_path) -> None:
+    from flextensor_diffusers.recipes import wan22_t2v
+
+    argv = ["--random-weights", "tiny", "--device", "cpu", "-q", "--budget", "340000", "--compression", "lossless"]
+    info = wan22_t2v.main([*argv, "--output", str(tmp_path / "x.mp4"), "--profile-dir", str(tmp_path / "p")])
+    transformer = info["offload_report"]["components"]["transformer"]
+    assert info["compression"] == "lossless"
+    assert transformer["transfer_unit_bytes"] < transformer["unit_bytes"]
