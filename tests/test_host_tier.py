@@ -137,3 +137,12 @@ def test_the_recipe_names_the_host_budget_flag(tmp_path, capsys) -> None:
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --host-budget 1KiB cannot hold the largest component")
     assert "; pass --host-budget 0." in err and len(err.splitlines()) == 1
+
+
+def test_a_host_budget_with_compression_is_refused_for_now(tmp_path) -> None:
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    with pytest.raises(ft.FlexTensorError, match="cannot be combined"):
+        pipe.enable_flextensor_offload(
+            budget="1GiB", device="cpu", host_budget="1GiB", cache_dir=tmp_path, compression="lossless"
+        )
+    assert getattr(pipe, "_flextensor", None) is None

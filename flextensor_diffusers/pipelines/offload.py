@@ -268,8 +268,10 @@ def enable(
     packed = _check_setup_budgets(available, includes, budget_bytes)
     tier = None
     if host_budget is not None:
-        if shared_host is not None:
-            raise FlexTensorError("host_budget and shared_host cannot be combined yet: pass one of them")
+        if shared_host is not None or config.get("compression", "none") != "none":
+            raise FlexTensorError(
+                "host_budget cannot be combined with shared_host or compression yet: pass one of them"
+            )
         host_bytes = resolve_host_budget(host_budget)
         check_host_budget(host_bytes, packed)
         pin = device.type == "cuda" and config.get("pin_memory", True)
