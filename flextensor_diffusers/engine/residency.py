@@ -23,6 +23,7 @@ and release, so they are always on the device the model computes on.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -128,9 +129,9 @@ class Residency:
         self.dst: list[torch.Tensor | None] = [None] * len(self.units)
         self.loads = [0] * len(self.units)
         self.bytes_streamed = 0
-        #: Units kept compressed as well (`compress`): their loads move the payload and decode it.
+        #: Units kept compressed as well (`compress`; payloads pinned for CUDA): their loads move the
+        #: payload and decode it.
         self.encoded: dict[int, EncodedUnit] = {}
-        self.payloads: dict[int, torch.Tensor] = {}  # pinned copies of the encoded payloads
         #: The cache file the host copies live in while spilled (None: in RAM).
         self.spilled_to: Path | None = None
         #: The file still holds the RAM copies' bytes (no edit since `fill`): spilling needs no write.
@@ -273,10 +274,10 @@ class Residency:
     @property
     def largest_payload(self) -> int:
         """Bytes of the largest compressed copy: the staging room a slot may need."""
-        return max((p.numel() for p in self.payloads.values()), default=0)
+        return max((e.payload.numel() for e in self.encoded.values()), default=0)
 
     def _allocate_staging(self, num_slots: int, streamed: list[int]) -> None:
-        size = max((self.payloads[i].numel() for i in streamed if i in self.payloads), default=0)
+        size = max((self.encoded[i].payload.numel() for i in streamed if i in self.encoded), default=0)
         if size:
             self.copies.staging = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(num_slots)]
 
@@ -296,31 +297,31 @@ class Residency:
         its compressed payload into the slot's staging buffer and a decode into the slot."""
         dst = self.dst[index]
         assert dst is not None
-        payload = self.payloads.get(index)
-        if payload is None:
+        encoded = self.encoded.get(index)
+        if encoded is None:
             dst.copy_(self.units[index].host, non_blocking=True)  # type: ignore[arg-type]
             return
-        staging = self.copies.staging[slot][: payload.numel()]
-        staging.copy_(payload, non_blocking=True)
-        decode_into(self.encoded[index], staging, dst)
+        staging = self.copies.staging[slot][: encoded.payload.numel()]
+        staging.copy_(encoded.payload, non_blocking=True)
+        decode_into(encoded, staging, dst)
 
     def transfer_bytes(self, index: int) -> int:
         """What a load of ``index`` moves over the link."""
-        payload = self.payloads.get(index)
-        return payload.numel() if payload is not None else self.units[index].nbytes
+        encoded = self.encoded.get(index)
+        return encoded.payload.numel() if encoded is not None else self.units[index].nbytes
 
     # ------------------------------------------------------------------------------------ compression
 
     def compress(self, pin: bool) -> None:
         """Keep a compressed copy of every unit that streams faster that way (see `codec`): loads then
         move the payload and decode it on the device, bit-exact. The raw host copy stays the truth."""
-        self.encoded, self.payloads = {}, {}
+        self.encoded = {}
         for unit in self.units:
             segments = [Segment(p.offset, p.nbytes, p.dtype) for p in unit.tensors]
             encoded = encode_unit(unit.host, segments)  # type: ignore[arg-type]
             if worth_compressing(encoded):
-                self.encoded[unit.index] = encoded
-                self.payloads[unit.index] = encoded.payload.pin_memory() if pin else encoded.payload
+                payload = encoded.payload.pin_memory() if pin else encoded.payload
+                self.encoded[unit.index] = dataclasses.replace(encoded, payload=payload)
 
     def note_load(self, slot: int, index: int) -> None:
         self.slot_owner[slot] = index
@@ -352,7 +353,7 @@ class Residency:
             with torch.no_grad(), torch.inference_mode(False):
                 self._adopt_replaced()
             if self.encoded:  # the compressed copies must say what the edited host copies say
-                self.compress(pin=any(p.is_pinned() for p in self.payloads.values()))
+                self.compress(pin=any(e.payload.is_pinned() for e in self.encoded.values()))
 
     def _adopt_replaced(self) -> None:
         refused: list[str] = []
@@ -386,7 +387,7 @@ class Residency:
     @property
     def host_ram_bytes(self) -> int:
         """Host RAM the host copies take now (all of them, or none while spilled), and compressed copies."""
-        payloads = sum(p.numel() for p in self.payloads.values())
+        payloads = sum(e.payload.numel() for e in self.encoded.values())
         return payloads + (0 if self.spilled_to is not None else self.packed_bytes)
 
     def _file_offsets(self) -> list[int]:

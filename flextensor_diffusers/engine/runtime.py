@@ -178,11 +178,7 @@ class OffloadHandle:
             start = time.perf_counter()
             self.residency.compress(pin)
             self.setup_times.compress = 1e3 * (time.perf_counter() - start)
-            staging = (
-                max(self.residency.payloads[i].numel() for i in self.residency.payloads)
-                if self.residency.payloads
-                else 0
-            )
+            staging = self.residency.largest_payload
             check_budget(self.budget_bytes, self.resident_weight_bytes, self._unit_bytes, staging_bytes=staging)
         if shared is not None and shared.create:
             shared.publish(self.fingerprint["sha256"])
@@ -491,7 +487,7 @@ class OffloadHandle:
         profile = self.profiler.workload_profile(
             [u.name for u in self.units], list(self._unit_bytes), self.resident_weight_bytes, self._measure_bandwidth
         )
-        if self.residency.payloads:
+        if self.residency.encoded:
             profile.transfer_bytes = [self.residency.transfer_bytes(u.index) for u in self.units]
         self._saved = self.profiles.record(self._signature or "", profile)
         self._apply(profile)
