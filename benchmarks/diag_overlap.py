@@ -64,7 +64,7 @@ def main() -> None:
             plan = handle.set_budget(budget)
             model(*x)
             spent = {"issue": 0.0, "before": 0.0, "after": 0.0}
-            originals = {name: getattr(handle, f"_{name}") for name in ("issue",)}
+            originals = {"issue": handle.schedule.issue}
             originals["before"] = handle._before_unit
             originals["after"] = handle._after_unit
 
@@ -76,12 +76,12 @@ def main() -> None:
 
                 return inner
 
-            handle._issue = wrap("issue", originals["issue"])
+            handle.schedule.issue = wrap("issue", originals["issue"])
             handle._before_unit = wrap("before", originals["before"])
             handle._after_unit = wrap("after", originals["after"])
             ms, out = eb.time_forwards(model, x, 3, device)
-            for name in ("issue", "before", "after"):
-                setattr(handle, f"_{name}" if name == "issue" else f"_{name}_unit", originals[name])
+            handle.schedule.issue = originals["issue"]
+            handle._before_unit, handle._after_unit = originals["before"], originals["after"]
             result[f"streamed_{len(plan.streamed)}"] = {
                 "offload_ms": ms,
                 "predicted_ms": plan.predicted_ms,
