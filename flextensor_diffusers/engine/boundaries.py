@@ -55,8 +55,9 @@ def hidden(fn: Callable) -> Callable:
     return torch.compiler.disable(fn)
 
 
-def _refuse_cudagraphs(args: tuple, kwargs: dict, module: nn.Module) -> None:
-    mode = kwargs.get("mode", args[3] if len(args) > 3 else None)
+def _refuse_cudagraphs(kwargs: dict, module: nn.Module) -> None:
+    """Refuse ``torch.compile`` keyword arguments that capture CUDA graphs (its options are keyword-only)."""
+    mode = kwargs.get("mode")
     options = kwargs.get("options") or {}
     if mode in _CUDAGRAPH_MODES or options.get("triton.cudagraphs"):
         raise FlexTensorError(
@@ -75,8 +76,8 @@ WHOLE_MODEL_COMPILE = (
 
 
 def refuse_whole_model_compile(model: nn.Module) -> None:
-    """Raise when ``model`` is compiled whole (``torch.compile(model)``, ``model.compile()``), or
-    holds a compiled region that is not a unit but contains one."""
+    """Raise when ``model`` is compiled whole (``torch.compile(model)``, ``model.compile()``). A compiled
+    region that contains units without being one is not detected."""
     if type(model).__name__ == "OptimizedModule" or model.__dict__.get("_compiled_call_impl") is not None:
         cls = type(getattr(model, "_orig_mod", model)).__name__
         raise FlexTensorError(WHOLE_MODEL_COMPILE.format(cls=cls))
@@ -169,7 +170,7 @@ class Boundaries:
     def border_unit(self, module: nn.Module, crossing: Crossing) -> None:
         """Route a unit's calls, eager or compiled, through ``crossing``; its class stays."""
         if compiled_with_cudagraphs(module):
-            _refuse_cudagraphs((), {"mode": "reduce-overhead"}, module)
+            _refuse_cudagraphs({"mode": "reduce-overhead"}, module)
         original = types.MethodType(type(module)._call_impl, module)  # what native compile() compiles
         module.__dict__[ATTRIBUTE] = crossing
         module.__dict__["_call_impl"] = _crossing_call(module, original)
@@ -178,7 +179,7 @@ class Boundaries:
             module.__dict__["_compiled_call_impl"] = _crossing_call(module, compiled)
 
         def compile(*args: Any, **kwargs: Any) -> None:
-            _refuse_cudagraphs(args, kwargs, module)
+            _refuse_cudagraphs(kwargs, module)
             region = torch.compile(original, *args, **kwargs)
             module.__dict__["_compiled_call_impl"] = _crossing_call(module, region)
             if crossing.compiled is not None:
@@ -190,7 +191,7 @@ class Boundaries:
     def border(self, module: nn.Module, crossing: Crossing) -> None:
         """Route ``module``'s calls through ``crossing``."""
         if compiled_with_cudagraphs(module):
-            _refuse_cudagraphs((), {"mode": "reduce-overhead"}, module)
+            _refuse_cudagraphs({"mode": "reduce-overhead"}, module)
         original = type(module)
         module.__class__ = _bordered_class(original)
         module.__dict__[ATTRIBUTE] = crossing
