@@ -227,7 +227,8 @@ class Boundaries:
             module.__dict__.pop("_call_impl", None)
             module.__dict__.pop("compile", None)
             compiled = module.__dict__.get("_compiled_call_impl")
-            module.__dict__["_compiled_call_impl"] = getattr(compiled, "_flextensor_inner", compiled)
+            if compiled is not None:  # compiled before or after: the region itself again
+                module.__dict__["_compiled_call_impl"] = getattr(compiled, "_flextensor_inner", compiled)
         self._units = []
         for module, name in self._methods:
             if name in vars(module):
