@@ -111,7 +111,7 @@ class OffloadHandle:
         on_device = sum(tensor_nbytes(t) for t in tensors.values() if t.device == self.device)
         self.budget_bytes = resolve_budget(config.gpu_budget, self.device, already_on_device=on_device)
         self._unit_bytes = [u.nbytes for u in self.units]
-        check_budget(self.budget_bytes, self.resident_weight_bytes, self._unit_bytes)
+        self._check_budget(self.budget_bytes)
         # A compressed model loads other bytes (and needs staging room): its profiles are its own.
         marker = [f"compression={config.compression}"] if config.compression != "none" else []
         self.fingerprint = model_fingerprint(model, [u.name for u in self.units] + marker)
@@ -125,7 +125,7 @@ class OffloadHandle:
             config.reprofile_on_mismatch,
         )
         if self.profiles.given is not None:  # measured activations known now: check before packing anything
-            self._check_profile_budget(self.profiles.given.profile)
+            self._check_budget(self.budget_bytes, self.profiles.given.profile)
         self.setup_times = SetupTimes(layout=1e3 * (time.perf_counter() - started))
         #: Device memory the process held before this handle (other models, workspaces): not counted
         #: as this model's activations. What it allocates later, while this model runs, is.
@@ -178,8 +178,8 @@ class OffloadHandle:
             start = time.perf_counter()
             self.residency.compress(pin)
             self.setup_times.compress = 1e3 * (time.perf_counter() - start)
-            staging = self.residency.largest_payload
-            check_budget(self.budget_bytes, self.resident_weight_bytes, self._unit_bytes, staging_bytes=staging)
+            given = self.profiles.given.profile if self.profiles.given is not None else None
+            self._check_budget(self.budget_bytes, given)  # again, with the staging room compression needs
         if shared is not None and shared.create:
             shared.publish(self.fingerprint["sha256"])
         hooking = time.perf_counter()
@@ -230,16 +230,14 @@ class OffloadHandle:
         """The least budget for ``profile`` (default: the current one; none yet: the set-up minimum)."""
         profile = profile or self.profile
         activations = profile.activation_peak_bytes if profile is not None else 0
-        return smallest_budget(self.resident_weight_bytes, self._unit_bytes, activations, self.config.activation_margin)
+        margin, staging = self.config.activation_margin, self.residency.largest_payload
+        return smallest_budget(self.resident_weight_bytes, self._unit_bytes, activations, margin, staging)
 
-    def _check_profile_budget(self, profile: WorkloadProfile) -> None:
-        check_budget(
-            self.budget_bytes,
-            self.resident_weight_bytes,
-            self._unit_bytes,
-            profile.activation_peak_bytes,
-            self.config.activation_margin,
-        )
+    def _check_budget(self, budget: int, profile: WorkloadProfile | None = None) -> None:
+        """Raise `BudgetError` when ``budget`` is under `smallest_budget` for ``profile``."""
+        activations = profile.activation_peak_bytes if profile is not None else 0
+        margin, staging = self.config.activation_margin, self.residency.largest_payload
+        check_budget(budget, self.resident_weight_bytes, self._unit_bytes, activations, margin, staging)
 
     # ------------------------------------------------------------------------------------ device memory
 
@@ -544,7 +542,7 @@ class OffloadHandle:
         for unit in self.units:
             if layout is None:
                 placement = "on demand"
-            elif self.plan is None or self.phase is Phase.OVER_BUDGET:
+            elif self.phase not in (Phase.STEADY, Phase.DESYNCED):
                 placement = "resident (until planned)"
             elif unit.index in layout.resident:
                 placement = "resident"
@@ -586,16 +584,7 @@ class OffloadHandle:
         A budget under the minimum is refused and the handle keeps its plan.
         """
         new = parse_bytes(budget)
-        if self.profile is not None:
-            check_budget(
-                new,
-                self.resident_weight_bytes,
-                self._unit_bytes,
-                self.profile.activation_peak_bytes,
-                self.config.activation_margin,
-            )
-        else:
-            check_budget(new, self.resident_weight_bytes, self._unit_bytes)
+        self._check_budget(new, self.profile)
         self.budget_bytes = new
         if self.phase in (Phase.STEADY, Phase.OVER_BUDGET) and self.profile is not None:
             self._apply(self.profile)
