@@ -95,7 +95,7 @@ class HostTier:
         """Track a component just packed (in RAM), moving others to disk if it does not fit with them."""
         self.handles[name] = handle
         self.recency.append(name)
-        self._make_room(name, handle.residency.packed_bytes - handle.residency.host_ram_bytes)
+        self._make_room(name, 0)  # it is in RAM already: the others move out until all fit
         self._note_peak()
 
     def room_for_packing(self, nbytes: int) -> None:
