@@ -7,7 +7,12 @@ the lower bound max(compiled compute, streamed bytes / profiled bandwidth), the 
 prediction against the measurement, recompiles after warm-up, and bitwise equality with the
 natively compiled output.
 
+``--cudagraphs`` measures instead whether CUDA graphs would help natively: every block compiled with
+``mode="reduce-overhead"`` (CUDA graphs per block) against the default mode, on the same stack.
+Offloading refuses CUDA-graph modes; this measures what that refusal costs.
+
     python benchmarks/compile_bench.py --out benchmarks/results/compile_h200.json
+    python benchmarks/compile_bench.py --cudagraphs --workloads 17f_480x272 --out compile_cudagraphs.json
     python benchmarks/compile_bench.py --blocks 4 --dim 256 --heads 4 --ffn 512 --small  # any device
 """
 
@@ -41,15 +46,66 @@ def graphs() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
+def compiled_forward_ms(model: torch.nn.Module, x: tuple, reps: int, device: torch.device, mode: str) -> dict:
+    """Compile every block with ``mode`` (after forgetting earlier compilations) and time the stack."""
+    torch._dynamo.reset()
+    for block in model.blocks:
+        block.compile(fullgraph=True, mode=mode)
+    start = time.perf_counter()
+    for _ in range(3):  # compile, then CUDA-graph warm-up and recording for the modes that use them
+        model(*x)
+    sync(device)
+    first_s = time.perf_counter() - start
+    ms, out = time_forwards(model, x, reps, device)
+    return {"ms": ms, "out": out.clone().cpu(), "first_calls_s": first_s}
+
+
+def measure_cudagraphs(args: argparse.Namespace, device: torch.device, result: dict) -> None:
+    """Native only: regional compilation with and without CUDA graphs, per workload."""
+    model = build(args, device)
+    result["cudagraphs_native"] = []
+    with torch.inference_mode():
+        for workload in args.workloads:
+            x = inputs(args, workload, device)
+            model(*x)
+            eager_ms, _ = time_forwards(model, x, args.reps, device)
+            default = compiled_forward_ms(model, x, args.reps, device, "default")
+            graphs_ = compiled_forward_ms(model, x, args.reps, device, "reduce-overhead")
+            row = {
+                "workload": workload,
+                "native_eager_s": round(eager_ms / 1e3, 5),
+                "native_compiled_s": round(default["ms"] / 1e3, 5),
+                "native_cudagraphs_s": round(graphs_["ms"] / 1e3, 5),
+                "cudagraphs_speedup_over_compiled": round(default["ms"] / graphs_["ms"], 4),
+                "compile_first_calls_s": round(default["first_calls_s"], 2),
+                "cudagraphs_first_calls_s": round(graphs_["first_calls_s"], 2),
+                "cudagraphs_bitwise_equal_compiled": bool(torch.equal(default["out"], graphs_["out"])),
+            }
+            result["cudagraphs_native"].append(row)
+            print(
+                f"{workload}: eager {eager_ms:.2f} ms, regional {default['ms']:.2f} ms, regional+CUDA graphs "
+                f"{graphs_['ms']:.2f} ms (x{row['cudagraphs_speedup_over_compiled']:.4f})",
+                flush=True,
+            )
+            for block in model.blocks:  # back to eager for the next workload's eager timing
+                block._compiled_call_impl = None
+            del x
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_stack_arguments(parser)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--cudagraphs", action="store_true", help="measure native CUDA graphs only (see above)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     result = result_header(args, device)
+    if args.cudagraphs:
+        measure_cudagraphs(args, device, result)
+        write_result(args.out, result)
+        return
 
     model = build(args, device)
     natives = {}

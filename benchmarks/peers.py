@@ -4,8 +4,9 @@ Methods: native; accelerate's model-level hook (what diffusers' ``enable_model_c
 diffusers leaf-level offload (what ``enable_sequential_cpu_offload`` gives, via accelerate);
 diffusers group offloading (block level, one block per group, streams, with and without
 ``record_stream``, with ``low_cpu_mem_usage``); accelerate ``cpu_offload``; NVIDIA flextensor 0.5.0;
-this package at given budgets. For each: peak allocated GPU memory, median step time after
-warm-up, set-up time (pinning included), peak host RSS, bitwise equality with native.
+this package at given budgets, with raw and with losslessly compressed streaming. For each: peak
+allocated GPU memory, median step time after warm-up, set-up time (pinning included), peak host RSS,
+bitwise equality with native.
 
     python benchmarks/peers.py --out benchmarks/results/peers_h200.json --workload 81f_832x480_cfg
     python benchmarks/peers.py --blocks 2 --dim 256 --heads 4 --ffn 512 --small --methods native flextensor_diffusers
@@ -43,11 +44,13 @@ METHODS = (
     "accelerate_cpu_offload",
     "flextensor",
     "flextensor_diffusers",
+    "flextensor_diffusers_lossless",
 )
+OURS = ("flextensor_diffusers", "flextensor_diffusers_lossless")
 REFERENCE = "native_output.pt"
 # Forwards before timing: methods that profile get discovery + profiling + one steady forward.
 PROFILING_FORWARDS = 1
-WARMUP = {"flextensor": 2 + PROFILING_FORWARDS, "flextensor_diffusers": 2 + PROFILING_FORWARDS}
+WARMUP = {"flextensor": 2 + PROFILING_FORWARDS} | {method: 2 + PROFILING_FORWARDS for method in OURS}
 
 
 def set_up(method: str, model: torch.nn.Module, device: torch.device, budget: int | None) -> Any:
@@ -90,10 +93,14 @@ def set_up(method: str, model: torch.nn.Module, device: torch.device, budget: in
             profiling_iters=PROFILING_FORWARDS,
         )
         return flextensor.offload(model, config=config)
-    if method == "flextensor_diffusers":
+    if method in OURS:
         import flextensor_diffusers as ft
 
-        return ft.offload(model, ft.OffloadConfig(include_patterns=["blocks.*"], gpu_budget=budget, device=device))
+        compression = "lossless" if method == "flextensor_diffusers_lossless" else "none"
+        config = ft.OffloadConfig(
+            include_patterns=["blocks.*"], gpu_budget=budget, device=device, compression=compression
+        )
+        return ft.offload(model, config)
     raise SystemExit(f"unknown method {method!r}; one of {', '.join(METHODS)}")
 
 
@@ -137,14 +144,34 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "peak_host_rss_bytes": max(rss.peak, rss_run.peak),
         "bitwise_equal": equal,
         # where our set-up time goes (layout, pack, pin, hooks), to see what the set-up row is made of
-        "setup_ms": keep.stats().setup_ms if args.child == "flextensor_diffusers" else None,
+        "setup_ms": keep.stats().setup_ms if args.child in OURS else None,
+        **(transfer_figures(keep) if args.child in OURS else {}),
         "output_sha256": digest,  # shows whether rows of different runs saw the same native output
         "keep": type(keep).__name__,
     }
 
 
+def transfer_figures(handle: Any) -> dict[str, Any]:
+    """What our streamed run moved: weights, host bytes kept, bytes over the link per forward, and the
+    link's profiled bandwidth (for the raw-bytes lower bound)."""
+    stats = handle.stats()
+    report = {k: v for k, v in vars(stats).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    profile = handle.profile
+    return {
+        "stats": report,
+        "weights_bytes": sum(u.nbytes for u in handle.units) + handle.residency.base.nbytes,
+        "stored_host_bytes": handle.residency.host_ram_bytes,
+        "bandwidth_bytes_per_ms": profile.bandwidth_bytes_per_ms if profile is not None else None,
+        "streamed_units": len(handle.plan.streamed) if handle.plan is not None else None,
+        "streamed_raw_bytes": sum(handle.units[i].nbytes for i in handle.plan.streamed) if handle.plan else None,
+        "streamed_transfer_bytes": (
+            sum(handle.residency.transfer_bytes(i) for i in handle.plan.streamed) if handle.plan else None
+        ),
+    }
+
+
 def label(method: str, budget: int | None) -> str:
-    return f"{method}@{budget}" if method == "flextensor_diffusers" else method
+    return f"{method}@{budget}" if method in OURS else method
 
 
 def label_of(row: dict[str, Any]) -> str:
@@ -226,7 +253,7 @@ def main() -> None:
     Path(args.scratch).mkdir(parents=True, exist_ok=True)
     jobs: list[tuple[str, int | None]] = [("native", None)] if "native" in args.methods else []
     for method in args.methods:
-        if method == "flextensor_diffusers":
+        if method in OURS:
             jobs += [(method, parse_bytes(b)) for b in args.budgets]
         elif method == "flextensor":
             jobs.append((method, parse_bytes(args.flextensor_budget)))
