@@ -25,14 +25,21 @@ def test_compressed_loads_are_bitwise_equal_and_move_fewer_bytes(dtype: torch.dt
         ref = model(x)
     before = snapshot(model)
     unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
-    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=5 * unit, device="cpu", compression="lossless")
+    # Room for two slots with staging or for two raw slots and a resident unit. BF16 blocks compress
+    # to ~0.7: five compressed loads move fewer bytes than four raw ones, so the plan decodes. FP32
+    # blocks only to ~0.85, and the plan loads raw; the profiling forward decoded every block anyway.
+    budget = int(3.8 * unit)
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=budget, device="cpu", compression="lossless")
     with torch.inference_mode():
         outs = [model(x) for _ in range(5)]
     assert all(torch.equal(o, ref) for o in outs)
     assert handle.phase is Phase.STEADY and len(handle.plan.streamed) > 0
     stored = [handle.residency.transfer_bytes(u.index) for u in handle.units]
     assert all(s < u.nbytes for s, u in zip(stored, handle.units, strict=True))  # every block compressed
-    assert handle.profile.transfer_bytes == stored and handle.plan.staging_bytes > 0
+    assert handle.profile.transfer_bytes == stored
+    decoding = frozenset(handle.plan.streamed) if dtype == torch.bfloat16 else frozenset()
+    assert handle.plan.compressed == decoding == handle.residency.decoding
+    assert (handle.plan.staging_bytes > 0) == bool(decoding)
     stats = handle.stats()
     assert "compress" in stats.setup_ms and stats.transfer_unit_bytes == sum(stored) < stats.unit_bytes
     handle.remove()
@@ -78,14 +85,34 @@ def test_bad_compression_settings_are_refused() -> None:
 
 def test_the_planner_counts_transfer_bytes_and_staging() -> None:
     """A transfer-bound workload: moving 0.7x the bytes shortens the predicted step; staging is budgeted."""
-    calls = [Call(unit=u, compute_ms=1.0) for u in range(4)]
-    raw = WorkloadProfile(["a", "b", "c", "d"], [1000] * 4, calls, 0.0, 100.0, 0, 0)
-    packed = WorkloadProfile(["a", "b", "c", "d"], [1000] * 4, calls, 0.0, 100.0, 0, 0, transfer_bytes=[700] * 4)
+    calls = [Call(unit=u, compute_ms=1.0) for u in range(8)]
+    names = [str(u) for u in range(8)]
+    raw = WorkloadProfile(names, [1000] * 8, calls, 0.0, 100.0, 0, 0)
+    packed = WorkloadProfile(names, [1000] * 8, calls, 0.0, 100.0, 0, 0, transfer_bytes=[700] * 8)
     assert simulate(packed, frozenset(), 2) < 0.75 * simulate(raw, frozenset(), 2)
+    # Two slots with staging, or two raw slots and a resident unit: 8 x 700 bytes beat 7 x 1000.
     plan = plan_residency(packed, 2 * (1000 + 700), max_slots=2, margin=0.0)
     assert plan.staging_bytes == 700 and plan.memory_bytes == 2 * (1000 + 700)
-    with pytest.raises(ft.BudgetError):
-        plan_residency(packed, 2 * (1000 + 700) - 1, max_slots=2, margin=0.0)
+    assert plan.compressed == frozenset(range(8)) and not plan.resident
+    # Under that, payloads cannot be staged: the plan loads raw instead of refusing the budget.
+    smaller = plan_residency(packed, 2 * (1000 + 700) - 1, max_slots=2, margin=0.0)
+    assert smaller.staging_bytes == 0 and not smaller.compressed and smaller.predicted_ms > plan.predicted_ms
+    with pytest.raises(ft.BudgetError, match="gpu_budget >= 2000"):
+        plan_residency(packed, 1999, max_slots=2, margin=0.0)
+
+
+def test_the_planner_loads_raw_what_decodes_slower_than_it_copies() -> None:
+    """A unit whose measured decode takes longer than copying its raw bytes is loaded raw."""
+    calls = [Call(unit=u, compute_ms=1.0) for u in range(8)]
+    decode = [1.0] * 4 + [50.0] * 4  # raw copy: 10 ms; compressed copy 7 ms; decode 1 or 50 ms
+    profile = WorkloadProfile(
+        [str(u) for u in range(8)], [1000] * 8, calls, 0.0, 100.0, 0, 0, transfer_bytes=[700] * 8, decode_ms=decode
+    )
+    assert profile.paying_compressed() == frozenset(range(4))
+    plan = plan_residency(profile, 2 * (1000 + 700), max_slots=2, margin=0.0)
+    assert plan.compressed == frozenset(range(4))
+    # Copies of the next payloads overlap decodes: eight loads cost 4 x 7 + 4 x 10 ms of link, not more.
+    assert plan.predicted_ms == pytest.approx(4 * 7 + 4 * 10 + 1, abs=2)
 
 
 def test_the_recipe_streams_compressed(tmp_path) -> None:

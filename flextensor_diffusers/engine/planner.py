@@ -7,11 +7,15 @@ machine in milliseconds. The runtime executes exactly the schedule simulated her
   number of slots), so its parameters are permanent views of that slot;
 * a load into a slot is issued on the copy stream right after the compute of the slot's previous
   occupant has been enqueued, and waits for that compute to finish;
-* the schedule is cyclic: the last loads of one forward prefetch the first units of the next.
+* the schedule is cyclic: the last loads of one forward prefetch the first units of the next;
+* a compressed load (see `codec`) copies its payload into the slot's staging buffer as soon as the
+  staging buffer's previous payload is decoded, and is decoded on a stream of its own once the slot
+  is free: copies, decodes and compute overlap.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from .config import format_bytes
@@ -41,9 +45,37 @@ class WorkloadProfile:
     #: Bytes a load of each unit moves over the link when it differs from ``unit_bytes`` (a unit kept
     #: compressed in host memory and decoded on the device); None: every load moves the raw bytes.
     transfer_bytes: list[int] | None = None
+    #: Measured decode time of each compressed unit (0 for the others); None: not measured (decodes
+    #: are then taken as free, e.g. on the CPU).
+    decode_ms: list[float] | None = None
 
     def transfer(self, unit: int) -> int:
         return self.transfer_bytes[unit] if self.transfer_bytes is not None else self.unit_bytes[unit]
+
+    def decodes(self, unit: int) -> bool:
+        """A load of ``unit`` moves a compressed payload and decodes it."""
+        return self.transfer(unit) != self.unit_bytes[unit]
+
+    def decode(self, unit: int) -> float:
+        return self.decode_ms[unit] if self.decode_ms is not None and self.decodes(unit) else 0.0
+
+    @property
+    def compressed(self) -> frozenset[int]:
+        return frozenset(u for u in range(len(self.unit_bytes)) if self.decodes(u))
+
+    def loading_raw(self, units: frozenset[int] | set[int]) -> WorkloadProfile:
+        """This profile with ``units`` loaded as raw bytes (no payload, no decode, no staging room)."""
+        if self.transfer_bytes is None or not units:
+            return self
+        transfer = [self.unit_bytes[u] if u in units else t for u, t in enumerate(self.transfer_bytes)]
+        return dataclasses.replace(self, transfer_bytes=transfer)
+
+    def paying_compressed(self) -> frozenset[int]:
+        """Compressed units whose loads are faster that way: the payload's copy and the decode (which
+        overlap) both take less than copying the raw bytes."""
+        bw = self.bandwidth_bytes_per_ms
+        faster = [u for u in self.compressed if max(self.transfer(u) / bw, self.decode(u)) < self.unit_bytes[u] / bw]
+        return frozenset(faster)
 
     def staging_bytes(self, streamed: list[int]) -> int:
         """Device room one slot needs to receive a compressed load before decoding it into the slot."""
@@ -67,6 +99,8 @@ class Plan:
     memory_bytes: int  # predicted peak allocated: resident weights + residents + slots + activations
     budget_bytes: int
     staging_bytes: int = 0  # per slot: room for a compressed load before it is decoded into the slot
+    compressed: frozenset[int] = frozenset()  # streamed units whose loads move a payload and decode it
+    transfer_bytes: int = 0  # bytes over the link per forward
     loads: list[tuple[int, int] | None] = field(default_factory=list)  # after call p: (slot, unit) to load
     first_loads: list[tuple[int, int]] = field(default_factory=list)  # (slot, unit) to prime
 
@@ -84,6 +118,7 @@ class Plan:
             "lower_bound_ms": round(self.lower_bound_ms, 3),
             "memory_bytes": self.memory_bytes,
             "budget_bytes": self.budget_bytes,
+            "compressed_units": len(self.compressed),
         }
 
 
@@ -130,38 +165,68 @@ def schedule_loads(
 def simulate(profile: WorkloadProfile, resident: frozenset[int], num_slots: int, cycles: int = 2) -> float:
     """Predicted time of one forward in steady state: the last of ``cycles`` simulated forwards.
 
-    Two streams: compute runs calls in order, waiting for a streamed unit's load; copy runs loads in
-    issue order, each waiting for its slot's previous occupant to finish computing. A forward ends
-    when both streams are idle: callers often synchronise between forwards (a sampler step, a
-    timer), so the loads that prefetch the next forward must hide behind this forward's compute,
-    not behind the next one's. Back-to-back forwards can only be faster than predicted.
+    Three streams: compute runs calls in order, waiting for a streamed unit's load; copy runs loads
+    in issue order, a raw load waiting for its slot's previous occupant to finish computing, a
+    compressed one for its staging buffer's previous payload to be decoded; decode runs the decodes
+    in the same order, each waiting for its payload and its slot. A forward ends when all streams
+    are idle: callers often synchronise between forwards (a sampler step, a timer), so the loads
+    that prefetch the next forward must hide behind this forward's compute, not behind the next
+    one's. Back-to-back forwards can only be faster than predicted.
     """
     calls = profile.calls
     if len(resident) == len(profile.unit_bytes) or not calls:
         return profile.compute_ms
     slot_of = assign_slots(calls, resident, num_slots, len(profile.unit_bytes))
     loads, first = schedule_loads(calls, slot_of)
-    bw = profile.bandwidth_bytes_per_ms
-    copy_t = 0.0
-    ready: dict[int, float] = {}
-    for _slot, unit in first:
-        copy_t += profile.transfer(unit) / bw
-        ready[unit] = copy_t
+    streams = _LoadStreams(profile)
+    for slot, unit in first:
+        streams.load(slot, unit, slot_free_at=0.0)
     t = 0.0
     start = 0.0
     for _ in range(cycles):
-        t = copy_t = start = max(t, copy_t)
+        t = start = streams.start_cycle(t)
         for p, call in enumerate(calls):
             t += call.gap_before_ms
             if slot_of[call.unit] is not None:
-                t = max(t, ready[call.unit])
+                t = max(t, streams.ready[call.unit])
             t += call.compute_ms
             load = loads[p]
             if load is not None:
-                copy_t = max(copy_t, t) + profile.transfer(load[1]) / bw
-                ready[load[1]] = copy_t
+                streams.load(*load, slot_free_at=t)
         t += profile.tail_ms
-    return max(t, copy_t) - start
+    return max(t, streams.idle_at) - start
+
+
+class _LoadStreams:
+    """The copy and decode streams of `simulate`: when each load's weights are ready in its slot."""
+
+    def __init__(self, profile: WorkloadProfile) -> None:
+        self.profile = profile
+        self.copy_t = 0.0
+        self.decode_t = 0.0
+        self.staging_free: dict[int, float] = {}
+        self.ready: dict[int, float] = {}
+
+    def load(self, slot: int, unit: int, slot_free_at: float) -> None:
+        profile = self.profile
+        copy_ms = profile.transfer(unit) / profile.bandwidth_bytes_per_ms
+        if not profile.decodes(unit):
+            self.copy_t = max(self.copy_t, slot_free_at) + copy_ms
+            self.ready[unit] = self.copy_t
+            return
+        self.copy_t = max(self.copy_t, self.staging_free.get(slot, 0.0)) + copy_ms
+        self.decode_t = max(self.decode_t, self.copy_t, slot_free_at) + profile.decode(unit)
+        self.staging_free[slot] = self.ready[unit] = self.decode_t
+
+    @property
+    def idle_at(self) -> float:
+        return max(self.copy_t, self.decode_t)
+
+    def start_cycle(self, t: float) -> float:
+        """A forward starts once the previous one has finished on every stream."""
+        start = max(t, self.idle_at)
+        self.copy_t = self.decode_t = start
+        return start
 
 
 def streamed_bytes_per_forward(profile: WorkloadProfile, resident: frozenset[int], num_slots: int) -> int:
@@ -245,7 +310,29 @@ def everything_resident(unit_bytes: list[int], resident_bytes: int, budget: int)
 def plan_residency(profile: WorkloadProfile, budget: int, max_slots: int = 6, margin: float = 0.05) -> Plan:
     """The plan with the least predicted step time whose memory fits ``budget``.
 
-    Everything resident when it fits. Otherwise, for each slot count, units are made resident one
+    A model kept compressed is planned twice: loading compressed the units whose loads are faster
+    that way (`WorkloadProfile.paying_compressed`), and loading every unit raw, which needs no
+    staging room and so fits smaller budgets or keeps more units resident. The faster plan wins; when
+    both hide their loads equally, the one that moves fewer bytes over the link (and leaves it to
+    other transfers).
+    """
+    if not profile.compressed:
+        return _plan_one(profile, budget, max_slots, margin)
+    candidates = {profile.compressed - profile.paying_compressed(), profile.compressed}
+    plans: list[Plan] = []
+    refusals: list[BudgetError] = []
+    for raw in candidates:
+        try:
+            plans.append(_plan_one(profile.loading_raw(raw), budget, max_slots, margin))
+        except BudgetError as exc:
+            refusals.append(exc)
+    if not plans:
+        raise min(refusals, key=lambda exc: exc.required_bytes)
+    return min(plans, key=lambda plan: (round(plan.predicted_ms, 6), plan.transfer_bytes, plan.memory_bytes))
+
+
+def _plan_one(profile: WorkloadProfile, budget: int, max_slots: int, margin: float) -> Plan:
+    """Everything resident when it fits. Otherwise, for each slot count, units are made resident one
     at a time, each time the one whose residency shortens the simulated step most (ties: the
     largest, which saves the most transfer), while the budget allows. Units whose loads are hardest
     to hide behind neighbouring compute therefore become resident first.
@@ -307,6 +394,8 @@ def _make_plan(profile: WorkloadProfile, resident: frozenset[int], slots: int, b
         num_slots=slots,
         slot_bytes=max(profile.unit_bytes[u] for u in streamed),
         staging_bytes=profile.staging_bytes(streamed),
+        compressed=frozenset(u for u in streamed if profile.decodes(u)),
+        transfer_bytes=streamed_bytes_per_forward(profile, resident, slots),
         slot_of=slot_of,
         predicted_ms=simulate(profile, resident, slots),
         lower_bound_ms=lower_bound(profile, resident, slots),

@@ -1,13 +1,15 @@
 """Discovery and profiling: typed records of what a forward did, turned into a `WorkloadProfile`.
 
 A profiling forward loads every streamed unit on demand into the one profiling slot and times, on
-the compute stream, each load, each unit's compute and the gaps between units; the allocator's
-peak gives the activation memory. Several profiling forwards of the same order are averaged.
+the compute stream, each load (for a compressed unit: its copy and its decode apart), each unit's
+compute and the gaps between units; the allocator's peak gives the activation memory. Several
+profiling forwards of the same order are averaged.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +49,7 @@ class OpenCall:
 
     unit: int
     start: Any
+    staged: Any  # between a compressed load's copy and its decode; None for a raw load or none
     loaded: Any
     load_bytes: int
 
@@ -57,9 +60,13 @@ class CallMark:
 
     unit: int
     start: Any
+    staged: Any  # None unless the load was a compressed copy followed by a decode
     loaded: Any
     finished: Any
     load_bytes: int  # 0 when the slot already held the unit
+
+    def marks(self) -> list[Any]:
+        return [m for m in (self.start, self.staged, self.loaded, self.finished) if m is not None]
 
 
 @dataclass(frozen=True)
@@ -68,9 +75,10 @@ class ProfiledRun:
 
     calls: tuple[Call, ...]
     tail_ms: float
-    load_ms: float
+    load_ms: float  # copies only: decodes are not link time
     load_bytes: int
     activation_peak_bytes: int
+    decode_ms: dict[int, float]  # per compressed unit loaded in this forward
 
     @property
     def order(self) -> tuple[int, ...]:
@@ -105,20 +113,23 @@ class Profiler:
 
     def abandon(self) -> None:
         """The forward did not finish: forget its marks."""
-        self.clock.release(*(m for c in self._marks for m in (c.start, c.loaded, c.finished)))
+        self.clock.release(*(m for c in self._marks for m in c.marks()))
         self.observed, self._marks, self._open = [], [], None
 
-    def before_unit(self, unit: int, load: Any, nbytes: int) -> None:
-        """Time ``load()`` (returns whether it copied) as the load of ``unit``."""
+    def before_unit(self, unit: int, load: Callable[[Callable[[], None]], bool], nbytes: int) -> None:
+        """Time ``load(on_staged)`` (returns whether it copied; calls ``on_staged`` between a compressed
+        copy and its decode) as the load of ``unit``, ``nbytes`` over the link."""
         start = self.clock.mark()
-        loaded = load()
-        self._open = OpenCall(unit, start, self.clock.mark(), nbytes if loaded else 0)
+        staged: list[Any] = []
+        loaded = load(lambda: staged.append(self.clock.mark()))
+        self._open = OpenCall(unit, start, staged[0] if staged else None, self.clock.mark(), nbytes if loaded else 0)
         self.observed.append(unit)
 
     def after_unit(self) -> None:
         if self._open is not None:
             call = self._open
-            self._marks.append(CallMark(call.unit, call.start, call.loaded, self.clock.mark(), call.load_bytes))
+            finished = self.clock.mark()
+            self._marks.append(CallMark(call.unit, call.start, call.staged, call.loaded, finished, call.load_bytes))
             self._open = None
 
     def end_forward(self) -> ProfiledRun:
@@ -128,20 +139,32 @@ class Profiler:
             peak = torch.cuda.max_memory_allocated(self.device) - self._alloc_at_start
         else:
             peak = 0  # the CPU allocator keeps no peak; planning on the CPU ignores activations
-        calls, load_ms, load_bytes = [], 0.0, 0
+        calls, load_ms, load_bytes, decode_ms = [], 0.0, 0, {}
         previous = self._forward_start
         for mark in self._marks:
             compute = self.clock.ms(mark.loaded, mark.finished)
             calls.append(Call(unit=mark.unit, compute_ms=compute, gap_before_ms=self.clock.ms(previous, mark.start)))
             if mark.load_bytes:
-                load_ms += self.clock.ms(mark.start, mark.loaded)
+                load_ms += self.clock.ms(mark.start, mark.staged or mark.loaded)
                 load_bytes += mark.load_bytes
+            if mark.staged is not None:
+                decode_ms[mark.unit] = self.clock.ms(mark.staged, mark.loaded)
             previous = mark.finished
-        run = ProfiledRun(tuple(calls), self.clock.ms(previous, end), load_ms, load_bytes, peak)
+        run = ProfiledRun(tuple(calls), self.clock.ms(previous, end), load_ms, load_bytes, peak, decode_ms)
         self.abandon()
         self.clock.release(self._forward_start, end)
         self.runs.append(run)
         return run
+
+    def _decode_per_unit(self, decoded: dict[int, list[float]], unit_bytes: list[int]) -> list[float] | None:
+        """Mean measured decode time per unit; a unit not decoded while profiled is estimated from the
+        others' time per byte. None on the CPU, where loads are synchronous copies and decoding runs
+        torch ops: nothing there stands for what a GPU would do, so plans take decodes as free."""
+        if not decoded or not self.cuda:
+            return None
+        mean = {u: sum(ms) / len(ms) for u, ms in decoded.items()}
+        per_byte = sum(mean.values()) / sum(unit_bytes[u] for u in mean)
+        return [mean.get(u, per_byte * unit_bytes[u]) for u in range(len(unit_bytes))]
 
     def workload_profile(
         self, unit_names: list[str], unit_bytes: list[int], resident_bytes: int, measure_bandwidth: Any
@@ -158,6 +181,10 @@ class Profiler:
         ]
         loaded = [r for r in same if r.load_ms > 0]
         bandwidth = sum(r.load_bytes / r.load_ms for r in loaded) / len(loaded) if loaded else measure_bandwidth()
+        decoded: dict[int, list[float]] = {}
+        for r in same:
+            for unit, ms in r.decode_ms.items():
+                decoded.setdefault(unit, []).append(ms)
         self.runs = []
         return WorkloadProfile(
             unit_names=unit_names,
@@ -167,4 +194,5 @@ class Profiler:
             bandwidth_bytes_per_ms=bandwidth,
             activation_peak_bytes=max(r.activation_peak_bytes for r in same),
             resident_bytes=resident_bytes,
+            decode_ms=self._decode_per_unit(decoded, unit_bytes),
         )

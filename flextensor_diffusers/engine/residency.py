@@ -129,9 +129,11 @@ class Residency:
         self.dst: list[torch.Tensor | None] = [None] * len(self.units)
         self.loads = [0] * len(self.units)
         self.bytes_streamed = 0
-        #: Units kept compressed as well (`compress`; payloads pinned for CUDA): their loads move the
-        #: payload and decode it.
+        #: Units kept compressed as well (`compress`; payloads pinned for CUDA).
         self.encoded: dict[int, EncodedUnit] = {}
+        #: The encoded units whose loads move the payload and decode it: all of them before a plan
+        #: exists (profiling measures their decodes), then the plan's choice (`Plan.compressed`).
+        self.decoding: frozenset[int] = frozenset()
         #: The cache file the host copies live in while spilled (None: in RAM).
         self.spilled_to: Path | None = None
         #: The file still holds the RAM copies' bytes (no edit since `fill`): spilling needs no write.
@@ -225,7 +227,7 @@ class Residency:
     @property
     def device_bytes(self) -> int:
         """Device memory this residency holds now (base, resident copies, slots)."""
-        copies = [self.copies.base, *self.copies.resident.values(), *self.copies.slots]
+        copies = [self.copies.base, *self.copies.resident.values(), *self.copies.slots, *self.copies.staging]
         return sum(c.numel() for c in copies if c is not None)
 
     # ------------------------------------------------------------------------------------ layout
@@ -249,7 +251,8 @@ class Residency:
                 slot = torch.empty(max((u.nbytes for u in packed), default=0), dtype=torch.uint8, device=self.device)
                 self.copies.slots = [slot]
                 self.slot_of = [0 if u.host is not None else None for u in self.units]
-                self._allocate_staging(1, [u.index for u in packed])
+                self.decoding = frozenset(self.encoded)
+                self._allocate_staging(1)
                 for unit in packed:
                     unit.bind(slot)
                     self.dst[unit.index] = slot[: unit.nbytes]
@@ -263,7 +266,8 @@ class Residency:
                 self.copies.slots = [
                     torch.empty(plan.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(plan.num_slots)
                 ]
-                self._allocate_staging(plan.num_slots, plan.streamed)
+                self.decoding = plan.compressed & frozenset(self.encoded)
+                self._allocate_staging(plan.num_slots)
                 for index, slot in enumerate(plan.slot_of):
                     if slot is not None:
                         self.units[index].bind(self.copies.slots[slot])
@@ -271,42 +275,50 @@ class Residency:
                 self.slot_of = list(plan.slot_of)
         self.slot_owner = [None] * len(self.copies.slots)
 
-    @property
-    def largest_payload(self) -> int:
-        """Bytes of the largest compressed copy: the staging room a slot may need."""
-        return max((e.payload.numel() for e in self.encoded.values()), default=0)
-
-    def _allocate_staging(self, num_slots: int, streamed: list[int]) -> None:
-        size = max((self.encoded[i].payload.numel() for i in streamed if i in self.encoded), default=0)
+    def _allocate_staging(self, num_slots: int) -> None:
+        """Per slot, room for the largest payload a load decodes (none without such loads)."""
+        size = max((self.encoded[i].payload.numel() for i in self.decoding), default=0)
         if size:
             self.copies.staging = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(num_slots)]
 
     # ------------------------------------------------------------------------------------ loading
 
-    def load_now(self, index: int) -> bool:
-        """On-demand load on the compute stream (ordered after whatever last read the slot)."""
+    def load_now(self, index: int, on_staged: Callable[[], None] | None = None) -> bool:
+        """On-demand load on the compute stream (ordered after whatever last read the slot).
+        ``on_staged`` runs between a compressed load's copy and its decode (the profiler's mark)."""
         slot = self.slot_of[index]
         if slot is None or self.slot_owner[slot] == index:
             return False
-        self.copy_in(index, slot)
+        if self.stage(index, slot):
+            if on_staged is not None:
+                on_staged()
+            self.decode_staged(index, slot)
         self.note_load(slot, index)
         return True
 
     def copy_in(self, index: int, slot: int) -> None:
-        """Enqueue ``index``'s load into ``slot`` on the current stream: one copy of its raw bytes, or of
-        its compressed payload into the slot's staging buffer and a decode into the slot."""
-        dst = self.dst[index]
-        assert dst is not None
-        encoded = self.encoded.get(index)
-        if encoded is None:
-            dst.copy_(self.units[index].host, non_blocking=True)  # type: ignore[arg-type]
-            return
-        staging = self.copies.staging[slot][: encoded.payload.numel()]
-        staging.copy_(encoded.payload, non_blocking=True)
-        decode_into(encoded, staging, dst)
+        """Enqueue ``index``'s whole load into ``slot`` on the current stream (`stage`, then `decode_staged`)."""
+        if self.stage(index, slot):
+            self.decode_staged(index, slot)
+
+    def stage(self, index: int, slot: int) -> bool:
+        """Enqueue the copy part of a load on the current stream: the raw bytes into the slot, or the
+        compressed payload into the slot's staging buffer. True when a decode must follow."""
+        if index not in self.decoding:
+            self.dst[index].copy_(self.units[index].host, non_blocking=True)  # type: ignore[union-attr,arg-type]
+            return False
+        encoded = self.encoded[index]
+        self.copies.staging[slot][: encoded.payload.numel()].copy_(encoded.payload, non_blocking=True)
+        return True
+
+    def decode_staged(self, index: int, slot: int) -> None:
+        """Enqueue the decode of ``index``'s staged payload into its slot on the current stream."""
+        encoded = self.encoded[index]
+        decode_into(encoded, self.copies.staging[slot][: encoded.payload.numel()], self.dst[index])  # type: ignore[arg-type]
 
     def transfer_bytes(self, index: int) -> int:
-        """What a load of ``index`` moves over the link."""
+        """What a load of ``index`` moves over the link when it loads compressed (its raw bytes when it is
+        not kept compressed); the plan decides which loads do (`decoding`)."""
         encoded = self.encoded.get(index)
         return encoded.payload.numel() if encoded is not None else self.units[index].nbytes
 
@@ -386,9 +398,12 @@ class Residency:
 
     @property
     def host_ram_bytes(self) -> int:
-        """Host RAM the host copies take now (all of them, or none while spilled), and compressed copies."""
+        """Host RAM the host copies take now (all of them; while spilled, none, or what stand-ins keep in
+        RAM), and compressed copies."""
         payloads = sum(e.payload.numel() for e in self.encoded.values())
-        return payloads + (0 if self.spilled_to is not None else self.packed_bytes)
+        if self.spilled_to is None:
+            return payloads + self.packed_bytes
+        return payloads + (self._held_bytes or 0)
 
     def _file_offsets(self) -> list[int]:
         offsets, offset = [], 0
@@ -397,11 +412,17 @@ class Residency:
             offset = align(offset + unit.nbytes, ALIGNMENT)
         return [*offsets, offset]
 
-    def spill(self, path: Path) -> None:
-        """Move the host copies to ``path`` and free their RAM (the model must be inactive).
+    def spill(self, path: Path, hosts: list[object] | None = None, held_bytes: int = 0) -> None:
+        """Move the host copies out of RAM (the model must be inactive): into the cache file ``path``, or,
+        given ``hosts``, onto bytes that are already elsewhere, writing nothing (``path`` then names that place).
 
-        All or nothing: the file is written completely before any tensor points at it, so a full or
-        unwritable disk raises with the copies still in RAM. Writing is skipped when the file
+        ``hosts``: per unit (the base first), a stand-in for its flat host buffer that gives a tensor's
+        bytes when sliced at the tensor's range, as `PackedTensor.view_of` slices (e.g. private mappings
+        of the weight files the model was loaded from); ``held_bytes`` of them stay in RAM. The caller
+        vouches that they hold the current bytes (`mark_spill_current`, and `spill_is_current` since).
+
+        A cache file is all or nothing: it is written completely before any tensor points at it, so a
+        full or unwritable disk raises with the copies still in RAM. Writing is skipped when the file
         already holds these bytes (spilled before, no edit since).
         """
         if self.spilled_to is not None:
@@ -409,50 +430,140 @@ class Residency:
         if self.active:
             raise OffloadStateError("spill() needs an inactive model: release() it first")
         units = [self.base, *self.units]
-        offsets = self._file_offsets()
-        if not (self._file_current and path.exists()):
-            tmp = path.with_suffix(path.suffix + ".tmp")
-            try:
-                with open(tmp, "wb") as file:
-                    for unit, offset in zip(units, offsets, strict=False):
-                        file.seek(offset)
-                        file.write(memoryview(unit.host.numpy()))  # type: ignore[union-attr]
-                    file.truncate(offsets[-1])
-                tmp.replace(path)
-            except OSError as exc:
-                tmp.unlink(missing_ok=True)
-                raise FlexTensorError(
-                    f"could not write the weight cache {path} ({exc}): free space there or choose another cache_dir"
-                ) from exc
+        held = None if hosts is None else held_bytes
+        if hosts is None:
+            offsets = self._file_offsets()
+            if not (self._file_current and path.exists()):
+                tmp = path.with_suffix(path.suffix + ".tmp")
+                try:
+                    with open(tmp, "wb") as file:
+                        for unit, offset in zip(units, offsets, strict=False):
+                            file.seek(offset)
+                            file.write(memoryview(unit.host.numpy()))  # type: ignore[union-attr]
+                        file.truncate(offsets[-1])
+                    tmp.replace(path)
+                except OSError as exc:
+                    tmp.unlink(missing_ok=True)
+                    raise FlexTensorError(
+                        f"could not write the weight cache {path} ({exc}): free space there or choose another cache_dir"
+                    ) from exc
+            mapped = torch.from_file(str(path), shared=True, size=max(offsets[-1], 1), dtype=torch.uint8)
+            hosts = [mapped[offset : offset + unit.nbytes] for unit, offset in zip(units, offsets, strict=False)]
         if self.cuda:  # copies issued before release may still be reading the buffers about to be freed
             torch.cuda.synchronize(self.device)
-        mapped = torch.from_file(str(path), shared=True, size=max(offsets[-1], 1), dtype=torch.uint8)
         with torch.no_grad(), torch.inference_mode(False):
-            for unit, offset in zip(units, offsets, strict=False):
-                view = mapped[offset : offset + unit.nbytes]
-                unit.bind(view)
+            for unit, host in zip(units, hosts, strict=True):
+                unit.bind(host)  # type: ignore[arg-type]
                 unpin_unit(unit)
-                unit.host = view
+                unit.host = host  # type: ignore[assignment]
         self.spilled_to = path
+        self._held_bytes = held
         self._file_current = True
 
-    def fill(self, pin: bool) -> None:
-        """Read spilled host copies back into RAM (pinned when ``pin``); the file is kept for the next spill."""
+    def fill(self, pin: bool, read: Callable[[int, torch.Tensor], None] | None = None) -> None:
+        """Read spilled host copies back into RAM (pinned when ``pin``); a cache file is kept for the next spill.
+
+        ``read(position, buffer)`` fills one unit's new buffer (position 0: the base) straight from where
+        the stand-ins' bytes live (large file reads instead of page faults through a mapping); the caller
+        passes it only while `spill_is_current`, since an edit made while spilled lives in the stand-ins.
+        """
         if self.spilled_to is None:
             return
+        units = self.read_back(pin, read)
+        assert units is not None
+        self.take_back(units, pin)
 
-        def read_one(unit: Unit) -> None:
+    #: While spilled onto stand-ins (`spill` with ``hosts``): the bytes they keep in RAM. None: in RAM, or
+    #: spilled into a cache file.
+    _held_bytes: int | None = None
+
+    def read_back(
+        self,
+        pin: bool,
+        read: Callable[[int, torch.Tensor], None] | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> list[Unit] | None:
+        """The spilled host copies in new RAM buffers, as copies of the units (`dataclasses.replace`) for
+        `take_back`; pinned in place when ``pin`` and CUDA allows. Nothing of the model changes, so this
+        may run on another thread while the model waits on disk (`fill`'s ``read`` as there); when
+        ``stop()`` turns true the read is given up: None, buffers freed. One unit per thread; every started
+        unit finishes before a failure is raised."""
+        from .units import _pin_in_place
+
+        units = [self.base, *self.units]
+        hosts = [u.host for u in units]
+        scattered = self._held_bytes is not None
+
+        def read_one(position: int) -> Unit | None:
+            if stop is not None and stop():
+                return None
+            unit, host = units[position], hosts[position]
             buffer = torch.empty(unit.nbytes, dtype=torch.uint8)
-            buffer.copy_(unit.host)  # type: ignore[arg-type]
-            with torch.no_grad():
-                unit.bind(buffer)
-            unit.host = buffer
-            if pin:
-                pin_unit(unit)
+            if read is not None:
+                read(position, buffer)
+            elif scattered:  # a stand-in is sliced per tensor only
+                for packed in unit.tensors:
+                    end = packed.offset + packed.nbytes
+                    buffer[packed.offset : end].copy_(host[packed.offset : end])  # type: ignore[index]
+            else:
+                buffer.copy_(host)  # type: ignore[arg-type]
+            copy = dataclasses.replace(unit, host=buffer, pinned_in_place=False)
+            copy.pinned_in_place = pin and _pin_in_place(buffer)
+            return copy
 
-        _on_threads(read_one, [self.base, *self.units], "reading weights from disk")
-        _drop_cached_pages(self.spilled_to)
-        self.spilled_to = None
+        quiet = True if stop is not None else None  # a background read shows no progress bar
+        with (
+            ThreadPoolExecutor(PACK_THREADS) as pool,
+            tqdm(total=len(units), desc="reading weights from disk", disable=quiet, leave=False) as bar,
+        ):
+            futures = [pool.submit(read_one, position) for position in range(len(units))]
+            for _done in as_completed(futures):
+                bar.update()
+        done: list[Unit] = []
+        error: BaseException | None = None
+        for future in futures:
+            try:
+                result = future.result()
+            except BaseException as exc:
+                error = error or exc
+                continue
+            if result is not None:
+                done.append(result)
+        if error is not None or len(done) < len(units):
+            self.drop_read(done)
+            if error is not None:
+                raise error
+            return None
+        return done
+
+    def take_back(self, read: list[Unit], pin: bool) -> None:
+        """Point every tensor at the buffers `read_back` filled (pinned now where that could not be done
+        in place) and let the spilled bytes go; a cache file stays for the next spill, its pages dropped
+        from the page cache."""
+        with torch.no_grad(), torch.inference_mode(False):
+            for unit, new in zip([self.base, *self.units], read, strict=True):
+                unit.bind(new.host)  # type: ignore[arg-type]
+                unit.host, unit.pinned_in_place = new.host, new.pinned_in_place
+                if pin and not unit.pinned_in_place:
+                    pin_unit(unit)
+        if self._held_bytes is None and self.spilled_to is not None:
+            _drop_cached_pages(self.spilled_to)
+        self.spilled_to, self._held_bytes = None, None
+
+    def drop_read(self, read: list[Unit]) -> None:
+        """Free what `read_back` read without adopting it (a read given up, or made stale by an edit)."""
+        for unit in read:
+            unpin_unit(unit)
+
+    def mark_spill_current(self) -> None:
+        """Say that where the host copies spill to holds their bytes now (the caller checked: e.g. the
+        weight files they were loaded from). `editing` clears it: `spill_is_current` turns false."""
+        self._file_current = True
+
+    @property
+    def spill_is_current(self) -> bool:
+        """No edit since the last spill or `mark_spill_current`: where the copies spill to still holds their bytes."""
+        return self._file_current
 
     # ------------------------------------------------------------------------------------ teardown
 

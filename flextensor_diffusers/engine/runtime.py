@@ -178,8 +178,6 @@ class OffloadHandle:
             start = time.perf_counter()
             self.residency.compress(pin)
             self.setup_times.compress = 1e3 * (time.perf_counter() - start)
-            given = self.profiles.given.profile if self.profiles.given is not None else None
-            self._check_budget(self.budget_bytes, given)  # again, with the staging room compression needs
         if shared is not None and shared.create:
             shared.publish(self.fingerprint["sha256"])
         hooking = time.perf_counter()
@@ -227,17 +225,18 @@ class OffloadHandle:
     # ------------------------------------------------------------------------------------ budgets
 
     def smallest_budget(self, profile: WorkloadProfile | None = None) -> int:
-        """The least budget for ``profile`` (default: the current one; none yet: the set-up minimum)."""
+        """The least budget for ``profile`` (default: the current one; none yet: the set-up minimum).
+
+        Raw loads need no staging room, and the planner falls back to them for a compressed model
+        when the budget is too small to stage payloads, so compression never raises the minimum."""
         profile = profile or self.profile
         activations = profile.activation_peak_bytes if profile is not None else 0
-        margin, staging = self.config.activation_margin, self.residency.largest_payload
-        return smallest_budget(self.resident_weight_bytes, self._unit_bytes, activations, margin, staging)
+        return smallest_budget(self.resident_weight_bytes, self._unit_bytes, activations, self.config.activation_margin)
 
     def _check_budget(self, budget: int, profile: WorkloadProfile | None = None) -> None:
         """Raise `BudgetError` when ``budget`` is under `smallest_budget` for ``profile``."""
         activations = profile.activation_peak_bytes if profile is not None else 0
-        margin, staging = self.config.activation_margin, self.residency.largest_payload
-        check_budget(budget, self.resident_weight_bytes, self._unit_bytes, activations, margin, staging)
+        check_budget(budget, self.resident_weight_bytes, self._unit_bytes, activations, self.config.activation_margin)
 
     # ------------------------------------------------------------------------------------ device memory
 
@@ -440,7 +439,7 @@ class OffloadHandle:
             self._desync(index, pos)
         if self.phase is Phase.PROFILING and in_workload:
             self.profiler.before_unit(
-                index, lambda: self.residency.load_now(index), self.residency.transfer_bytes(index)
+                index, lambda on_staged: self.residency.load_now(index, on_staged), self.residency.transfer_bytes(index)
             )
             return
         self.residency.load_now(index)
@@ -568,6 +567,7 @@ class OffloadHandle:
             bytes_streamed=self.residency.bytes_streamed,
             loads=sum(self.residency.loads),
             copy_ms=self.totals.copy_ms,
+            decode_ms=self.totals.decode_ms,
             stall_ms=self.totals.stall_ms,
             measured_forwards=self._measured_forwards,
             peak_allocated_bytes=torch.cuda.max_memory_allocated(self.device) if self.cuda else None,

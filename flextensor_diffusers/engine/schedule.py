@@ -5,6 +5,12 @@ the unit is enqueued, the slot's *free* event is recorded and the slot's next oc
 the copy stream, which first waits for *free*. A slot is therefore overwritten only after every
 kernel that reads it has run. Loads wrap around, so the end of one forward prefetches the start of
 the next. Nothing here synchronises or allocates.
+
+A compressed load has two parts on two streams. The copy stream moves the payload into the slot's
+staging buffer once the buffer's previous payload is decoded (*staged-free*), without waiting for
+the slot, and records *arrived*; the decode stream waits for *arrived* and *free*, decodes into the
+slot, and records *ready* and *staged-free*. Copies thus run ahead of compute by one payload per
+slot, and decodes overlap the next copies.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from .residency import Residency
 class PendingTiming:
     """A pair of clock marks whose interval is folded into the totals once both have completed."""
 
-    kind: Literal["copy", "stall"]
+    kind: Literal["copy", "decode", "stall"]
     unit: int
     start: Any
     end: Any
@@ -35,6 +41,7 @@ class TransferTotals:
     """Copy and stall time since set-up (ms)."""
 
     copy_ms: float = 0.0
+    decode_ms: float = 0.0
     stall_ms: float = 0.0
     unit_stall_ms: list[float] = field(default_factory=list)
 
@@ -55,11 +62,14 @@ class SteadySchedule:
         self.measure_stalls = measure_stalls
         self.totals = totals
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.decode_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.plan: Plan | None = None
         self.order: list[int] = []
         self.primed = False
         self._ready: list[torch.cuda.Event] = []
         self._free: list[torch.cuda.Event] = []
+        self._arrived: list[torch.cuda.Event] = []
+        self._staging_free: list[torch.cuda.Event] = []
         self._pending: list[PendingTiming] = []
 
     def follow(self, plan: Plan, order: list[int]) -> None:
@@ -67,9 +77,13 @@ class SteadySchedule:
         self.plan, self.order, self.primed = plan, order, False
         if self.cuda:
             # New slots may reuse memory that kernels still queued on the compute stream read.
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            compute = torch.cuda.current_stream(self.device)
+            self.copy_stream.wait_stream(compute)
+            self.decode_stream.wait_stream(compute)
             self._ready = [torch.cuda.Event(enable_timing=self.measure_stalls) for _ in self.residency.units]
             self._free = [torch.cuda.Event() for _ in range(plan.num_slots)]
+            self._arrived = [torch.cuda.Event() for _ in range(plan.num_slots)]
+            self._staging_free = [torch.cuda.Event() for _ in range(plan.num_slots)]
 
     def prime(self) -> None:
         """Issue the first load of every slot (those not already holding their first unit)."""
@@ -80,9 +94,11 @@ class SteadySchedule:
         self.primed = True
 
     def leave(self) -> None:
-        """Stop following the plan: make the compute stream wait for every issued copy."""
+        """Stop following the plan: make the compute stream wait for every issued copy and decode."""
         if self.cuda and self.copy_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(self.copy_stream)
+            compute.wait_stream(self.decode_stream)
         self.primed = False
 
     def on_plan(self, index: int, pos: int) -> bool:
@@ -112,25 +128,44 @@ class SteadySchedule:
             self.issue(*load)
 
     def issue(self, slot: int, index: int) -> None:
-        """Load ``index`` into ``slot`` on the copy stream once the slot's last reader has finished."""
+        """Load ``index`` into ``slot`` on the copy stream once the slot's last reader has finished
+        (a compressed load: see the module docstring)."""
         residency = self.residency
-        if self.cuda:
+        if self.cuda and index in residency.decoding:
+            self._issue_compressed(slot, index)
+        elif self.cuda:
             stream = self.copy_stream
             with torch.cuda.stream(stream):
                 stream.wait_event(self._free[slot])
-                if self.measure_stalls:
-                    start = self.clock.mark(stream)
-                    residency.copy_in(index, slot)
-                    self._ready[index].record(stream)
+                start = self.clock.mark(stream) if self.measure_stalls else None
+                residency.stage(index, slot)
+                self._ready[index].record(stream)
+                if start is not None:
                     self._pending.append(PendingTiming("copy", index, start, self.clock.mark(stream)))
-                else:
-                    residency.copy_in(index, slot)
-                    self._ready[index].record(stream)
         else:
             start = time.perf_counter()
             residency.copy_in(index, slot)
             self.totals.copy_ms += (time.perf_counter() - start) * 1e3
         residency.note_load(slot, index)
+
+    def _issue_compressed(self, slot: int, index: int) -> None:
+        copy, decode = self.copy_stream, self.decode_stream
+        with torch.cuda.stream(copy):
+            copy.wait_event(self._staging_free[slot])
+            start = self.clock.mark(copy) if self.measure_stalls else None
+            self.residency.stage(index, slot)
+            self._arrived[slot].record(copy)
+            if start is not None:
+                self._pending.append(PendingTiming("copy", index, start, self.clock.mark(copy)))
+        with torch.cuda.stream(decode):
+            decode.wait_event(self._arrived[slot])
+            decode.wait_event(self._free[slot])
+            start = self.clock.mark(decode) if self.measure_stalls else None
+            self.residency.decode_staged(index, slot)
+            self._ready[index].record(decode)
+            self._staging_free[slot].record(decode)
+            if start is not None:
+                self._pending.append(PendingTiming("decode", index, start, self.clock.mark(decode)))
 
     def harvest(self, wait: bool) -> None:
         """Fold finished copy/stall pairs into the totals; with ``wait``, all of them."""
@@ -146,6 +181,8 @@ class SteadySchedule:
             ms = self.clock.ms(timing.start, timing.end)
             if timing.kind == "copy":
                 self.totals.copy_ms += ms
+            elif timing.kind == "decode":
+                self.totals.decode_ms += ms
             else:
                 self.totals.stall_ms += ms
                 self.totals.unit_stall_ms[timing.unit] += ms

@@ -31,6 +31,7 @@ class OffloadStats:
     bytes_streamed: int = 0
     loads: int = 0
     copy_ms: float = 0.0
+    decode_ms: float = 0.0  # compressed loads' decodes, on a stream of their own (0 without compression)
     stall_ms: float = 0.0
     measured_forwards: int = 0
     peak_allocated_bytes: int | None = None
@@ -58,6 +59,7 @@ class OffloadStats:
         lines = [
             f"phase {self.phase} on {self.device}, budget {format_bytes(self.budget_bytes)}, peak allocated {peak}",
             f"streamed {format_bytes(self.bytes_streamed)} in {self.loads} loads; copy {self.copy_ms:.1f} ms, "
+            f"decode {self.decode_ms:.1f} ms, "
             f"stall {self.stall_ms:.1f} ms, overlap {overlap} (steady forwards measured: {self.measured_forwards})",
         ]
         if self.setup_ms:
