@@ -123,3 +123,26 @@ def test_the_recipe_streams_compressed(tmp_path) -> None:
     transformer = info["offload_report"]["components"]["transformer"]
     assert info["compression"] == "lossless"
     assert transformer["transfer_unit_bytes"] < transformer["unit_bytes"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compressed_streaming_on_a_gpu_is_bitwise_equal_and_decodes_on_its_own_stream() -> None:
+    """The CUDA path: payload copies on the copy stream, Triton decodes on the decode stream."""
+    torch.manual_seed(0)
+    model = Stack(dim=1024, depth=8, dtype=torch.bfloat16).eval().requires_grad_(False)
+    x = torch.randint(0, 50, (4, 64), device="cuda")
+    with torch.inference_mode():
+        ref = model.to("cuda")(x).cpu()
+    model.to("cpu")
+    unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    handle = ft.offload(
+        model, include_patterns=["blocks.*"], gpu_budget=int(3.8 * unit), device="cuda", compression="lossless"
+    )
+    with torch.inference_mode():
+        outs = [model(x).cpu() for _ in range(6)]
+    assert all(torch.equal(o, ref) for o in outs)
+    assert handle.phase is Phase.STEADY and handle.plan.compressed and handle.profile.decode_ms is not None
+    stats = handle.stats()
+    assert stats.decode_ms > 0 and stats.copy_ms > 0
+    handle.remove()
