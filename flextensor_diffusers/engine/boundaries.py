@@ -62,7 +62,8 @@ def _refuse_cudagraphs(kwargs: dict, module: nn.Module) -> None:
     if mode in _CUDAGRAPH_MODES or options.get("triton.cudagraphs"):
         raise FlexTensorError(
             f"torch.compile with CUDA graphs (mode={mode!r}) is not supported on an offloaded "
-            f"{type(module).__name__}: graphs would replay outside the events that order streaming. Use "
+            f"{type(module).__name__}: graphs would replay outside the events that order streaming (and per "
+            "block they fail natively too, each replay overwriting the previous block's output). Use "
             "mode='default' or 'max-autotune-no-cudagraphs'"
         )
 
