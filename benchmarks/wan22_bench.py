@@ -10,6 +10,12 @@ With ``--compile regional`` both runs compile every repeated block of both exper
 recipe's ``--compile``), and the JSON gets a ``pipeline`` record in the form of issue 12's
 ``compile_h200.json``. The first step of each expert then includes its compilation: use enough
 steps that the median step is a compiled one (6 with Wan2.2's boundary).
+
+``--latents-only`` skips compare's report (no VAE decode, no video, no quality metrics): one pipeline
+is built, compiled (with ``--compile``), run natively to latents, then offloaded under ``--card``,
+profiled and run again; per-step times after device synchronisation, latents compared bitwise.
+
+    python benchmarks/wan22_bench.py --latents-only --compile regional --steps 4 --out compile_pipeline.json
 """
 
 from __future__ import annotations
@@ -18,18 +24,99 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
+from typing import Any
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flextensor_diffusers.compare import compare
 from flextensor_diffusers.engine.config import parse_bytes
+from flextensor_diffusers.recipes.common import synchronize
+
+
+class StepClock:
+    """Seconds per denoising step, each measured after device synchronisation (a pipeline callback)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.marks: list[float] = []
+
+    def start(self) -> None:
+        synchronize(self.device)
+        self.marks = [time.perf_counter()]
+
+    def on_step_end(self, pipe: Any, step: int, timestep: Any, kwargs: dict) -> dict:
+        synchronize(self.device)
+        self.marks.append(time.perf_counter())
+        return {}
+
+    def steps(self) -> list[float]:
+        return [round(b - a, 4) for a, b in zip(self.marks, self.marks[1:], strict=False)]
+
+
+def latents_only(args: argparse.Namespace, recipe_argv: list[str]) -> dict[str, Any]:
+    """Native then offloaded latents of one compiled pipeline; see the module docstring."""
+    from flextensor_diffusers.compare import _cap, _free
+    from flextensor_diffusers.recipes import common, wan22_t2v
+
+    options = wan22_t2v.parse_args(recipe_argv)
+    device = common.device_of(options)
+    started = time.perf_counter()
+
+    def note(what: str) -> None:
+        print(f"[{time.perf_counter() - started:7.1f} s] {what}", flush=True)
+
+    pipe = wan22_t2v.load(options, device)
+    _free(device)
+    note("built")
+    compiled = common.compile_denoisers(pipe, options)
+    clock = StepClock(device)
+
+    def generate() -> torch.Tensor:
+        clock.start()
+        out = wan22_t2v.generate(pipe, options, device, options.steps, "latent", callback_on_step_end=clock.on_step_end)
+        return out.cpu()
+
+    common.place_natively(pipe, options, device)
+    native = generate()
+    native_steps = clock.steps()
+    note(f"native generation: steps {native_steps}")
+    pipe.to("cpu")
+    _free(device)
+    _cap(device, args.card)
+    common.enable_offload(pipe, options, device)
+    note("offload enabled")
+    wan22_t2v.profiling_generation(pipe, options, device)
+    note("profiling generation")
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    offloaded = generate()
+    offload_steps = clock.steps()
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    note(f"offloaded generation: steps {offload_steps}")
+    report = pipe.flextensor_report()
+    pipe.disable_flextensor_offload()
+    return {
+        "compiled": compiled,
+        "native_steps_s": native_steps,
+        "offload_steps_s": offload_steps,
+        "native_step_s": statistics.median(native_steps),
+        "offload_step_s": statistics.median(offload_steps),
+        "native_peak_allocated_bytes": None,
+        "offload_peak_allocated_bytes": peak,
+        "bitwise_equal": bool(torch.equal(native, offloaded)),
+        "frames_identical": None,
+        "offload_report": {k: v for k, v in report.items() if k != "memory_timeline"},
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--report", type=Path, required=True)
     parser.add_argument("--size", default="full", choices=("tiny", "full"))
     parser.add_argument("--frames", type=int, default=81)
     parser.add_argument("--height", type=int, default=480)
@@ -38,7 +125,11 @@ def main() -> None:
     parser.add_argument("--budget", default="11GiB")
     parser.add_argument("--card", default="24GB", help="memory cap of the emulated card (offloaded run)")
     parser.add_argument("--compile", default="none", choices=("none", "regional"))
+    parser.add_argument("--latents-only", action="store_true", help="no report: see the module docstring")
+    parser.add_argument("--report", type=Path, help="compare's report folder (not with --latents-only)")
     args = parser.parse_args()
+    if not args.latents_only and args.report is None:
+        parser.error("--report is required unless --latents-only")
     recipe_argv = [
         "--random-weights",
         args.size,
@@ -56,11 +147,20 @@ def main() -> None:
         "on",
         "--compile",
         args.compile,
-        "--profile-dir",
-        str(args.report / "profiles"),
     ]
-    report = compare("wan22_t2v", recipe_argv, args.report, offload_memory_cap=args.card)
-    native, offloaded = report["runs"]["native"], report["runs"]["offloaded"]
+    if args.latents_only:
+        run = latents_only(args, recipe_argv)
+        native = {"step_s": run["native_steps_s"]}
+        offloaded = {"step_s": run["offload_steps_s"], "peak_allocated_bytes": run["offload_peak_allocated_bytes"]}
+        report = {
+            "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "versions": {"torch": torch.__version__, "diffusers": __import__("diffusers").__version__},
+            "fidelity": {"latents": {"bitwise_equal": run["bitwise_equal"]}, "frames": {}},
+        }
+    else:
+        recipe_argv += ["--profile-dir", str(args.report / "profiles")]
+        report = compare("wan22_t2v", recipe_argv, args.report, offload_memory_cap=args.card)
+        native, offloaded = report["runs"]["native"], report["runs"]["offloaded"]
     # The first step of a run also moves the text encoder out and the first expert in; the
     # steady per-step figure is the median.
     result = {
@@ -88,10 +188,13 @@ def main() -> None:
         "offload_profiling_generation_s": offloaded.get("profiling_s"),
         "bitwise_equal": report.get("fidelity", {}).get("latents", {}).get("bitwise_equal"),
         "frames_identical": report.get("fidelity", {}).get("frames", {}).get("identical"),
-        "report": str(args.report / "report.json"),
+        "report": str(args.report / "report.json") if args.report else None,
     }
     if result["native_step_s"] and result["offload_step_s"]:
         result["step_overhead_pct"] = round(100 * (result["offload_step_s"] / result["native_step_s"] - 1), 3)
+    if args.latents_only:
+        result["latents_only"] = True  # no VAE decode, frames not compared
+        result["offload_report"] = run["offload_report"]
     if args.compile != "none":
         result["pipeline"] = {
             "native_compiled_step_s": result["native_step_s"],
