@@ -25,7 +25,16 @@ from ..engine.config import resolve_budget, resolve_device
 from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
 from ..engine.planner import smallest_budget
 from ..engine.units import find_units, plan_layout
-from .host_tier import HostTier, cache_folder, check_host_budget, resolve_host_budget
+from .host_tier import (
+    HostTier,
+    cache_folder,
+    check_host_budget,
+    format_host_tier,
+    kept_in_ram_bytes,
+    offload_order,
+    pipeline_folder,
+    resolve_host_budget,
+)
 from .patterns import patterns_for
 
 logger = logging.getLogger(__name__)
@@ -133,6 +142,8 @@ class PipelineOffload:
 
     def disable(self) -> None:
         """Remove every handle (weights bit-exact, back where they were) and undo the wrappers."""
+        if self.host_tier is not None:
+            self.host_tier.stop()  # no read ahead while handles go
         if END_OF_GENERATION in vars(self.pipeline):
             delattr(self.pipeline, END_OF_GENERATION)
         for name, handle in self.handles.items():
@@ -186,12 +197,7 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     tier = report.get("host_tier")
     if tier:
-        disk = ", ".join(tier["on_disk"]) or "none"
-        lines.append(
-            f"host RAM {format_bytes(tier['host_ram_bytes'])} of {format_bytes(tier['host_budget_bytes'])} "
-            f"(peak {format_bytes(tier['peak_host_ram_bytes'])}); on disk now: {disk}; "
-            f"{len(tier['disk_reads_s'])} reads from disk, {sum(tier['disk_reads_s']):.2f} s"
-        )
+        lines += format_host_tier(tier)
     for row in rows:
         cells = [
             cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
@@ -274,9 +280,16 @@ def enable(
                 "host_budget cannot be combined with shared_host or compression yet: pass one of them"
             )
         host_bytes = resolve_host_budget(host_budget)
-        check_host_budget(host_bytes, packed)
+        root = pipeline_folder(pipeline)
+        check_host_budget(host_bytes, packed, {n: kept_in_ram_bytes(n, available[n], root) for n in packed})
         pin = device.type == "cuda" and config.get("pin_memory", True)
-        tier = HostTier(budget=host_bytes, folder=cache_folder(cache_dir), pin=pin)
+        tier = HostTier(
+            budget=host_bytes,
+            folder=cache_folder(cache_dir),
+            pin=pin,
+            weights_root=root,
+            order=offload_order(pipeline),
+        )
     state = PipelineOffload(pipeline=pipeline, device=device, budget_bytes=budget_bytes, host_tier=tier)
     try:
         for name in chosen:
