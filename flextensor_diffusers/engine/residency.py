@@ -41,7 +41,18 @@ from .codec import EncodedUnit, Segment, decode_into, encode_unit, worth_compres
 from .errors import FlexTensorError, OffloadStateError
 from .planner import Plan
 from .shared_host import SharedHostMemory
-from .units import ALIGNMENT, Unit, UnitLayout, align, pack_unit, pin_unit, restore_unit, unpin_unit
+from .units import (
+    ALIGNMENT,
+    Unit,
+    UnitLayout,
+    align,
+    pack_unit,
+    pin_in_place,
+    pin_unit,
+    restore_unit,
+    unpin_in_place,
+    unpin_unit,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +145,8 @@ class Residency:
         #: The encoded units whose loads move the payload and decode it: all of them before a plan
         #: exists (profiling measures their decodes), then the plan's choice (`Plan.compressed`).
         self.decoding: frozenset[int] = frozenset()
+        self._registered_payloads: list[torch.Tensor] = []  # payloads page-locked in place
+        self._pinned_payloads = False
         #: The cache file the host copies live in while spilled (None: in RAM).
         self.spilled_to: Path | None = None
         #: The file still holds the RAM copies' bytes (no edit since `fill`): spilling needs no write.
@@ -326,14 +339,31 @@ class Residency:
 
     def compress(self, pin: bool) -> None:
         """Keep a compressed copy of every unit that streams faster that way (see `codec`): loads then
-        move the payload and decode it on the device, bit-exact. The raw host copy stays the truth."""
-        self.encoded = {}
+        move the payload and decode it on the device, bit-exact. The raw host copy stays the truth.
+
+        Payloads are page-locked in place (``cudaHostRegister``, ~10x faster than ``pin_memory()``'s
+        copy into new page-locked memory) and unregistered before they are dropped."""
+        self.release_payloads()
+        self._pinned_payloads = pin
         for unit in self.units:
             segments = [Segment(p.offset, p.nbytes, p.dtype) for p in unit.tensors]
             encoded = encode_unit(unit.host, segments)  # type: ignore[arg-type]
-            if worth_compressing(encoded):
-                payload = encoded.payload.pin_memory() if pin else encoded.payload
-                self.encoded[unit.index] = dataclasses.replace(encoded, payload=payload)
+            if not worth_compressing(encoded):
+                continue
+            if pin and pin_in_place(encoded.payload):
+                self._registered_payloads.append(encoded.payload)
+            elif pin:
+                encoded = dataclasses.replace(encoded, payload=encoded.payload.pin_memory())
+            self.encoded[unit.index] = encoded
+
+    def release_payloads(self) -> None:
+        """Drop the compressed copies, unregistering those pinned in place (once no copy reads them)."""
+        if self._registered_payloads and self.cuda:
+            torch.cuda.synchronize(self.device)
+        for payload in self._registered_payloads:
+            unpin_in_place(payload)
+        self._registered_payloads = []
+        self.encoded = {}
 
     def note_load(self, slot: int, index: int) -> None:
         self.slot_owner[slot] = index
@@ -365,7 +395,7 @@ class Residency:
             with torch.no_grad(), torch.inference_mode(False):
                 self._adopt_replaced()
             if self.encoded:  # the compressed copies must say what the edited host copies say
-                self.compress(pin=any(e.payload.is_pinned() for e in self.encoded.values()))
+                self.compress(self._pinned_payloads)
 
     def _adopt_replaced(self) -> None:
         refused: list[str] = []
@@ -488,7 +518,6 @@ class Residency:
         may run on another thread while the model waits on disk (`fill`'s ``read`` as there); when
         ``stop()`` turns true the read is given up: None, buffers freed. One unit per thread; every started
         unit finishes before a failure is raised."""
-        from .units import _pin_in_place
 
         units = [self.base, *self.units]
         hosts = [u.host for u in units]
@@ -508,7 +537,7 @@ class Residency:
             else:
                 buffer.copy_(host)  # type: ignore[arg-type]
             copy = dataclasses.replace(unit, host=buffer, pinned_in_place=False)
-            copy.pinned_in_place = pin and _pin_in_place(buffer)
+            copy.pinned_in_place = pin and pin_in_place(buffer)
             return copy
 
         quiet = True if stop is not None else None  # a background read shows no progress bar
@@ -591,3 +620,4 @@ class Residency:
                     self.slot_of[unit.index] = None
             for t, origin in self.loose:
                 t.data = t.data.to(origin)
+        self.release_payloads()

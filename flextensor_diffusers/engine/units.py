@@ -254,7 +254,7 @@ def _lay_out(unit: Unit, tensor_ids: set[int]) -> Unit:
 # --------------------------------------------------------------------------------------------- packing
 
 
-def _pin_in_place(buffer: torch.Tensor) -> bool:
+def pin_in_place(buffer: torch.Tensor) -> bool:
     """Page-lock ``buffer`` without copying it (cudaHostRegister); False when that is unavailable."""
     try:
         err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
@@ -264,7 +264,7 @@ def _pin_in_place(buffer: torch.Tensor) -> bool:
     return int(getattr(err, "value", err)) == 0
 
 
-def _unpin(buffer: torch.Tensor) -> None:
+def unpin_in_place(buffer: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
@@ -272,7 +272,7 @@ def unpin_unit(unit: Unit) -> None:
     """Undo `pin_unit`'s in-place registration (a pinned copy is simply dropped with its buffer)."""
     if unit.pinned_in_place:
         assert unit.host is not None
-        _unpin(unit.host)
+        unpin_in_place(unit.host)
         unit.pinned_in_place = False
 
 
@@ -306,7 +306,7 @@ def pin_unit(unit: Unit, attached: bool = False) -> None:
     defeat the sharing.
     """
     assert unit.host is not None
-    if _pin_in_place(unit.host):
+    if pin_in_place(unit.host):
         unit.pinned_in_place = True
     elif attached:
         raise FlexTensorError("cudaHostRegister failed on the shared weights: they cannot be pinned in place")
