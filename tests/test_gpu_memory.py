@@ -117,12 +117,6 @@ def wan_budgets(wan) -> dict[str, int]:
     return {"smallest": smallest, "middle": (smallest + everything) // 2, "everything": everything}
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="measured on an H200 at 7009c06: ~12.5 KB over each budget (e.g. 403968 B at 391398 B), the "
-    "pipeline's tensors alive across components being in no activation peak; they are counted since the "
-    "commit after f5eac2d, not yet re-measured on a GPU",
-)
 @pytest.mark.parametrize("which", ["smallest", "middle", "everything"])
 def test_wan_pipeline_peak_memory_stays_within_the_budget(wan, wan_budgets, which: str) -> None:
     """Tiny Wan2.2, latents of 9 frames 32x32 in 2 steps: measured peak <= budget."""
