@@ -13,8 +13,15 @@ through `Residency.editing`: every tensor points at its host copy while the edit
 edit replaced are adopted into the host buffer, and device copies are made again afterwards.
 
 A host copy may live on disk instead of in RAM (`spill` / `fill`, for a host-memory budget): the
-flat buffers are then views of a shared mapping of a cache file, so the truth is the file, edits
-included, until `fill` reads it back into (pinned) RAM.
+flat buffers are then stand-ins over a mapping (a shared mapping of a cache file, or private views
+of the weight files), so the truth is there, edits included, until it is read back into (pinned)
+RAM. It is read back whole (`fill`) or unit by unit while the model already computes: another
+thread reads each unit into a new buffer (`read_unit`) and the main thread adopts it (`take_unit`);
+the last one taken ends the spill. Until then ``host_gate`` is set, and every read of a unit's host
+bytes (a load's copy, the base and resident copies at activation, edits, ``state_dict``, spilling,
+teardown) first calls it with the unit: the gate returns once the unit's final buffer is adopted.
+Copies therefore never read a stand-in that is about to be replaced, and with nothing under way the
+gate is None, one check per load.
 
 Tensors of the model that are not packed (``loose``: they share storage with another tensor; and
 ``foreign``: added after set-up, e.g. LoRA adapters) follow the model with ``.to()`` on activate
@@ -151,6 +158,11 @@ class Residency:
         self.spilled_to: Path | None = None
         #: The file still holds the RAM copies' bytes (no edit since `fill`): spilling needs no write.
         self._file_current = False
+        #: Called on the main thread with a unit before its host bytes are read, while units read back one
+        #: by one are still arriving (see the module docstring); None when every host copy is final.
+        self.host_gate: Callable[[Unit], None] | None = None
+        #: Positions (0: the base, then 1 + unit index) already taken back into RAM during a spill.
+        self._taken: set[int] = set()
 
     # ------------------------------------------------------------------------------------ set-up
 
@@ -190,7 +202,7 @@ class Residency:
         self.check_tensors_are_ours()
         with torch.no_grad(), torch.inference_mode(False):
             buffer = torch.empty(self.base.nbytes, dtype=torch.uint8, device=self.device)
-            buffer.copy_(self.base.host, non_blocking=True)
+            buffer.copy_(self.host_of(self.base), non_blocking=True)
             self.base.bind(buffer)
             self.copies.base = buffer
             self.foreign = self._find_foreign()
@@ -273,7 +285,7 @@ class Residency:
                 for index in sorted(plan.resident):
                     unit = self.units[index]
                     buffer = torch.empty(unit.nbytes, dtype=torch.uint8, device=self.device)
-                    buffer.copy_(unit.host, non_blocking=True)
+                    buffer.copy_(self.host_of(unit), non_blocking=True)
                     unit.bind(buffer)
                     self.copies.resident[index] = buffer
                 self.copies.slots = [
@@ -318,7 +330,10 @@ class Residency:
         """Enqueue the copy part of a load on the current stream: the raw bytes into the slot, or the
         compressed payload into the slot's staging buffer. True when a decode must follow."""
         if index not in self.decoding:
-            self.dst[index].copy_(self.units[index].host, non_blocking=True)  # type: ignore[union-attr,arg-type]
+            unit = self.units[index]
+            if self.host_gate is not None:  # units still arriving from disk: its final bytes first
+                self.host_gate(unit)
+            self.dst[index].copy_(unit.host, non_blocking=True)  # type: ignore[union-attr,arg-type]
             return False
         encoded = self.encoded[index]
         self.copies.staging[slot][: encoded.payload.numel()].copy_(encoded.payload, non_blocking=True)
@@ -384,6 +399,7 @@ class Residency:
         self.release()
         if self.cuda:  # no copy issued before may still be reading a host buffer the edit writes
             torch.cuda.synchronize(self.device)
+        self.gate_all()  # the edit lands in the final host copies, not in stand-ins about to be replaced
         self._file_current = False  # the RAM copies may change: the next spill writes them
         foreign = self._find_foreign()
         with torch.no_grad(), torch.inference_mode(False):
@@ -428,12 +444,41 @@ class Residency:
 
     @property
     def host_ram_bytes(self) -> int:
-        """Host RAM the host copies take now (all of them; while spilled, none, or what stand-ins keep in
-        RAM), and compressed copies."""
+        """Host RAM the host copies take now (all of them; while spilled, what stand-ins keep in RAM and
+        the units already taken back), and compressed copies."""
         payloads = sum(e.payload.numel() for e in self.encoded.values())
         if self.spilled_to is None:
             return payloads + self.packed_bytes
-        return payloads + (self._held_bytes or 0)
+        taken = sum(self._positions()[p].nbytes for p in self._taken)
+        return payloads + (self._held_bytes or 0) + taken
+
+    def _positions(self) -> list[Unit]:
+        """The base, then the units: position ``p`` is unit ``p - 1`` (how spills and reads number them)."""
+        return [self.base, *self.units]
+
+    # ------------------------------------------------------------------------------------ host gate
+
+    def host_of(self, unit: Unit) -> torch.Tensor:
+        """``unit.host`` once it holds the unit's final bytes (`host_gate` is asked first, when set)."""
+        gate = self.host_gate
+        if gate is not None:
+            gate(unit)
+        return unit.host  # type: ignore[return-value]
+
+    def gate_all(self) -> None:
+        """Every host copy final: a read back under way is waited for, unit by unit."""
+        if self.host_gate is not None:
+            for unit in self._positions():
+                self.host_of(unit)
+
+    def _bound_to(self, unit: Unit, host: object) -> bool:
+        """The unit's tensors are views of ``host`` (its host copy), not of a device buffer."""
+        packed = next((p for p in unit.tensors if p.nbytes), None)
+        if packed is None:  # nothing to compare: only an inactive model points at host copies
+            return not self.active
+        return packed.tensor.data_ptr() == packed.view_of(host).data_ptr()  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------------------------ spill and fill
 
     def _file_offsets(self) -> list[int]:
         offsets, offset = [], 0
@@ -453,8 +498,9 @@ class Residency:
 
         A cache file is all or nothing: it is written completely before any tensor points at it, so a
         full or unwritable disk raises with the copies still in RAM. Writing is skipped when the file
-        already holds these bytes (spilled before, no edit since).
+        already holds these bytes (spilled before, no edit since). A read back under way finishes first.
         """
+        self.gate_all()
         if self.spilled_to is not None:
             return
         if self.active:
@@ -488,6 +534,7 @@ class Residency:
                 unit.host = host  # type: ignore[assignment]
         self.spilled_to = path
         self._held_bytes = held
+        self._taken = set()
         self._file_current = True
 
     def fill(self, pin: bool, read: Callable[[int, torch.Tensor], None] | None = None) -> None:
@@ -501,11 +548,39 @@ class Residency:
             return
         units = self.read_back(pin, read)
         assert units is not None
-        self.take_back(units, pin)
+        self.take_back(units)
 
     #: While spilled onto stand-ins (`spill` with ``hosts``): the bytes they keep in RAM. None: in RAM, or
     #: spilled into a cache file.
     _held_bytes: int | None = None
+
+    def spilled_hosts(self) -> list[object]:
+        """The stand-ins of a spill, per position (the base first): what `read_unit` reads from and what
+        `untake_units` points units back at. Taken with the model spilled and nothing taken yet."""
+        assert self.spilled_to is not None and not self._taken, "spilled_hosts() needs a spill with nothing taken"
+        return [u.host for u in self._positions()]
+
+    def read_unit(
+        self, position: int, host: object, pin: bool, read: Callable[[int, torch.Tensor], None] | None = None
+    ) -> Unit:
+        """One spilled unit's bytes (position 0: the base) in a new RAM buffer, as a copy of the unit for
+        `take_unit`: from ``read(position, buffer)`` when given, else copied from its stand-in ``host``.
+        Pinned when ``pin`` (in place where CUDA allows, else a pinned copy), so that taking it back does no
+        heavy work. Changes nothing of the model: runs on any thread, while the model waits or computes."""
+        unit = self._positions()[position]
+        buffer = torch.empty(unit.nbytes, dtype=torch.uint8)
+        if read is not None:
+            read(position, buffer)
+        elif not isinstance(host, torch.Tensor):  # a stand-in is sliced per tensor only
+            for packed in unit.tensors:
+                end = packed.offset + packed.nbytes
+                buffer[packed.offset : end].copy_(host[packed.offset : end])  # type: ignore[index]
+        else:
+            buffer.copy_(host)
+        in_place = pin and pin_in_place(buffer)
+        if pin and not in_place:
+            buffer = buffer.pin_memory()
+        return dataclasses.replace(unit, host=buffer, pinned_in_place=in_place)
 
     def read_back(
         self,
@@ -513,39 +588,22 @@ class Residency:
         read: Callable[[int, torch.Tensor], None] | None = None,
         stop: Callable[[], bool] | None = None,
     ) -> list[Unit] | None:
-        """The spilled host copies in new RAM buffers, as copies of the units (`dataclasses.replace`) for
-        `take_back`; pinned in place when ``pin`` and CUDA allows. Nothing of the model changes, so this
-        may run on another thread while the model waits on disk (`fill`'s ``read`` as there); when
-        ``stop()`` turns true the read is given up: None, buffers freed. One unit per thread; every started
-        unit finishes before a failure is raised."""
-
-        units = [self.base, *self.units]
-        hosts = [u.host for u in units]
-        scattered = self._held_bytes is not None
+        """Every spilled unit in a new RAM buffer (`read_unit`, one unit per thread) for `take_back`; when
+        ``stop()`` turns true the read is given up: None, buffers freed. Every started unit finishes
+        before a failure is raised."""
+        hosts = self.spilled_hosts()
 
         def read_one(position: int) -> Unit | None:
             if stop is not None and stop():
                 return None
-            unit, host = units[position], hosts[position]
-            buffer = torch.empty(unit.nbytes, dtype=torch.uint8)
-            if read is not None:
-                read(position, buffer)
-            elif scattered:  # a stand-in is sliced per tensor only
-                for packed in unit.tensors:
-                    end = packed.offset + packed.nbytes
-                    buffer[packed.offset : end].copy_(host[packed.offset : end])  # type: ignore[index]
-            else:
-                buffer.copy_(host)  # type: ignore[arg-type]
-            copy = dataclasses.replace(unit, host=buffer, pinned_in_place=False)
-            copy.pinned_in_place = pin and pin_in_place(buffer)
-            return copy
+            return self.read_unit(position, hosts[position], pin, read)
 
         quiet = True if stop is not None else None  # a background read shows no progress bar
         with (
             ThreadPoolExecutor(PACK_THREADS) as pool,
-            tqdm(total=len(units), desc="reading weights from disk", disable=quiet, leave=False) as bar,
+            tqdm(total=len(hosts), desc="reading weights from disk", disable=quiet, leave=False) as bar,
         ):
-            futures = [pool.submit(read_one, position) for position in range(len(units))]
+            futures = [pool.submit(read_one, position) for position in range(len(hosts))]
             for _done in as_completed(futures):
                 bar.update()
         done: list[Unit] = []
@@ -558,29 +616,59 @@ class Residency:
                 continue
             if result is not None:
                 done.append(result)
-        if error is not None or len(done) < len(units):
+        if error is not None or len(done) < len(hosts):
             self.drop_read(done)
             if error is not None:
                 raise error
             return None
         return done
 
-    def take_back(self, read: list[Unit], pin: bool) -> None:
-        """Point every tensor at the buffers `read_back` filled (pinned now where that could not be done
-        in place) and let the spilled bytes go; a cache file stays for the next spill, its pages dropped
-        from the page cache."""
+    def take_unit(self, new: Unit) -> None:
+        """Adopt one unit's buffer that `read_unit` filled, on the main thread, while the model is spilled
+        (active or not): ``unit.host`` becomes it, and the unit's tensors follow when they pointed at the
+        stand-in (an inactive model); a device copy stays bound. No copy still reads the stand-in: every
+        read of host bytes passes `host_gate`, which adopts first; and a copy from a stand-in (pageable
+        memory) returns only once CUDA has staged its source. The last unit taken ends the spill: a cache
+        file is kept for the next one, its pages dropped from the page cache."""
+        position = new.index + 1
+        unit = self._positions()[position]
+        assert self.spilled_to is not None and position not in self._taken, f"{unit.name} is not waiting to be taken"
         with torch.no_grad(), torch.inference_mode(False):
-            for unit, new in zip([self.base, *self.units], read, strict=True):
+            if self._bound_to(unit, unit.host):
                 unit.bind(new.host)  # type: ignore[arg-type]
-                unit.host, unit.pinned_in_place = new.host, new.pinned_in_place
-                if pin and not unit.pinned_in_place:
-                    pin_unit(unit)
-        if self._held_bytes is None and self.spilled_to is not None:
-            _drop_cached_pages(self.spilled_to)
-        self.spilled_to, self._held_bytes = None, None
+        unit.host, unit.pinned_in_place = new.host, new.pinned_in_place
+        self._taken.add(position)
+        if len(self._taken) == len(self.units) + 1:
+            if self._held_bytes is None:
+                _drop_cached_pages(self.spilled_to)
+            self.spilled_to, self._held_bytes, self._taken = None, None, set()
+
+    def take_back(self, read: list[Unit]) -> None:
+        """Adopt every buffer `read_back` filled (`take_unit`): the spill ends."""
+        for new in read:
+            self.take_unit(new)
+
+    def untake_units(self, hosts: list[object]) -> None:
+        """Undo `take_unit` for every unit taken so far in this spill, pointing them back at their stand-ins
+        ``hosts`` (`spilled_hosts`), which still hold their bytes (no edit runs before a read back ends): a
+        read back given up leaves the model spilled as before. The taken buffers are freed, so copies that
+        may still read them finish first."""
+        if not self._taken:
+            return
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        positions = self._positions()
+        with torch.no_grad(), torch.inference_mode(False):
+            for position in sorted(self._taken):
+                unit = positions[position]
+                if self._bound_to(unit, unit.host):
+                    unit.bind(hosts[position])  # type: ignore[arg-type]
+                unpin_unit(unit)
+                unit.host = hosts[position]  # type: ignore[assignment]
+        self._taken = set()
 
     def drop_read(self, read: list[Unit]) -> None:
-        """Free what `read_back` read without adopting it (a read given up, or made stale by an edit)."""
+        """Free what `read_unit` read without adopting it (a read given up, or made stale by an edit)."""
         for unit in read:
             unpin_unit(unit)
 
@@ -605,6 +693,7 @@ class Residency:
         """
         if self.active:
             self.release()
+        self.gate_all()
         with torch.no_grad(), torch.inference_mode(False):
             for unit in [*self.units, self.base]:
                 if unit.host is None:

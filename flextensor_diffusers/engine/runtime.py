@@ -215,10 +215,11 @@ class OffloadHandle:
         def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
             if unit.host is None:
                 return
+            host = self.residency.host_of(unit)  # its final bytes, when they are still arriving from disk
             for packed in unit.tensors:
                 for rel in packed.names:
                     if prefix + rel in state_dict:
-                        state_dict[prefix + rel] = packed.view_of(unit.host)
+                        state_dict[prefix + rel] = packed.view_of(host)
 
         return hook
 
@@ -474,7 +475,7 @@ class OffloadHandle:
         unit = max(self.units, key=lambda u: u.nbytes)
         scratch = torch.empty(unit.nbytes, dtype=torch.uint8, device=self.device)
         start = self._clock.mark()
-        scratch.copy_(unit.host, non_blocking=True)
+        scratch.copy_(self.residency.host_of(unit), non_blocking=True)
         end = self._clock.mark()
         if self.cuda:
             end.synchronize()

@@ -4,49 +4,64 @@ A diffusers pipeline runs its components one after the other (Wan2.2: the text e
 high-noise expert for the first steps, the low-noise expert after the boundary, the VAE), and
 only the active component needs its weights in host RAM, to stream them to the GPU. So the host
 copies of the components that are not running can wait on disk: `HostTier` keeps as many
-components in (pinned) RAM as ``host_budget`` allows, and before a component on disk becomes active
-it moves the least recently used ones out until the component fits, then reads it back.
+components in (pinned) RAM as ``host_budget`` allows; before a component on disk becomes active it
+moves the least recently used ones out until the component fits, and reads it back.
 
 Where a component waits:
 
 * **its own weight files** when it was loaded with ``from_pretrained`` from a local folder and every
   packed tensor's bytes are in the folder's ``*.safetensors`` files, unconverted (`weight_files`):
   moving it out writes nothing, its tensors become views of private copy-on-write mappings of
-  those files, and reading it back is large ``preadv`` reads on several threads. The files are
-  stamped when offload is enabled; a changed file is refused before it is read. An edit made since
-  (``load_state_dict``, a LoRA) means the files no longer hold its bytes: from the next move out on,
-  it waits in a cache file.
+  those files, and reading it back is large ``preadv`` reads. The files are stamped when offload is
+  enabled; a changed file is refused before it is read. An edit made since (``load_state_dict``, a
+  LoRA) means the files no longer hold its bytes: from the next move out on, it waits in a cache file.
 * **a cache file** in ``cache_dir`` otherwise, written when it first moves out and kept, unwritten
   again, until an edit.
 
-While a component becomes active, the tier starts reading the one expected next on a background
-thread (`Prefetcher`), when that one waits on disk and fits in the budget next to the active one
-(others may move out, never the active one): the order is the one seen last time, else the
-pipeline's declared ``model_cpu_offload_seq``. Each switch records how long the read took and how
-long `bring_in` waited for it; the difference is what prefetching hid. ``report()`` has them.
+Reading back is progressive, unit by unit (`ReadJob`, on the `Reader`'s threads): the units are read
+in the order the component will need them (the base, the plan's resident units, then the profiled
+call order; unit order before a profile exists), a few at once, each into its own (pinned) buffer,
+and the component starts at once. The engine asks `Residency.host_gate` before it reads a unit's host
+bytes (`FillGate`): the gate blocks until the reader delivered that unit, then adopts the buffer on
+the main thread, so the first blocks compute while the last ones are still being read. The time
+blocked there (plus `bring_in`'s own) is the switch's exposed disk time, ``wait_s``; the reader's own
+time is ``read_s``. A read that fails is raised at the next gate as a one-line error, with the
+component left on disk as it was (read again when it next runs).
+
+Reading ahead: while a component runs, the one expected next (the order seen last time, else the
+pipeline's declared ``model_cpu_offload_seq``) is read on the same thread when it waits on disk, as
+far as the budget allows next to the active one (others, neither active nor next, may move out): all
+of it when it fits, else its first units, then the read pauses. When it becomes active, the one
+before moves out (free for components that wait in their weight files) and the read goes on from
+where it paused. A wrong guess is stopped between units and its buffers freed; an edit of the
+component since the read began makes its bytes stale: they are dropped and it is read again.
 
 The smallest workable host budget is the largest component's packed weights. Host RAM here is
-what the package allocates for host copies (page-locked or not) and the read ahead; mappings of
-files are file-backed pages the kernel may drop at any time. An edit made while a component waits
-in its weight files lives in anonymous copy-on-write pages, not counted, until it is read back.
+what the package allocates for host copies (page-locked or not), what is read back and what is read
+ahead (reserved before it is read, so the budget holds at all times); mappings of files are
+file-backed pages the kernel may drop at any time. An edit made while a component waits in its
+weight files lives in anonymous copy-on-write pages, not counted, until it is read back.
 
-Not built yet: streaming single blocks from disk for a component larger than the host budget (and
-so reading an expert while the other one runs, which needs both in the budget today), O_DIRECT /
-GPUDirect Storage (kvikio) reads, and finding the weight files of a pipeline loaded from a hub id
-(only local folders are looked up).
+Not built yet: streaming single blocks from disk for a component larger than the host budget,
+O_DIRECT / GPUDirect Storage (kvikio) reads, and finding the weight files of a pipeline loaded from
+a hub id (only local folders are looked up).
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
 import logging
 import os
+import queue
 import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Collection
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +74,7 @@ from .weight_files import WeightSource, component_folders, pipeline_folder
 
 if TYPE_CHECKING:
     from ..engine import OffloadHandle
+    from ..engine.residency import Residency
     from ..engine.units import Unit
 
 __all__ = [
@@ -69,6 +85,7 @@ __all__ = [
     "kept_in_ram_bytes",
     "offload_order",
     "pipeline_folder",
+    "read_order",
     "resolve_host_budget",
 ]
 
@@ -77,6 +94,9 @@ logger = logging.getLogger(__name__)
 #: What ``host_budget="auto"`` takes: this share of the RAM available when offload is enabled.
 AUTO_HOST_SHARE = 0.8
 WEIGHTS_FILES, CACHE_FILE = "weights files", "cache file"
+#: Units read at once: a disk serves several large reads in flight faster than one, and a unit's
+#: page-locking overlaps the next one's read.
+READ_THREADS = max(2, min(8, os.cpu_count() or 1))
 
 
 def resolve_host_budget(host_budget: int | str) -> int:
@@ -141,89 +161,286 @@ def offload_order(pipeline: Any) -> list[str]:
     return [name.strip() for name in seq.split("->") if name.strip()] if isinstance(seq, str) else []
 
 
+def read_order(handle: OffloadHandle) -> list[int]:
+    """The positions of ``handle``'s host copies (0: the base, ``i + 1``: unit ``i``) in the order the
+    engine reads them when it becomes active: the base, the plan's resident units (laid out at
+    activation, by index), then the streamed units in the profiled call order, then any others."""
+    order = [0]
+    if handle.plan is not None:
+        order += [i + 1 for i in sorted(handle.plan.resident)]
+    if handle.profile is not None:
+        order += [call.unit + 1 for call in handle.profile.calls]
+    order += range(1, len(handle.units) + 1)
+    return list(dict.fromkeys(order))
+
+
 @dataclass
 class Switch:
-    """One component read back from disk before it ran."""
+    """One component brought in from disk: what its read cost and how much of it the component waited for."""
 
     component: str
     nbytes: int
-    read_s: float  # how long the read took (on the background thread when prefetched)
-    wait_s: float  # how long `bring_in` kept the component from running
-    prefetched: bool
+    read_ahead_bytes: int = 0  # read while another component ran, before this one became active
+    read_s: float = 0.0  # the reader's busy time on it, ahead and after (wall clock, paused time excluded)
+    wait_s: float = 0.0  # time it was kept from computing: `bring_in`'s own, then blocked in the gate
+    complete: bool = False  # every unit arrived (False: still arriving, or given up)
+    prefetched: bool = field(init=False)  # some of it was read ahead (a field: records are read with asdict)
+
+    def __post_init__(self) -> None:
+        self.prefetched = self.read_ahead_bytes > 0
 
     @property
     def hidden_s(self) -> float:
-        """Read time spent while another component computed."""
+        """Read time spent while a component computed."""
         return max(0.0, self.read_s - self.wait_s)
+
+    @property
+    def gbps(self) -> float | None:
+        return round(self.nbytes / self.read_s / 1e9, 3) if self.complete and self.read_s > 0 else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "component": self.component,
+            "nbytes": self.nbytes,
+            "read_ahead_bytes": self.read_ahead_bytes,
+            "prefetched": self.prefetched,
+            "read_s": round(self.read_s, 4),
+            "wait_s": round(self.wait_s, 4),
+            "gbps": self.gbps,
+            "complete": self.complete,
+        }
 
 
 @dataclass(frozen=True)
 class HowToRead:
-    """How a component waiting in its weight files is read back."""
+    """How a component waiting on disk is read back."""
 
-    read: Callable[[int, Any], None] | None  # straight from the files (None: copy from its tensors' views)
-    written: bool  # its views were written into: the files no longer hold its bytes
+    read: Callable[[int, Any], None] | None  # straight from the weight files (None: copy from its stand-ins)
+    written: bool  # its weight-file views were written into: the files no longer hold its bytes
+
+
+class ReadJob:
+    """The read of one spilled component's units into new RAM buffers, in the order it will need them,
+    never past ``allowed`` bytes of that order (the budget's room for it: a read ahead pauses there
+    until the component becomes active and the budget lets it go on).
+
+    The reader thread (`run`), the unit threads (`_read_one`) and the main thread (`wait_for`, `allow`,
+    `stop`) share it under one condition. ``how`` is decided on the reader thread as the read starts
+    (whether the weight files still hold the bytes reads ``/proc/self/smaps``: no main-thread time).
+    """
+
+    def __init__(
+        self, component: str, residency: Residency, order: list[int], plan: Callable[[], HowToRead], pin: bool
+    ) -> None:
+        self.component = component
+        self.residency = residency
+        self.order = order
+        self.pin = pin
+        self.hosts = residency.spilled_hosts()  # what reads copy from; what a given-up fill points back at
+        self.nbytes = [u.nbytes for u in [residency.base, *residency.units]]
+        self.ends = list(itertools.accumulate(self.nbytes[p] for p in order))  # bytes up to each unit, in order
+        self.how: HowToRead | None = None
+        self.allowed = 0  # main thread: bytes of the order the reader may read
+        self.taken_bytes = 0  # main thread: of those, what the residency adopted (counted there)
+        self.running = False  # the reader thread began it
+        self.delivered: dict[int, Unit] = {}
+        self.read_bytes = 0
+        self.read_s = 0.0
+        self.error: BaseException | None = None
+        self.stopped = False
+        self.finished = False  # the reader left it: every allowed unit read, or stopped, or failed
+        self._plan = plan
+        self._in_flight = 0
+        self._busy_since: float | None = None
+        self._cond = threading.Condition()
+
+    def units_within(self, nbytes: int) -> int:
+        """How many units of the order fit, whole, in ``nbytes``."""
+        return bisect.bisect_right(self.ends, nbytes)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Host RAM this job may hold, not yet counted by the residency: its allowed units, less those taken."""
+        count = self.units_within(self.allowed)
+        return (self.ends[count - 1] if count else 0) - self.taken_bytes
+
+    # ------------------------------------------------------------------------------------ main thread
+
+    def allow(self, nbytes: int) -> None:
+        with self._cond:
+            self.allowed = nbytes
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        """Read no further unit (those in flight finish; what they read is freed)."""
+        with self._cond:
+            self.stopped = True
+            self._cond.notify_all()
+
+    def wait_finished(self) -> None:
+        """Wait until the reader left the job; one it has not begun is finished at once (and skipped)."""
+        with self._cond:
+            if not self.running:
+                self.finished = True
+            self._cond.wait_for(lambda: self.finished)
+
+    def wait_for(self, position: int) -> Unit | None:
+        """Block until ``position`` is read and hand it over; None when the job stopped first. A failure
+        of the read is raised here."""
+        with self._cond:
+            self._cond.wait_for(lambda: position in self.delivered or self.error is not None or self.finished)
+            unit = self.delivered.pop(position, None)
+            if unit is None and self.error is not None:
+                raise self.error
+            return unit
+
+    def take_all(self) -> list[Unit]:
+        with self._cond:
+            units = list(self.delivered.values())
+            self.delivered.clear()
+            return units
+
+    # ------------------------------------------------------------------------------------ reader threads
+
+    def run(self, pool: ThreadPoolExecutor) -> None:
+        """On the reader thread: submit the units in order, at most `READ_THREADS` at once and never past
+        ``allowed``; the job is finished once the last one submitted is in."""
+        with self._cond:
+            if self.finished:  # given up before it began
+                return
+            self.running = True
+        try:
+            if not self.stopped:
+                how = self._plan()
+                with self._cond:
+                    self.how = how
+            for n, position in enumerate(self.order):
+                with self._cond:
+                    self._cond.wait_for(lambda n=n: self._may_submit(n))
+                    if self.stopped or self.error is not None:
+                        break
+                    if self._in_flight == 0:
+                        self._busy_since = time.perf_counter()
+                    self._in_flight += 1
+                try:
+                    pool.submit(self._read_one, position)
+                except BaseException:
+                    self._landed(None)
+                    raise
+        except BaseException as exc:
+            with self._cond:
+                self.error = self.error or exc
+        finally:
+            with self._cond:
+                self._cond.wait_for(lambda: self._in_flight == 0)
+                self.finished = True
+                self._cond.notify_all()
+
+    def _may_submit(self, n: int) -> bool:
+        if self.stopped or self.error is not None:
+            return True
+        return self.ends[n] <= self.allowed and self._in_flight < READ_THREADS
+
+    def _read_one(self, position: int) -> None:
+        assert self.how is not None
+        try:
+            unit = self.residency.read_unit(position, self.hosts[position], self.pin, self.how.read)
+        except BaseException as exc:
+            with self._cond:
+                self.error = self.error or exc
+            self._landed(None)
+            return
+        self._landed(unit)
+
+    def _landed(self, unit: Unit | None) -> None:
+        """A unit read ended (``unit`` None: it failed): deliver it, or free it when the job was stopped."""
+        drop = None
+        with self._cond:
+            self._in_flight -= 1
+            if self._in_flight == 0 and self._busy_since is not None:
+                self.read_s += time.perf_counter() - self._busy_since
+                self._busy_since = None
+            if unit is not None and (self.stopped or self.error is not None):
+                drop = unit
+            elif unit is not None:
+                self.delivered[unit.index + 1] = unit
+                self.read_bytes += unit.nbytes
+            self._cond.notify_all()
+        if drop is not None:
+            self.residency.drop_read([drop])
+
+
+class Reader:
+    """Runs read jobs one after the other (a component's read back, then the read ahead of the next) on one
+    daemon thread, a read ahead paused for room must never keep the process from exiting, each job
+    reading up to `READ_THREADS` units at once on a pool of its own."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[ReadJob | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    def start(self, job: ReadJob) -> None:
+        if self._thread is None:
+            self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="flextensor-read")
+            self._thread = threading.Thread(target=self._run, args=(self._pool,), name="flextensor-reader", daemon=True)
+            self._thread.start()
+        self._queue.put(job)
+
+    def _run(self, pool: ThreadPoolExecutor) -> None:
+        while (job := self._queue.get()) is not None:
+            job.run(pool)
+
+    @staticmethod
+    def give_up(job: ReadJob) -> None:
+        """Stop ``job`` between units, wait for the units in flight and free everything it read and no one took."""
+        job.stop()
+        job.wait_finished()
+        job.residency.drop_read(job.take_all())
+
+    def close(self) -> None:
+        """Join the threads (every job was given up or finished first)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            assert self._pool is not None
+            self._pool.shutdown(wait=True)
+            self._thread = self._pool = None
+
+
+class FillGate:
+    """`Residency.host_gate` while a component's units arrive: one list lookup for a unit already taken;
+    for another, ``arrive(position)`` waits for the reader and adopts the unit's buffer."""
+
+    def __init__(self, positions: int, arrive: Callable[[int], None]) -> None:
+        self.pending = [True] * positions
+        self.left = positions
+        self._arrive = arrive
+
+    def __call__(self, unit: Unit) -> None:
+        if self.pending[unit.index + 1]:
+            self._arrive(unit.index + 1)
+
+    def took(self, position: int) -> None:
+        self.pending[position] = False
+        self.left -= 1
+
+
+@dataclass
+class Fill:
+    """A component made active while its units arrive from disk."""
+
+    job: ReadJob
+    switch: Switch
+    source: WeightSource | None
+    gate: FillGate | None = None
 
 
 @dataclass
 class ReadAhead:
-    """What a background read hands back: the units' new buffers (see `Residency.read_back`)."""
+    """The read ahead of the component expected next, paused when the budget holds no more of it."""
 
-    units: list[Unit]
-    seconds: float
-    written: bool  # the component's weight-file views were written into: the files no longer hold its bytes
-
-
-@dataclass
-class PrefetchJob:
-    """The background read of one component: its reserved bytes count against the host budget."""
-
-    component: str
-    nbytes: int
-    future: Future[ReadAhead | None]
-    stop: threading.Event
-
-
-class Prefetcher:
-    """At most one background read at a time, on one thread of its own; no busy waiting anywhere."""
-
-    def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
-        self.job: PrefetchJob | None = None
-
-    @property
-    def reserved_bytes(self) -> int:
-        return self.job.nbytes if self.job is not None else 0
-
-    def start(self, component: str, nbytes: int, work: Callable[[Callable[[], bool]], ReadAhead | None]) -> None:
-        """Run ``work(stopped)`` on the prefetch thread; ``stopped()`` turns true when it is given up."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="flextensor-prefetch")
-        stop = threading.Event()
-        self.job = PrefetchJob(component, nbytes, self._pool.submit(work, stop.is_set), stop)
-
-    def take(self) -> PrefetchJob | None:
-        """The job, no longer this prefetcher's (its bytes are the caller's from now on)."""
-        job, self.job = self.job, None
-        return job
-
-    def give_up(self) -> PrefetchJob | None:
-        """Stop the job (it stops between units), wait for it and return it; its failure is not raised."""
-        job = self.take()
-        if job is not None:
-            job.stop.set()
-            try:
-                job.future.result()
-            except Exception as exc:  # the component is read again, and its error raised, when it is needed
-                logger.debug("host tier: a read ahead of %s that was given up failed: %s", job.component, exc)
-        return job
-
-    def close(self) -> None:
-        """Join the thread (the caller gave the job up first: it frees what the job read)."""
-        assert self.job is None, "give_up() the job first"
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+    job: ReadJob
 
 
 class ComponentOrder:
@@ -251,11 +468,22 @@ class ComponentOrder:
         return declared[(declared.index(name) + 1) % len(declared)]
 
 
+def _read_error(component: str, exc: BaseException) -> FlexTensorError:
+    """A failed read back as a one-line error naming the fix (errors of this package already name theirs)."""
+    if isinstance(exc, FlexTensorError):
+        return exc
+    reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return FlexTensorError(
+        f"reading {component}'s weights back from disk failed ({reason}); it stays on disk and is read again when "
+        "it next runs: fix the disk, cache_dir or model folder and run again, or disable_flextensor_offload()"
+    )
+
+
 @dataclass
 class HostTier:
     """Which components' host copies are in RAM, under ``budget``; the rest wait on disk (their own
-    weight files, else cache files in ``folder``). Thread-safe: one lock around its state; the
-    prefetch thread only reads a component's bytes into new buffers and touches no state here."""
+    weight files, else cache files in ``folder``). One lock around its state; the reader threads only
+    read a component's bytes into new buffers (`ReadJob`) and touch no state here."""
 
     budget: int
     folder: Path
@@ -269,7 +497,9 @@ class HostTier:
     sources: dict[str, WeightSource] = field(default_factory=dict)  # components that wait in their own files
     _files: list[Path] = field(default_factory=list)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
-    _prefetch: Prefetcher = field(default_factory=Prefetcher, repr=False)
+    _reader: Reader = field(default_factory=Reader, repr=False)
+    _fill: Fill | None = field(default=None, repr=False)  # the active component's units still arriving
+    _ahead: ReadAhead | None = field(default=None, repr=False)  # the next component's read ahead
     _seen: ComponentOrder = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -281,9 +511,10 @@ class HostTier:
         return self.switches
 
     def ram_bytes(self) -> int:
-        """Host RAM of the host copies now, and of the read ahead under way."""
+        """Host RAM of the host copies now, and what the reads under way may hold (reserved ahead)."""
         with self._lock:
-            return sum(h.residency.host_ram_bytes for h in self.handles.values()) + self._prefetch.reserved_bytes
+            jobs = [r.job for r in (self._fill, self._ahead) if r is not None]
+            return sum(h.residency.host_ram_bytes for h in self.handles.values()) + sum(j.reserved_bytes for j in jobs)
 
     # ------------------------------------------------------------------------------------ set-up
 
@@ -310,25 +541,26 @@ class HostTier:
     # ------------------------------------------------------------------------------------ switches
 
     def bring_in(self, handle: OffloadHandle) -> None:
-        """Before ``handle`` becomes active: its host copies in RAM (from the read ahead when one was
-        started for it), others moved out as needed; then the read ahead of the next one starts."""
+        """Before ``handle`` becomes active (the one before is released): the previous component's read
+        back completed, a wrong read ahead given up; when ``handle`` waits on disk, its read back starts,
+        or goes on from its read ahead, and it becomes active at once (its units arrive through the
+        gate). Then the read ahead of the component expected next starts."""
         started = time.perf_counter()
         with self._lock:
             name = next(n for n, h in self.handles.items() if h is handle)
             self.recency.remove(name)
             self.recency.append(name)
             self._seen.note(name)
-            job = self._prefetch.job
-            if job is not None and (job.component != name or handle.residency.spilled_to is None):
-                self._give_up_prefetch()  # guessed wrong: its bytes go
-                job = None
-            if handle.residency.spilled_to is not None:
-                if job is not None:
-                    self._take_read_ahead(name, started)
-                else:
-                    self._read_now(name, started)
+            if self._fill is not None and self._fill.job.component == name:
+                return  # activated again while its units arrive: the gate still serves them
+            self._finish_fill()
+            if self._ahead is not None and (self._ahead.job.component != name or handle.residency.spilled_to is None):
+                self._give_up_ahead()  # guessed wrong: stopped between units, its buffers freed
+            switch = self._start_fill(name) if handle.residency.spilled_to is not None else None
             self._note_peak()
             self._read_ahead_after(name)
+            if switch is not None:  # all of it kept the component from computing
+                switch.wait_s += time.perf_counter() - started
 
     @staticmethod
     def _how_to_read(source: WeightSource | None, current: bool) -> HowToRead:
@@ -349,44 +581,147 @@ class HostTier:
                 name,
             )
 
-    def _read_now(self, name: str, started: float) -> None:
+    def _new_job(self, name: str) -> ReadJob:
+        """A read of ``name``'s units (on disk now), in the order it will need them; nothing allowed yet."""
+        handle = self.handles[name]
+        residency = handle.residency
+        source = self.sources.get(name)
+        plan = functools.partial(self._how_to_read, source, residency.spill_is_current)
+        return ReadJob(name, residency, read_order(handle), plan, self.pin)
+
+    def _start_fill(self, name: str) -> Switch:
+        """``name`` waits on disk and becomes active: room for all of it, its read going on (from its read
+        ahead, unless that is stale) and its gate set; no byte is waited for here."""
         residency = self.handles[name].residency
         source = self.sources.get(name)
-        if source is not None:
-            source.check()  # a changed file is refused before anything moves
-        self._make_room({name}, residency.packed_bytes)
-        how = self._how_to_read(source, residency.spill_is_current)
-        begin = time.perf_counter()
-        residency.fill(self.pin, how.read)
-        read_s = time.perf_counter() - begin
-        if source is not None:
-            source.read_done()
-        if how.written:
-            self._forget_files(name)
-        self.switches.append(Switch(name, residency.packed_bytes, read_s, time.perf_counter() - started, False))
-        logger.info("host tier: %s read from disk in %.3f s", name, read_s)
+        ahead, self._ahead = self._ahead, None
+        try:
+            if source is not None:
+                source.check()  # a changed file is refused before anything moves
+        except BaseException:
+            if ahead is not None:
+                self._reader.give_up(ahead.job)
+            raise
+        job = ahead.job if ahead is not None else None
+        if job is not None and self._stale(job, source):
+            self._reader.give_up(job)
+            job = None
+        fresh = job is None
+        if job is None:
+            job = self._new_job(name)
+        switch = Switch(name, residency.packed_bytes, read_ahead_bytes=job.read_bytes)
+        fill = Fill(job, switch, source)
+        fill.gate = FillGate(len(job.nbytes), functools.partial(self._arrive, fill))
+        self._fill = fill
+        residency.host_gate = fill.gate
+        self.switches.append(switch)
+        try:
+            self._make_room({name}, residency.packed_bytes - job.reserved_bytes)
+            job.allow(residency.packed_bytes)
+            if fresh:
+                self._reader.start(job)
+        except BaseException:
+            self._give_up_fill()
+            raise
+        logger.info(
+            "host tier: %s becomes active while it is read from disk (%s of %s read ahead)",
+            name,
+            format_bytes(switch.read_ahead_bytes),
+            format_bytes(switch.nbytes),
+        )
+        return switch
 
-    def _take_read_ahead(self, name: str, started: float) -> None:
-        residency = self.handles[name].residency
-        job = self._prefetch.take()
-        assert job is not None
-        result = job.future.result()  # waits for the read; a failure on the thread is raised here
-        if result is None or not residency.spill_is_current:  # edited since the read began: its bytes are stale
-            if result is not None:
-                residency.drop_read(result.units)
-            self._read_now(name, started)
+    def _stale(self, job: ReadJob, source: WeightSource | None) -> bool:
+        """A read ahead whose bytes may no longer be the component's: an edit since it began (the edit is in
+        the stand-ins), a direct write into the weight-file views it did not read from, or a failure."""
+        if job.error is not None or not job.residency.spill_is_current:
+            return True
+        how = job.how
+        if how is None or how.read is None or source is None:
+            return False
+        return not source.views_unwritten()
+
+    def _arrive(self, fill: Fill, position: int) -> None:
+        """The gate, for a unit not taken yet: wait for the reader to deliver it and adopt its buffer; the
+        last one ends the read back. A failed read gives the read back up (the component stays on disk as it
+        was) and raises."""
+        with self._lock:
+            gate = fill.gate
+            if self._fill is not fill or gate is None or not gate.pending[position]:
+                return
+            begin = time.perf_counter()
+            try:
+                unit = fill.job.wait_for(position)
+            except Exception as exc:
+                fill.switch.wait_s += time.perf_counter() - begin
+                self._give_up_fill()
+                error = _read_error(fill.job.component, exc)
+                if error is exc:
+                    raise
+                raise error from exc
+            fill.switch.wait_s += time.perf_counter() - begin
+            assert unit is not None, "a read back stopped while its component still needs it"
+            fill.job.residency.take_unit(unit)
+            fill.job.taken_bytes += unit.nbytes
+            gate.took(position)
+            if gate.left == 0:
+                self._end_fill(fill)
+
+    def _end_fill(self, fill: Fill) -> None:
+        job, switch = fill.job, fill.switch
+        self._fill = None
+        if job.residency.host_gate is fill.gate:
+            job.residency.host_gate = None
+        switch.read_s, switch.complete = job.read_s, True
+        if fill.source is not None:
+            fill.source.read_done()
+        if job.how is not None and job.how.written:
+            self._forget_files(job.component)
+        logger.info(
+            "host tier: %s read from disk in %.3f s (%s read ahead), waited %.3f s",
+            job.component,
+            switch.read_s,
+            format_bytes(switch.read_ahead_bytes),
+            switch.wait_s,
+        )
+
+    def _finish_fill(self) -> None:
+        """Complete the read back of the component before (inactive now): every unit taken, in order. A
+        failure gives it up, with a warning: that component is not the one needed now."""
+        fill = self._fill
+        if fill is None or fill.gate is None:
             return
-        residency.take_back(result.units, self.pin)
-        self._make_room({name}, 0)  # its bytes were reserved when the read began: nothing should move
-        if result.written:
-            self._forget_files(name)
-        wait_s = time.perf_counter() - started
-        self.switches.append(Switch(name, residency.packed_bytes, result.seconds, wait_s, True))
-        logger.info("host tier: %s read ahead in %.3f s, waited %.3f s", name, result.seconds, wait_s)
+        try:
+            for position in fill.job.order:
+                if self._fill is fill and fill.gate.pending[position]:
+                    self._arrive(fill, position)
+        except FlexTensorError as exc:
+            logger.warning("host tier: %s", exc)
+
+    def _give_up_fill(self) -> None:
+        """Stop the read back under way between units: what was taken goes back to the stand-ins, which
+        hold the same bytes, what was read is freed, and the component is spilled as it was."""
+        fill, self._fill = self._fill, None
+        if fill is None:
+            return
+        residency = fill.job.residency
+        if residency.host_gate is fill.gate:
+            residency.host_gate = None
+        self._reader.give_up(fill.job)
+        residency.untake_units(fill.job.hosts)
+        fill.switch.read_s = fill.job.read_s
+        logger.info("host tier: the read of %s from disk was given up; it stays on disk", fill.job.component)
+
+    def _give_up_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self._reader.give_up(ahead.job)
+            logger.debug("host tier: the read ahead of %s was given up", ahead.job.component)
 
     def _read_ahead_after(self, active: str) -> None:
-        """Start reading the component expected after ``active`` on the prefetch thread, when it waits
-        on disk, is unedited since, and fits in the budget without moving ``active`` out."""
+        """Start reading the component expected after ``active`` when it waits on disk, unedited since:
+        all of it when the budget holds it next to ``active`` (others may move out), else its first units."""
+        assert self._ahead is None
         name = self._seen.expected_after(active, self.handles)
         if name is None or name == active:
             return
@@ -394,35 +729,28 @@ class HostTier:
         residency = handle.residency
         if residency.spilled_to is None or handle.active or not residency.spill_is_current:
             return
-        nbytes = residency.packed_bytes
-        if not self._make_room({active, name}, nbytes, required=False):
-            return
         source = self.sources.get(name)
-        pin = self.pin
-
-        def work(stopped: Callable[[], bool]) -> ReadAhead | None:
-            begin = time.perf_counter()
-            if source is not None:
-                source.check()
-            how = self._how_to_read(source, current=True)  # current: checked before it started, and when taken
-            units = residency.read_back(pin, how.read, stopped)
-            if units is None:
-                return None
-            if source is not None:
-                source.read_done()
-            return ReadAhead(units, time.perf_counter() - begin, how.written)
-
-        self._prefetch.start(name, nbytes, work)
-        self._note_peak()
-        logger.debug("host tier: reading %s ahead while %s runs", name, active)
-
-    def _give_up_prefetch(self) -> None:
-        job = self._prefetch.give_up()
-        if job is None or job.future.exception() is not None:
+        if source is not None and source.changed_file() is not None:
+            return  # refused when it is needed
+        try:
+            self._make_room({active, name}, residency.packed_bytes)
+        except FlexTensorError as exc:  # reading ahead is optional: the component is read when it runs
+            logger.warning("host tier: no read ahead of %s: %s", name, exc)
+        job = self._new_job(name)
+        room = self.budget - self.ram_bytes()
+        if job.units_within(room) == 0:
             return
-        result = job.future.result()
-        if result is not None:
-            self.handles[job.component].residency.drop_read(result.units)
+        job.allow(room)
+        self._ahead = ReadAhead(job)
+        self._reader.start(job)
+        self._note_peak()
+        logger.debug(
+            "host tier: reading %s ahead while %s runs (%s of %s)",
+            name,
+            active,
+            format_bytes(min(room, residency.packed_bytes)),
+            format_bytes(residency.packed_bytes),
+        )
 
     # ------------------------------------------------------------------------------------ room
 
@@ -478,8 +806,10 @@ class HostTier:
 
     def report(self) -> dict[str, Any]:
         """Budget, RAM, per component its bytes, where it is, where it waits and its reads; per switch
-        the read and the wait; disk read bandwidth."""
+        the read, the wait, what was read ahead and the read's bandwidth; disk read bandwidth."""
         with self._lock:
+            if self._fill is not None:
+                self._fill.switch.read_s = self._fill.job.read_s
             read_s = sum(s.read_s for s in self.switches)
             nbytes = sum(s.nbytes for s in self.switches)
             components = {}
@@ -492,6 +822,7 @@ class HostTier:
                     "reads": len(mine),
                     "disk_read_s": round(sum(s.read_s for s in mine), 4),
                     "wait_s": round(sum(s.wait_s for s in mine), 4),
+                    "read_ahead_bytes": sum(s.read_ahead_bytes for s in mine),
                 }
             return {
                 "host_budget_bytes": self.budget,
@@ -502,22 +833,36 @@ class HostTier:
                 "disk_read_s": round(read_s, 4),
                 "wait_s": round(sum(s.wait_s for s in self.switches), 4),
                 "hidden_s": round(sum(s.hidden_s for s in self.switches), 4),
+                "read_ahead_bytes": sum(s.read_ahead_bytes for s in self.switches),
                 "disk_read_gbps": round(nbytes / read_s / 1e9, 3) if read_s > 0 else None,
-                "switches": [
-                    {**asdict(s), "read_s": round(s.read_s, 4), "wait_s": round(s.wait_s, 4)} for s in self.switches
-                ],
+                "switches": [s.as_dict() for s in self.switches],
+                "reading": [self._reading(r) for r in (self._fill, self._ahead) if r is not None],
                 "cache_folder": str(self.folder),
                 "components": components,
             }
 
+    def _reading(self, reading: Fill | ReadAhead) -> dict[str, Any]:
+        """A read under way: the component, whether it is active, and bytes read, allowed and in all."""
+        job = reading.job
+        total = sum(job.nbytes)
+        return {
+            "component": job.component,
+            "kind": "read back" if isinstance(reading, Fill) else "read ahead",
+            "read_bytes": job.read_bytes,
+            "allowed_bytes": min(job.allowed, total),
+            "nbytes": total,
+        }
+
     # ------------------------------------------------------------------------------------ the end
 
     def stop(self) -> None:
-        """Before offload is disabled: give up the read ahead, and check the weight files of components
-        waiting in them, which removal reads their weights back from. A changed file is restored as it
-        is now (a warning says so); a truncated one would fault, so it is refused."""
+        """Before offload is disabled: give up the reads under way (a component still arriving goes back to
+        disk as it was), and check the weight files of components waiting in them, which removal reads their
+        weights back from. A changed file is restored as it is now (a warning says so); a truncated one
+        would fault, so it is refused."""
         with self._lock:
-            self._give_up_prefetch()
+            self._give_up_fill()  # first: a read ahead queued behind it is then skipped at once
+            self._give_up_ahead()
             for name, source in self.sources.items():
                 if self.handles[name].residency.spilled_to is None:
                     continue
@@ -536,11 +881,12 @@ class HostTier:
                     )
 
     def close(self) -> None:
-        """Join the prefetch thread and delete the cache files (called once every handle is removed);
+        """Join the reader threads and delete the cache files (called once every handle is removed);
         the weight files' pages the removal read are dropped from the page cache."""
         with self._lock:
-            self._give_up_prefetch()
-            self._prefetch.close()
+            self._give_up_fill()
+            self._give_up_ahead()
+            self._reader.close()
             for path in self._files:
                 path.unlink(missing_ok=True)
             self._files = []
@@ -558,9 +904,10 @@ def format_host_tier(tier: dict[str, Any]) -> list[str]:
         f"host RAM {format_bytes(tier['host_ram_bytes'])} of {format_bytes(tier['host_budget_bytes'])} "
         f"(peak {format_bytes(tier['peak_host_ram_bytes'])}); on disk now: {disk}; "
         f"{len(tier['disk_reads_s'])} reads from disk, {tier['disk_read_s']:.2f} s{gbps}, "
-        f"waited {tier['wait_s']:.2f} s ({tier['hidden_s']:.2f} s hidden by reading ahead)"
+        f"waited {tier['wait_s']:.2f} s ({tier['hidden_s']:.2f} s hidden: "
+        f"{format_bytes(tier.get('read_ahead_bytes', 0))} read ahead, the rest while computing)"
     ]
-    rows = [("host copies", "bytes", "now", "waits in", "reads", "read s", "wait s")]
+    rows = [("host copies", "bytes", "now", "waits in", "reads", "read ahead", "read s", "wait s")]
     for name, c in tier["components"].items():
         rows.append(
             (
@@ -569,6 +916,7 @@ def format_host_tier(tier: dict[str, Any]) -> list[str]:
                 c["host"],
                 c["source"],
                 str(c["reads"]),
+                format_bytes(c.get("read_ahead_bytes", 0)),
                 f"{c['disk_read_s']:.2f}",
                 f"{c['wait_s']:.2f}",
             )
