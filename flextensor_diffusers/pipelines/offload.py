@@ -254,9 +254,11 @@ def enable(
             the others attach; build their pipeline on the meta device). See `offload_shared`.
         shared_host_root: where the shared files live (a RAM-backed filesystem).
         host_budget: bytes, a string like ``"32GiB"`` or ``"auto"`` (80 % of the RAM available): host
-            RAM for the components' host copies; those that do not fit wait in cache files and are
-            read back before they run (see `host_tier`). ``None``: every host copy in RAM.
-        cache_dir: where those cache files go (default: a ``flextensor-cache`` folder in the temp dir).
+            RAM for the components' host copies; those that do not fit wait on disk (in the safetensors
+            files they were loaded from, else in cache files) and are read back unit by unit while they
+            already run, the next one ahead as far as room allows (see `host_tier`). ``None``: every
+            host copy in RAM.
+        cache_dir: where cache files go (default: a ``flextensor-cache`` folder in the temp dir).
         **config: further `OffloadConfig` fields (``max_slots``, ``profiling_runs``, ...).
     """
     if getattr(pipeline, "_flextensor", None) is not None:
