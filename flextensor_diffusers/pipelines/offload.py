@@ -128,6 +128,8 @@ class PipelineOffload:
                 "host": "disk" if handle.residency.spilled_to is not None else "ram",
                 "unit_bytes": stats.unit_bytes,
                 "transfer_unit_bytes": stats.transfer_unit_bytes,
+                # host copies in RAM now (raw copies, and compressed copies where kept)
+                "host_ram_bytes": handle.residency.host_ram_bytes,
             }
         cuda = self.device.type == "cuda"
         return {
@@ -165,6 +167,9 @@ class PipelineOffload:
 COMPONENT_LEGEND = (
     "units: blocks streamed / blocks found (0/0: no repeated blocks, the component moves whole)\n"
     "overlap: share of copy time hidden behind compute (blank: nothing was streamed)\n"
+    "host RAM: host copies in RAM now (raw, plus compressed copies where kept; 0 while on disk)\n"
+    "link: bytes compressed loads of the blocks move / the blocks' bytes (1.00: not compressed; the plan may\n"
+    "  load some raw when that is faster or fits the budget better)\n"
     "switches: times the active component changed (the previous one gives its GPU memory back)"
 )
 
@@ -172,7 +177,7 @@ COMPONENT_LEGEND = (
 def format_report(report: dict[str, Any]) -> str:
     """The offload report as an aligned table (columns as wide as their longest cell) with a legend."""
     peak = report["peak_allocated_bytes"]
-    head = ("component", "class", "resident", "streamed", "units", "stall ms", "overlap", "phase")
+    head = ("component", "class", "resident", "streamed", "units", "host RAM", "link", "stall ms", "overlap", "phase")
     rows = [head]
     for name, c in report["components"].items():
         overlap = "" if c["overlap_pct"] is None else f"{c['overlap_pct']:.1f}%"
@@ -183,13 +188,15 @@ def format_report(report: dict[str, Any]) -> str:
                 format_bytes(c["resident_weight_bytes"]),
                 format_bytes(c["streamed_unit_bytes"]),
                 f"{c['streamed_units']}/{c['units']}",
+                format_bytes(c["host_ram_bytes"]),
+                f"{c['transfer_unit_bytes'] / c['unit_bytes']:.2f}" if c["unit_bytes"] else "",
                 f"{c['stall_ms']:.1f}",
                 overlap,
                 c["phase"],
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    left = {0, 1, 7}  # names left-aligned, numbers right-aligned
+    left = {0, 1, len(head) - 1}  # names left-aligned, numbers right-aligned
     lines = [
         f"device {report['device']}  budget {format_bytes(report['budget_bytes'])}  "
         f"peak allocated {format_bytes(peak) if peak is not None else 'n/a'}  "
