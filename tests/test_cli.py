@@ -230,6 +230,9 @@ def test_component_table_aligns_long_class_names_and_explains_its_columns() -> N
         "stall_ms": 0.0,
         "overlap_pct": None,
         "phase": "steady",
+        "host_ram_bytes": 4096,
+        "unit_bytes": 1000,
+        "transfer_unit_bytes": 700,
     }
     report = {
         "device": "cpu",
@@ -247,7 +250,8 @@ def test_component_table_aligns_long_class_names_and_explains_its_columns() -> N
     assert all(row.index("steady") == header.index("phase") for row in rows)  # columns line up
     assert all(row.index("iB") == rows[0].index("iB") for row in rows)  # right-aligned sizes
     legend = "\n".join(lines[4:])
-    assert "units:" in legend and "overlap:" in legend and "switches:" in legend
+    assert all(k in legend for k in ("units:", "overlap:", "switches:", "host RAM:", "link:"))
+    assert all(" 0.70 " in row for row in rows)  # a compressed load moves 0.70 of the bytes
 
 
 def test_diffusers_empty_fp32_list_warning_is_filtered() -> None:
