@@ -402,17 +402,24 @@ def test_a_changed_weight_file_is_refused_and_offload_still_disables(saved, tmp_
     assert not any(cache.iterdir())
 
 
-def test_an_edit_while_in_the_weight_files_reaches_outputs_and_then_a_cache_file(saved, tmp_path) -> None:
-    """``load_state_dict`` into an expert that waits in its weight files lands in private copy-on-write
-    pages (never in the files); it computes with the edit, and its next move out writes a cache file."""
-    folder, _ = saved
-    before = digest(folder)
+def expert_waiting_in_its_files(folder: Path, tmp_path: Path) -> tuple[object, Path]:
+    """The saved pipeline offloaded at the smallest budgets after one generation: the high-noise expert
+    waits on disk (in its weight files). Returns the pipeline and its cache folder."""
     pipe = load(folder)
     cache = tmp_path / "cache"
     gpu, host = smallest_budgets(pipe, cache)
     pipe.enable_flextensor_offload(budget=gpu, device="cpu", host_budget=host, cache_dir=cache)
     wan_latents(pipe)
     assert "transformer" in tier_of(pipe).report()["on_disk"]
+    return pipe, cache
+
+
+def test_an_edit_while_in_the_weight_files_reaches_outputs_and_then_a_cache_file(saved, tmp_path) -> None:
+    """``load_state_dict`` into an expert that waits in its weight files lands in private copy-on-write
+    pages (never in the files); it computes with the edit, and its next move out writes a cache file."""
+    folder, _ = saved
+    before = digest(folder)
+    pipe, cache = expert_waiting_in_its_files(folder, tmp_path)
     torch.manual_seed(5)
     state = {k: v + 0.01 * torch.randn_like(v) for k, v in pipe.transformer.state_dict().items()}
     pipe.transformer.load_state_dict(state)
@@ -433,12 +440,7 @@ def test_a_direct_write_into_an_expert_waiting_in_its_files_is_kept(saved, tmp_p
     """A write into an inactive expert's tensor outside the edit methods, while it waits in its weight
     files, lands in copy-on-write pages: the read back sees it (and takes the bytes from there)."""
     folder, _ = saved
-    pipe = load(folder)
-    cache = tmp_path / "cache"
-    gpu, host = smallest_budgets(pipe, cache)
-    pipe.enable_flextensor_offload(budget=gpu, device="cpu", host_budget=host, cache_dir=cache)
-    wan_latents(pipe)
-    assert "transformer" in tier_of(pipe).report()["on_disk"]
+    pipe, _cache = expert_waiting_in_its_files(folder, tmp_path)
     with torch.no_grad():
         pipe.transformer.proj_out.bias.data.add_(0.5)
     native = load(folder)

@@ -80,7 +80,7 @@ def _on_threads(work: Callable[[Unit], None], units: list[Unit], desc: str) -> f
     return time.perf_counter() - start
 
 
-def _drop_cached_pages(path: Path) -> None:
+def drop_cached_pages(path: Path) -> None:
     """Ask the kernel to drop the file's cached pages: once read into RAM, a second copy in the page
     cache would only crowd out other memory (it is clean, so dropping it costs nothing)."""
     if not hasattr(os, "posix_fadvise"):
@@ -640,7 +640,7 @@ class Residency:
         self._taken.add(position)
         if len(self._taken) == len(self.units) + 1:
             if self._held_bytes is None:
-                _drop_cached_pages(self.spilled_to)
+                drop_cached_pages(self.spilled_to)
             self.spilled_to, self._held_bytes, self._taken = None, None, set()
 
     def take_back(self, read: list[Unit]) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..engine.errors import FlexTensorError
+from ..engine.residency import drop_cached_pages
 from ..engine.units import Unit
 
 logger = logging.getLogger(__name__)
@@ -449,17 +450,3 @@ def _read_exactly(fd: int, views: list[memoryview], offset: int, path: Path) -> 
             else:
                 views[0] = views[0][got:]
                 got = 0
-
-
-def drop_cached_pages(path: Path) -> None:
-    """``posix_fadvise(DONTNEED)`` on the whole file: the kernel drops its clean, unmapped cached pages."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
