@@ -485,14 +485,15 @@ class OffloadHandle:
         profile = self.profiler.workload_profile(
             [u.name for u in self.units], list(self._unit_bytes), self.resident_weight_bytes, self._measure_bandwidth
         )
-        if self.residency.encoded:
-            profile.transfer_bytes = [self.residency.transfer_bytes(u.index) for u in self.units]
         self._saved = self.profiles.record(self._signature or "", profile)
         self._apply(profile)
 
     def _apply(self, profile: WorkloadProfile) -> None:
         """Plan under the budget and lay out resident copies and slots accordingly; a budget the
-        measured minimum does not fit leaves the handle over budget, on demand."""
+        measured minimum does not fit leaves the handle over budget, on demand. The bytes compressed
+        loads move are this run's (a saved profile may come from another encoding of the weights)."""
+        if self.residency.encoded:
+            profile.transfer_bytes = [self.residency.transfer_bytes(u.index) for u in self.units]
         self.profile = profile
         try:
             plan = plan_residency(profile, self.budget_bytes, self.config.max_slots, self.config.activation_margin)
