@@ -1,12 +1,16 @@
-"""Unit codec benchmark: compression ratio and decode throughput (issue 16).
+"""Unit codec benchmark: compression ratio, encode and decode throughput (issue 16).
 
 Builds a unit laid out as ``engine/units.py`` lays one out (each tensor at a 512-byte aligned offset) from a
 Wan2.2-A14B transformer block's tensors (dim 5120, ffn 13824: ~700 MB of BF16 with normal-random weights,
 plus FP32 norms and modulation table as Wan keeps them), and, where found, from real trained weights cast to
-BF16. For each it reports the ratio (payload bytes / flat bytes) and the encode time; on CUDA also the
-decode throughput in GB/s of raw output (CUDA events, median of many iterations, per kernel configuration,
-each checked bit-exact), the device-to-device copy rate for reference, and pinned host→device copy times of
-the raw buffer and of the payload, so that the streamed rate of a coded unit can be set against the raw one.
+BF16. For each it reports the ratio (payload bytes / flat bytes) and the host encode time (``encode_s``:
+``encode_unit`` on the CPU's threads); on CUDA also the device encoder (``device_encode``: ``encode_unit(...,
+device="cuda")`` timed end to end, host→device copies of the raw bytes and copies of the payload back to
+host memory included, in GB/s of raw input, for page-locked or pageable input and payload, with the device
+memory it allocated and its kernels' times), the decode throughput in GB/s of raw output (CUDA events, median
+of many iterations, per kernel configuration, each checked bit-exact), the device-to-device copy rate for
+reference, and pinned host→device copy times of the raw buffer and of the payload, so that the streamed rate
+of a coded unit can be set against the raw one.
 
     python benchmarks/codec_bench.py --out benchmarks/results/codec_h200.json
     python benchmarks/codec_bench.py --device cpu --mb 8  # smoke test, any machine
@@ -123,6 +127,78 @@ def encode_report(name: str, flat: torch.Tensor, segments: list[Segment], chunk:
     return encoded, report
 
 
+def unregister(payload: torch.Tensor) -> None:
+    if payload.is_pinned():
+        torch.cuda.cudart().cudaHostUnregister(payload.data_ptr())
+
+
+def kernel_times(fn: Callable[[], object], top: int = 15) -> list[dict]:
+    """The CUDA kernels and copies ``fn()`` ran, by total device time (where the device encoder spends it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(event, "self_cuda_time_total", 0)
+        if device_us > 0:
+            rows.append({"name": event.key[:100], "device_ms": round(device_us / 1e3, 3), "calls": event.count})
+    return sorted(rows, key=lambda r: -r["device_ms"])[:top]
+
+
+def device_encode_report(
+    flat: torch.Tensor, segments: list[Segment], chunk: int, device: torch.device, reps: int, host: EncodedUnit
+) -> dict:
+    """``encode_unit(..., device=device)`` end to end (copies both ways included) as ``Residency.compress`` calls
+    it: page-locked unit buffer in, payload page-locked in place (``pin=True``); also with a pageable payload
+    and with a pageable input. Each variant: a warm-up call, then the median of ``reps`` calls."""
+    pinned_flat = flat.pin_memory()
+    variants = {
+        "pinned_in_pinned_out": (pinned_flat, True),
+        "pinned_in_pageable_out": (pinned_flat, False),
+        "pageable_in_pinned_out": (flat, True),
+    }
+    report: dict = {"raw_mb": flat.numel() / 1e6}
+    for name, (src, pin) in variants.items():
+        times, peaks = [], []
+        for rep in range(reps + 1):
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            start = time.perf_counter()
+            encoded = encode_unit(src, segments, chunk=chunk, device=device, pin=pin)
+            seconds = time.perf_counter() - start
+            if rep:
+                times.append(seconds)
+                peaks.append(torch.cuda.max_memory_allocated(device) - base)
+            if rep < reps:
+                unregister(encoded.payload)
+        seconds = statistics.median(times)
+        out = torch.zeros(encoded.raw_nbytes, dtype=torch.uint8, device=device)
+        decode_into(encoded, encoded.payload.to(device), out)
+        report[name] = {
+            "s": round(seconds, 4),
+            "gbps": round(flat.numel() / seconds / 1e9, 2),
+            "payload_pinned": encoded.payload.is_pinned(),
+            "device_peak_mib": round(max(peaks) / 2**20, 1),
+            "stored_vs_host": round(encoded.stored_nbytes / host.stored_nbytes - 1, 6),
+            "exact": segments_equal(out, flat.to(device), segments),
+        }
+        unregister(encoded.payload)
+        del out, encoded
+        print(f"  device encode {name}: {report[name]}", flush=True)
+    try:
+        report["kernels"] = kernel_times(
+            lambda: unregister(encode_unit(pinned_flat, segments, chunk=chunk, device=device, pin=True).payload)
+        )
+    except Exception as exc:  # the profile is a diagnostic: the timings above stand without it
+        report["kernels"] = f"profile failed: {exc!r}"
+    return report
+
+
 def segments_equal(out: torch.Tensor, flat_dev: torch.Tensor, segments: list[Segment]) -> bool:
     return all(
         torch.equal(out[s.offset : s.offset + s.nbytes], flat_dev[s.offset : s.offset + s.nbytes]) for s in segments
@@ -195,6 +271,7 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=700.0, help="size of the random unit (700: a Wan2.2 block)")
     parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK)
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--encode-reps", type=int, default=5, help="timed device encodes per variant (CUDA)")
     parser.add_argument("--trained", action="append", default=[], help="a state dict file (repeatable)")
     parser.add_argument("--trained-dir", help="a folder to search for state dicts")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -225,6 +302,10 @@ def main() -> None:
     for name, build in units:
         flat, segments = build()
         encoded, report = encode_report(name, flat, segments, args.chunk)
+        if device.type == "cuda":
+            report["device_encode"] = device_encode_report(
+                flat, segments, args.chunk, device, args.encode_reps, encoded
+            )
         report.update(device_report(encoded, flat, segments, device, args.iters))
         results["units"].append(report)
         del flat, encoded

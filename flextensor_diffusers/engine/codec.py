@@ -14,16 +14,23 @@ The scheme keeps decode embarrassingly parallel. Each float word is split by a b
 * its *rest*: ``(sign << m) | (low m bits)``, ``W − 1`` bytes that are nearly incompressible and stored raw.
 
 Each segment's elements are cut into chunks of ``chunk`` elements (the last one shorter). A chunk codes
-its symbols with fixed-length codes of ``b ∈ {1, 2, 3, 4, 8}`` bits, chosen per chunk to minimise its size:
-with ``b < 8`` the ``2^b − 1`` most frequent symbols get codes ``0 … 2^b − 2`` (a 15-byte table per chunk)
-and code ``2^b − 1`` *escapes* to the next byte of the chunk's escape stream; ``b = 8`` codes the symbol
-itself and never escapes. Element ``i`` finds its code at bit ``i·b`` without reading any other element's,
-and its escape (if any) at the chunk's escape offset plus the number of escapes before it in the chunk (a
-prefix sum inside the chunk). On normal-random BF16 weights the usual choice is ``b = 3`` with ~2–3 %
-escapes: ~11.2 of 16 bits, a ratio ~0.70 (the exponent entropy would allow ~0.67).
+its symbols with fixed-length codes of ``b ∈ {1, …, 8}`` bits, chosen per chunk to minimise its size:
+with ``b < 8`` the ``2^b − 1`` most frequent symbols get codes ``0 … 2^b − 2`` (a table of ``2^b − 1``
+bytes per chunk; 7 for the usual ``b = 3``) and code ``2^b − 1`` *escapes* to the next byte of the chunk's
+escape stream; ``b = 8`` codes the symbol itself and never escapes. Element ``i`` finds its code at bit
+``i·b`` without reading any other element's, and its escape (if any) at the chunk's escape offset plus the
+number of escapes before it in the chunk (a prefix sum inside the chunk). On normal-random BF16 weights
+the usual choice is ``b = 3`` with ~2–3 % escapes: ~11.2 of 16 bits, a ratio ~0.70 (the exponent entropy
+would allow ~0.67).
 
 Segments of other dtypes (int64 buffers, …), of misaligned placement, or too small to be worth a chunk's
 metadata are stored raw and copied verbatim by the same kernel.
+
+The encoder (:func:`encode_unit`) is made of torch ops vectorised over the chunks of a slice of the unit, so
+it runs on the host or, much faster, on a CUDA device (``device=``): per-chunk histograms by one
+``bincount`` over ``256 · chunk + symbol``, a stable sort of each chunk's 256 counts, the size of each
+``b`` from their cumulative sums, codes by a lookup in per-chunk code tables, escapes by a boolean index,
+and codes packed eight at a time into ``b`` bytes with shifts.
 
 Payload layout (one flat ``uint8`` tensor, everything the device needs; sections aligned to 64 bytes):
 
@@ -32,24 +39,26 @@ Payload layout (one flat ``uint8`` tensor, everything the device needs; sections
   ``n_pieces`` rows are verbatim copies ``(out_off, nbytes, src_off, 0, 0, 0, 0, 0)``. All offsets are in
   bytes, ``*_off`` other than ``out_off`` relative to the payload start.
 * ``tables``: ``2^b − 1`` bytes per chunk (none for ``b = 8``), symbol of code ``c`` at ``table_off + c``.
-* ``codes``: chunk codes, little-endian bit strings, followed by one pad byte (the decoder reads a
-  two-byte window for every code, so the window of the last code stays inside the payload).
+* ``codes``: chunk codes, little-endian bit strings of ``⌈n·b / 8⌉`` bytes, followed by one pad byte (the
+  decoder reads a two-byte window for every code, so the window of the last code stays inside the payload).
 * ``escapes``: the escaped symbols of each chunk, in element order.
-* ``planes``: byte ``k`` of element ``i``'s rest at ``raw_off + k·plane + i``.
+* ``planes``: byte ``k`` of element ``i``'s rest at ``raw_off + k·plane + i`` (the encoder gives each slice of
+  chunks its own block of planes, so ``plane`` is per row).
 * ``verbatim``: raw segments' bytes, each at a 64-byte aligned offset.
 
-Invariants the decoder relies on: a chunk never crosses a segment; ``out_off`` of a chunk and its
-``raw_off`` are multiples of 16 and every chunk but a segment's last holds exactly ``chunk`` elements
-(a multiple of 16), so full chunks are decoded with unmasked, vectorised loads and stores; segments
-do not overlap, so decode order is free. Bytes of the flat buffer outside segments are not preserved.
+Invariants the decoder relies on: a chunk never crosses a segment; ``out_off`` of a chunk, its ``raw_off``
+and ``plane`` are multiples of 16 and every chunk but a segment's last holds exactly ``chunk`` elements (a
+multiple of 16), so full chunks are decoded with unmasked, vectorised loads and stores; segments do not
+overlap, so decode order is free. Bytes of the flat buffer outside segments are not preserved.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import mmap
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
@@ -80,10 +89,15 @@ VERBATIM_PIECE = 1 << 16
 SECTION_ALIGN = 64
 ROW_WORDS = 8
 CODE_BITS = (1, 2, 3, 4, 5, 6, 7)  # table-coded widths; 8 (identity, no escape) is always a candidate too
+#: Raw bytes the encoder codes at a time on a device; the next slice's are copied meanwhile (see `encode_unit`).
+DEVICE_SLICE_BYTES = 128 << 20
+#: Raw bytes the encoder codes at a time on the host: small, so each pass's temporaries stay in cache.
+HOST_SLICE_BYTES = 4 << 20
+#: Coded bytes the device encoder keeps there until it assembles the payload (a Wan2.2 block's ~470 MiB fit).
+DEVICE_HOLD_BYTES = 512 << 20
 
 #: Dtypes whose words are shuffled into (exponent symbol, rest), with their word size in bytes.
 CODED_DTYPES: dict[torch.dtype, int] = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
-_WORD_NP = {2: np.uint16, 4: np.uint32}
 
 
 class CodecError(ValueError):
@@ -147,7 +161,7 @@ def worth_compressing(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Encoder (host, vectorised over the elements of a batch of chunks)
+# Encoder: torch ops on any device, vectorised over the chunks of a slice of the unit
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -155,11 +169,20 @@ def _align(n: int, alignment: int = SECTION_ALIGN) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
-def _check_segments(flat: torch.Tensor, segments: list[Segment]) -> None:
-    if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.device.type != "cpu" or not flat.is_contiguous():
+def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
+    return np.cumsum(x) - x
+
+
+def _check_segments(flat: torch.Tensor, segments: list[Segment], device: torch.device) -> None:
+    if (
+        flat.dtype != torch.uint8
+        or flat.dim() != 1
+        or flat.device not in (torch.device("cpu"), device)
+        or not flat.is_contiguous()
+    ):
         raise CodecError(
-            f"encode_unit needs a contiguous 1-D uint8 CPU tensor, got {flat.dtype} {tuple(flat.shape)} on "
-            f"{flat.device}; pass the unit's flat host buffer"
+            f"encode_unit needs a contiguous 1-D uint8 tensor on the host (or on the coding device), got "
+            f"{flat.dtype} {tuple(flat.shape)} on {flat.device}; pass the unit's flat host buffer"
         )
     spans = sorted((s.offset, s.offset + s.nbytes) for s in segments if s.nbytes)
     for s in segments:
@@ -180,149 +203,303 @@ def _is_coded(seg: Segment, min_elements: int) -> bool:
     )
 
 
-@dataclass
-class _CodedClass:
-    """What the encoder produced for the coded segments of one word width, before payload placement."""
+@dataclass(frozen=True)
+class _Rows:
+    """Consecutive chunks of one word width: ``n[r]`` elements from byte ``out_off[r]`` of the flat buffer.
 
-    width: int
-    rows: np.ndarray  # int64[n, 8], code/esc/table offsets relative to their section, raw_off to the planes
-    codes: np.ndarray  # uint8
-    escapes: np.ndarray  # uint8
-    planes: np.ndarray  # uint8[width - 1, plane]
-    tables: np.ndarray  # uint8, the chunks' tables back to back
-
-
-@dataclass
-class _Batch:
-    """Consecutive chunks of one segment, coded."""
-
-    bits: np.ndarray  # int64[k]
-    code_nbytes: np.ndarray  # int64[k]
-    esc_count: np.ndarray  # int64[k]
-    table_nbytes: np.ndarray  # int64[k]
-    tables: np.ndarray  # uint8, the chunks' tables back to back
-    codes: np.ndarray  # uint8, the chunks' code bytes back to back
-    escapes: np.ndarray  # uint8
-    rest: np.ndarray  # the words without their symbol bits, same dtype as the words
-
-
-def _encode_batch(words: np.ndarray, chunk: int) -> _Batch:
-    """Code ``words`` (a whole number of chunks, but for a segment's last) as consecutive chunks of ``chunk``.
-
-    The words are laid out as a ``(k, chunk)`` matrix, the last row padded; padding never enters a histogram
-    (it counts in bin 256) and is cut from the codes.
+    A *part* is a run of chunks of one segment: its words are contiguous in the flat buffer.
     """
-    width = words.itemsize
-    m = 8 * width - 9
-    n = len(words)
-    k = -(-n // chunk)
-    lengths = np.full(k, chunk, dtype=np.int64)
-    lengths[-1] = n - (k - 1) * chunk
-    if n < k * chunk:
-        words = np.concatenate([words, np.zeros(k * chunk - n, dtype=words.dtype)])
-    sym = ((words >> m) & 0xFF).astype(np.int32).reshape(k, chunk)
-    rest = ((words >> 8) & (1 << m)) | (words & ((1 << m) - 1))
 
-    keyed = sym + (np.arange(k, dtype=np.int32) * 256)[:, None]  # (chunk, symbol) as one index
-    hist = np.bincount(keyed.reshape(-1), minlength=k * 256).reshape(k, 256)
-    hist[-1, 0] -= k * chunk - n  # the padding words are zeros: symbol 0
-    order = np.argsort(-hist, axis=1, kind="stable")  # symbols by falling frequency, ties by value
-    covered = np.cumsum(np.take_along_axis(hist, order, axis=1), axis=1)
-    cost = np.stack(
-        [lengths * b + 8 * (lengths - covered[:, (1 << b) - 2] + (1 << b) - 1) for b in CODE_BITS] + [8 * lengths],
-        axis=1,
-    )
-    bits = np.asarray([*CODE_BITS, 8], dtype=np.int64)[np.argmin(cost, axis=1)]
+    out_off: np.ndarray  # int64[k]
+    n: np.ndarray  # int64[k]
+    part_start: np.ndarray  # int64[parts]: first row of each part
+    part_stop: np.ndarray
+    part_n: np.ndarray  # elements of each part
 
-    esc_code = (1 << bits) - 1
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(256)[None, :], axis=1)
-    code_of = np.where(rank < esc_code[:, None], rank, esc_code[:, None])
-    code_of = np.where(bits[:, None] == 8, np.arange(256)[None, :], code_of).astype(np.uint8)
-    code = code_of.reshape(-1)[keyed]
-    code[-1, lengths[-1] :] = 0
-    is_esc = code == np.where(bits < 8, esc_code, 256).astype(np.int16)[:, None]  # b = 8 never escapes
-    is_esc[-1, lengths[-1] :] = False
-    escapes = sym[is_esc].astype(np.uint8)  # row-major: chunk by chunk, in element order
+    @staticmethod
+    def of(out_off: np.ndarray, n: np.ndarray, seg_of: np.ndarray) -> _Rows:
+        part_start = np.flatnonzero(np.diff(seg_of, prepend=-1))
+        part_stop = np.append(part_start[1:], len(n))
+        return _Rows(out_off, n, part_start, part_stop, np.add.reduceat(n, part_start))
 
-    # Eight b-bit codes fill b bytes exactly: pack them as one little-endian integer per group of eight.
-    code_nbytes = (lengths * bits + 7) // 8
-    groups = code.reshape(k, chunk // 8, 8)
-    packed_by_bits = {8: code}
-    for b in set(bits.tolist()) - {8}:
-        word_type = np.uint32 if b <= 4 else np.uint64
-        word = sum(groups[:, :, j].astype(word_type) << word_type(b * j) for j in range(8))
-        size = np.dtype(word_type).itemsize
-        packed_by_bits[b] = word.view(np.uint8).reshape(k, chunk // 8, size)[:, :, :b].reshape(k, -1)
-    codes = np.concatenate(
-        [
-            packed_by_bits[b][row, :size]
-            for row, (b, size) in enumerate(zip(bits.tolist(), code_nbytes.tolist(), strict=True))
-        ]
-    )
-
-    table_nbytes = np.where(bits < 8, esc_code, 0)
-    tables = np.concatenate([order[row, :size] for row, size in enumerate(table_nbytes.tolist())]).astype(np.uint8)
-    return _Batch(bits, code_nbytes, is_esc.sum(axis=1), table_nbytes, tables, codes, escapes, rest[:n])
+    def parts(self) -> zip[tuple[int, int, int]]:
+        return zip(self.part_start.tolist(), self.part_stop.tolist(), self.part_n.tolist(), strict=True)
 
 
-def _encode_class(flat_np: np.ndarray, segments: list[Segment], width: int, chunk: int) -> _CodedClass:
-    """Code every segment of one word width.
+@dataclass
+class _Slice:
+    """Consecutive chunks of one word width, coded; ``rows``' offsets are relative to this slice's own pieces."""
 
-    Chunks are coded in batches of ~1M elements, so temporaries stay small, on a thread pool (numpy releases
-    the GIL); each batch writes its own slice of the planes, and offsets are assigned in order afterwards.
+    rows: np.ndarray  # int64[k, 8]: code/esc/table offsets into codes/escapes/tables, raw_off into planes
+    tables: torch.Tensor  # uint8, the chunks' tables back to back
+    codes: torch.Tensor  # uint8, the chunks' code bytes, grouped by code width
+    escapes: torch.Tensor  # uint8, the chunks' escapes back to back
+    planes: torch.Tensor  # uint8[width - 1, rows[:, 3]]: this slice's own rest planes (the rows' plane stride)
+
+    @property
+    def pieces(self) -> tuple[torch.Tensor, ...]:
+        return self.tables, self.codes, self.escapes, self.planes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self.pieces)
+
+    def to(self, device: torch.device) -> _Slice:
+        return _Slice(self.rows, *(t.to(device) for t in self.pieces))
+
+
+_WORD = {2: torch.int16, 4: torch.int32}
+
+
+def _fetch(flat: torch.Tensor, rows: _Rows, width: int, chunk: int, device: torch.device) -> torch.Tensor:
+    """The words of ``rows`` on ``device`` as a ``uint8[k · chunk · width]`` matrix of rows padded with zeros
+    (one copy per part; a view of ``flat`` when that is the same)."""
+    k, row_bytes = len(rows.n), chunk * width
+    if len(rows.part_start) == 1 and rows.part_n[0] == k * chunk and flat.device == device:
+        return flat[rows.out_off[0] : rows.out_off[0] + k * row_bytes]
+    raw = torch.empty(k * row_bytes, dtype=torch.uint8, device=device)
+    for start, stop, count in rows.parts():
+        src, nbytes = int(rows.out_off[start]), count * width
+        raw[start * row_bytes : start * row_bytes + nbytes].copy_(flat[src : src + nbytes], non_blocking=True)
+        raw[start * row_bytes + nbytes : stop * row_bytes].zero_()
+    return raw
+
+
+def _split_words(raw: torch.Tensor, width: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The words' keyed symbols ``int32[k, chunk]`` (``256 · row + symbol``: one histogram bin per chunk and
+    symbol) and their rest bytes ``uint8[width - 1, k, chunk]``. Temporaries: ~1.25× the words' bytes."""
+    by = raw.view(-1, chunk, width)
+    rest_top = by[:, :, width - 2] & 0x7F  # the sign where the symbol's low bit was
+    rest_top |= by[:, :, width - 1] & 0x80
+    rest = rest_top[None] if width == 2 else torch.stack([*(by[:, :, j] for j in range(width - 2)), rest_top])
+    del rest_top
+    k = by.shape[0]
+    keyed = torch.empty(k, chunk, dtype=torch.int32, device=raw.device)
+    torch.bitwise_right_shift(raw.view(_WORD[width]).view(k, chunk), 8 * width - 9, out=keyed)  # bits [m, m + 8)
+    keyed &= 0xFF
+    keyed += torch.arange(0, 256 * k, 256, dtype=torch.int32, device=raw.device)[:, None]
+    return keyed, rest
+
+
+def _choose_codes(
+    keyed: torch.Tensor, n: np.ndarray, chunk: int
+) -> tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per chunk (row of ``keyed``: ``256 · row + symbol``, padding words symbol 0): the code width minimising
+    its size, its table and codes; returns bits and escape counts (host), and tables, codes, escapes (device).
+
+    ``b < 8`` gives the ``2^b − 1`` most frequent symbols (ties: the smaller symbol) codes by falling frequency,
+    every other symbol the escape code ``2^b − 1``; ``b = 8`` codes symbols as they are.
     """
-    word_np = _WORD_NP[width]
-    counts = [s.nbytes // width for s in segments]
-    # Each segment's rest words start at a multiple of 16 elements in the planes, so raw_off stays 16-aligned.
-    plane_starts = np.concatenate(([0], np.cumsum([_align(n, 16) for n in counts]))).astype(np.int64)
-    planes = np.zeros((width - 1, _align(int(plane_starts[-1]), SECTION_ALIGN)), dtype=np.uint8)
-    span = max(1, (1 << 20) // chunk) * chunk
-    jobs = [
-        (seg, n, int(plane_start), first)
-        for seg, n, plane_start in zip(segments, counts, plane_starts, strict=False)
-        for first in range(0, n, span)
-    ]
+    dev, (k, _) = keyed.device, keyed.shape
+    n_dev = torch.from_numpy(n).to(dev, non_blocking=True)
+    hist = torch.bincount(keyed.view(-1), minlength=256 * k).view(k, 256)
+    hist[:, 0] -= chunk - n_dev  # not the padding
+    counts, order = torch.sort(hist, dim=1, descending=True, stable=True)
+    del hist
+    covered = counts.cumsum(1)
+    cands = torch.tensor(CODE_BITS, dtype=torch.int64, device=dev)
+    escapes = n_dev[:, None] - covered[:, (1 << cands) - 2]
+    del counts, covered
+    cost = torch.cat([n_dev[:, None] * cands + 8 * (escapes + (1 << cands) - 1), 8 * n_dev[:, None]], dim=1)
+    choice = torch.argmin(cost, dim=1)  # the first minimum: the smallest width among equals
+    bits_dev = torch.cat([cands, cands.new_tensor([8])])[choice]
+    escapes = torch.cat([escapes, torch.zeros_like(escapes[:, :1])], dim=1).gather(1, choice[:, None])[:, 0]
+    bits, esc_count = torch.stack([bits_dev, escapes]).cpu().numpy()
 
-    def run(job: tuple[Segment, int, int, int]) -> _Batch:
-        seg, n, plane_start, first = job
-        stop = min(n, first + span)
-        words = flat_np[seg.offset + first * width : seg.offset + stop * width].view(word_np)
-        batch = _encode_batch(words, chunk)
-        for byte in range(width - 1):
-            planes[byte, plane_start + first : plane_start + stop] = (batch.rest >> (8 * byte)).astype(np.uint8)
-        return batch
+    esc_code = (1 << bits_dev) - 1
+    symbols = torch.arange(256, device=dev).expand(k, 256)
+    tables = order.to(torch.uint8)[symbols < torch.where(bits_dev < 8, esc_code, 0)[:, None]]
+    code_of = torch.minimum(torch.empty_like(order).scatter_(1, order, symbols), esc_code[:, None])  # rank or escape
+    del order
+    if (bits == 8).any():
+        code_of = torch.where(bits_dev[:, None] == 8, symbols, code_of)
+    code = code_of.to(torch.uint8).view(-1).index_select(0, keyed.view(-1)).view(k, chunk)
+    del code_of
+    tails = np.flatnonzero(n < chunk)
+    if len(tails):  # padding codes 0: they fill the high bits of a chunk's last code byte and never escape
+        tail_dev = torch.from_numpy(tails).to(dev)
+        code[tail_dev] *= torch.arange(chunk, device=dev)[None, :] < n_dev[tail_dev, None]
+    if esc_count.any():
+        is_esc = code == esc_code.clamp(max=255).to(torch.uint8)[:, None]
+        if (bits == 8).any():  # b = 8 never escapes
+            is_esc &= (bits_dev < 8)[:, None]
+        escaped = (keyed[is_esc] & 0xFF).to(torch.uint8)  # row-major: chunk by chunk, in element order
+    else:
+        escaped = torch.zeros(0, dtype=torch.uint8, device=dev)
+    return bits, esc_count, tables, code, escaped
 
-    with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1) or 1) as pool:
-        batches = list(pool.map(run, jobs))
 
-    rows = []
-    code_pos = esc_pos = table_pos = 0
-    for (seg, n, plane_start, first), batch in zip(jobs, batches, strict=True):
-        k = len(batch.bits)
-        starts = first + np.arange(k, dtype=np.int64) * chunk
-        batch_rows = np.zeros((k, ROW_WORDS), dtype=np.int64)
-        batch_rows[:, 0] = seg.offset + starts * width
-        batch_rows[:, 1] = np.minimum(chunk, n - starts)
-        batch_rows[:, 2] = plane_start + starts
-        batch_rows[:, 3] = planes.shape[1]
-        batch_rows[:, 4] = code_pos + np.concatenate(([0], np.cumsum(batch.code_nbytes)[:-1]))
-        batch_rows[:, 5] = esc_pos + np.concatenate(([0], np.cumsum(batch.esc_count)[:-1]))
-        batch_rows[:, 6] = table_pos + np.concatenate(([0], np.cumsum(batch.table_nbytes)[:-1]))
-        batch_rows[:, 7] = batch.bits
-        rows.append(batch_rows)
-        code_pos += len(batch.codes)
-        esc_pos += len(batch.escapes)
-        table_pos += len(batch.tables)
-    empty = np.zeros(0, dtype=np.uint8)
-    return _CodedClass(
-        width=width,
-        rows=np.concatenate(rows) if rows else np.zeros((0, ROW_WORDS), dtype=np.int64),
-        codes=np.concatenate([b.codes for b in batches]) if batches else empty,
-        escapes=np.concatenate([b.escapes for b in batches]) if batches else empty,
-        planes=planes,
-        tables=np.concatenate([b.tables for b in batches]) if batches else empty,
-    )
+def _pack_codes(code: torch.Tensor, bits: int) -> torch.Tensor:
+    """``uint8[k, chunk]`` codes of ``bits`` bits as ``uint8[k, chunk · bits / 8]`` little-endian bit strings.
+
+    Eight ``bits``-bit codes fill ``bits`` bytes exactly: each group of eight is summed, shifted into place, into
+    one integer (codes never overlap, so OR is ADD) whose low ``bits`` bytes are kept.
+    """
+    if bits == 8:
+        return code
+    k, chunk = code.shape
+    word_dtype, word_bytes = (torch.int32, 4) if bits <= 4 else (torch.int64, 8)
+    groups = code.view(k, chunk // 8, 8)
+    packed = groups[:, :, 0].to(word_dtype)
+    for j in range(1, 8):
+        packed |= groups[:, :, j].to(word_dtype) << (bits * j)
+    return packed.view(torch.uint8).view(k, chunk // 8, word_bytes)[:, :, :bits].reshape(k, chunk * bits // 8)
+
+
+def _pack_all(code: torch.Tensor, n: np.ndarray, bits: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+    """The chunks' code bytes, ``(n · b + 7) // 8`` each, grouped by ``b`` (so each group packs with constant
+    shifts; the format lets every chunk say where its codes are), and each chunk's offset into them."""
+    dev, k = code.device, len(n)
+    code_nbytes = (n * bits + 7) // 8
+    code_off = np.zeros(k, dtype=np.int64)
+    codes, pos = [], 0
+    for b in np.unique(bits).tolist():
+        idx = np.flatnonzero(bits == b)
+        packed = _pack_codes(code if len(idx) == k else code[torch.from_numpy(idx).to(dev)], b)
+        nbytes = code_nbytes[idx]
+        if (nbytes < packed.shape[1]).any():  # short chunks: keep their first code_nbytes bytes
+            keep = torch.arange(packed.shape[1], device=dev)[None, :] < torch.from_numpy(nbytes).to(dev)[:, None]
+            codes.append(packed[keep])
+        else:
+            codes.append(packed.reshape(-1))
+        code_off[idx] = pos + _exclusive_cumsum(nbytes)
+        pos += int(nbytes.sum())
+    return (torch.cat(codes) if len(codes) > 1 else codes[0]), code_off
+
+
+def _encode_slice(raw: list[torch.Tensor], rows: _Rows, width: int, chunk: int) -> _Slice:
+    """Code the padded word matrix ``raw.pop()`` (see `_fetch`) of ``rows`` on its device.
+
+    ``raw`` comes in a list so that its bytes are freed as soon as they are split, before the histograms.
+    """
+    keyed, rest = _split_words(raw.pop(), width, chunk)
+    dev, k = keyed.device, len(rows.n)
+    bits, esc_count, tables, code, escapes = _choose_codes(keyed, rows.n, chunk)
+    del keyed
+    codes, code_off = _pack_all(code, rows.n, bits)
+    del code
+
+    # Each part's rest bytes start at a multiple of 16 elements in the planes, so raw_off stays 16-aligned.
+    plane_len = (rows.part_n + 15) // 16 * 16
+    plane_base = _exclusive_cumsum(plane_len)
+    plane = int(plane_len.sum())
+    rest = rest.view(width - 1, k * chunk)
+    if len(plane_len) == 1:
+        planes = rest[:, :plane]
+    else:
+        planes = torch.empty(width - 1, plane, dtype=torch.uint8, device=dev)
+        for (start, _, _), base, length in zip(rows.parts(), plane_base.tolist(), plane_len.tolist(), strict=True):
+            planes[:, base : base + length] = rest[:, start * chunk : start * chunk + length]
+
+    part_of = np.repeat(np.arange(len(rows.part_start)), rows.part_stop - rows.part_start)
+    table = np.zeros((k, ROW_WORDS), dtype=np.int64)
+    table[:, 0] = rows.out_off
+    table[:, 1] = rows.n
+    table[:, 2] = plane_base[part_of] + (np.arange(k) - rows.part_start[part_of]) * chunk
+    table[:, 3] = plane
+    table[:, 4] = code_off
+    table[:, 5] = _exclusive_cumsum(esc_count)
+    table[:, 6] = _exclusive_cumsum(np.where(bits < 8, (1 << bits) - 1, 0))
+    table[:, 7] = bits
+    return _Slice(table, tables, codes, escapes, planes)
+
+
+def _slice_rows(per_seg: np.ndarray, step: int) -> list[tuple[int, int]]:
+    """Row ranges of at most ``step`` rows (chunks), cut at segment boundaries where possible: a segment of
+    ``step`` rows or more is cut into near-equal slices of its own (they need no copy on the host, and their
+    planes are the slice's rest bytes as they come), smaller ones share slices."""
+    step = max(1, step)
+    ranges: list[tuple[int, int]] = []
+    start = stop = 0  # the slice being filled: rows [start, stop)
+    for rows in per_seg.tolist():
+        if stop > start and (rows >= step or stop - start + rows > step):
+            ranges.append((start, stop))
+            start = stop
+        if rows >= step:
+            cuts = np.linspace(stop, stop + rows, -(-rows // step) + 1).round().astype(np.int64).tolist()
+            ranges += itertools.pairwise(cuts)
+            start = stop = stop + rows
+        else:
+            stop += rows
+    if stop > start:
+        ranges.append((start, stop))
+    return ranges
+
+
+def _encode_class(
+    flat: torch.Tensor, segments: list[Segment], width: int, chunk: int, device: torch.device, slice_bytes: int,
+    hold_bytes: int,
+) -> list[_Slice]:  # fmt: skip
+    """Code every segment of one word width, ``slice_bytes`` of chunks at a time.
+
+    On CUDA the next slice's words are copied on a side stream while the current one is coded, and coded slices
+    stay on the device while they hold at most ``hold_bytes`` in all (later ones go to host memory at once).
+    """
+    if not segments:
+        return []
+    counts = np.array([s.nbytes // width for s in segments], dtype=np.int64)
+    per_seg = -(-counts // chunk)
+    seg_of = np.repeat(np.arange(len(segments)), per_seg)
+    first = (np.arange(len(seg_of)) - np.repeat(_exclusive_cumsum(per_seg), per_seg)) * chunk
+    n = np.minimum(chunk, counts[seg_of] - first)
+    out_off = np.array([s.offset for s in segments], dtype=np.int64)[seg_of] + first * width
+    step = min(slice_bytes // (chunk * width), (1 << 31) // 256 - 1)  # 256 · row + symbol stays an int32
+    plan = [_Rows.of(out_off[a:b], n[a:b], seg_of[a:b]) for a, b in _slice_rows(per_seg, step)]
+
+    copy_stream = torch.cuda.Stream(device) if device.type == "cuda" and flat.device != device else None
+
+    def fetch(rows: _Rows) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        if copy_stream is None:
+            return _fetch(flat, rows, width, chunk, device), None
+        copy_stream.wait_stream(torch.cuda.current_stream(device))  # after what the caller queued (a copy into flat)
+        with torch.cuda.stream(copy_stream):
+            raw = _fetch(flat, rows, width, chunk, device)
+            return raw, copy_stream.record_event()
+
+    slices: list[_Slice] = []
+    held = 0
+    pending = fetch(plan[0])
+    for i, rows in enumerate(plan):
+        raw, ready = pending
+        if ready is not None:
+            torch.cuda.current_stream(device).wait_event(ready)
+            raw.record_stream(torch.cuda.current_stream(device))
+        if i + 1 < len(plan):
+            pending = fetch(plan[i + 1])
+        coded = _encode_slice([raw], rows, width, chunk)
+        del raw
+        if device.type != "cpu":
+            held += coded.nbytes
+            if held > hold_bytes:
+                coded = coded.to(torch.device("cpu"))
+        slices.append(coded)
+    return slices
+
+
+def _host_payload(nbytes: int, device: torch.device, pin: bool) -> tuple[torch.Tensor, bool]:
+    """An uninitialised host tensor of ``nbytes`` for the payload and whether it is page-locked.
+
+    Page-locked in place (``cudaHostRegister``) when asked: the tensor then starts on a page boundary of a
+    slightly larger buffer, so the pages registered belong to it alone (a page shared with a neighbouring
+    allocation that is registered as well would make the registration fail).
+    """
+    if not (pin and device.type == "cuda" and nbytes):
+        return torch.empty(nbytes, dtype=torch.uint8), False
+    page = mmap.PAGESIZE
+    buffer = torch.empty(_align(nbytes, page) + page, dtype=torch.uint8)
+    start = -buffer.data_ptr() % page
+    payload = buffer[start : start + nbytes]
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(payload.data_ptr(), nbytes, 0)
+    except (AttributeError, RuntimeError) as exc:  # pragma: no cover - depends on the CUDA build
+        logger.debug("cudaHostRegister unavailable: %s", exc)
+        return payload, False
+    if int(getattr(err, "value", err)) == 0:
+        return payload, True
+    logger.warning("cudaHostRegister of a %d-byte payload failed (%s): it stays pageable", nbytes, err)
+    with contextlib.suppress(RuntimeError):  # the runtime keeps the error for the next launch check: take it
+        torch.zeros(1, device=device).add_(1)
+    return payload, False
 
 
 def encode_unit(
@@ -331,17 +508,39 @@ def encode_unit(
     *,
     chunk: int = DEFAULT_CHUNK,
     min_elements: int = DEFAULT_MIN_ELEMENTS,
+    device: torch.device | str | None = None,
+    slice_bytes: int | None = None,
+    hold_bytes: int = DEVICE_HOLD_BYTES,
+    pin: bool = False,
 ) -> EncodedUnit:
     """Encode the segments of a unit's flat host buffer; see the module docstring for the format.
 
     ``chunk`` (a multiple of 16) is the element count of a coding chunk; segments of fewer than
     ``min_elements`` elements are stored verbatim. The result decodes to the exact bytes of every segment.
+
+    ``device`` is where the coding runs: ``None`` (or ``"cpu"``) on the host, with torch's CPU threads, in
+    slices of ``HOST_SLICE_BYTES``. On a CUDA device the coded segments' bytes are copied over in slices of
+    ``slice_bytes`` raw bytes (default ``DEVICE_SLICE_BYTES``; the next slice's copy, async when ``flat`` is
+    page-locked, overlaps the coding of the current one), the coded slices stay there while they hold at most
+    ``hold_bytes`` (later ones come back to host memory at once), and the payload is assembled in host memory
+    by copies of the slices' sections; the call returns once it is complete. The device memory the call
+    allocates peaks at about ``4.6 · slice_bytes + min(hold_bytes, 0.7 · coded bytes)``: the slice coded and
+    its temporaries (3.6× its bytes for 16-bit words, 2.75× for 32-bit ones), the next slice, and the slices
+    held (~0.7× their raw bytes for BF16): ~1.1 GiB with the defaults. ``flat`` may also be on the device.
+
+    ``pin`` (CUDA only) page-locks the payload in place with ``cudaHostRegister`` before the copies back, so
+    they run at link speed and the payload is ready for async loads; when that worked ``payload.is_pinned()``
+    and the caller must ``cudaHostUnregister(payload.data_ptr())`` (``units.unpin_in_place``) before dropping it.
     """
     if chunk <= 0 or chunk % 16:
         raise CodecError(f"chunk={chunk} must be a positive multiple of 16")
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     segments = list(segments)
-    _check_segments(flat, segments)
-    flat_np = flat.numpy()
+    _check_segments(flat, segments, device)
+    if slice_bytes is None:
+        slice_bytes = HOST_SLICE_BYTES if device.type == "cpu" else DEVICE_SLICE_BYTES
     by_width: dict[int, list[Segment]] = {2: [], 4: []}
     verbatim: list[Segment] = []
     for seg in segments:
@@ -351,69 +550,82 @@ def encode_unit(
             by_width[CODED_DTYPES[seg.dtype]].append(seg)
         else:
             verbatim.append(seg)
-    classes = [_encode_class(flat_np, by_width[w], w, chunk) for w in (2, 4)]
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        classes = [_encode_class(flat, by_width[w], w, chunk, device, slice_bytes, hold_bytes) for w in (2, 4)]
+    slices = [s for c in classes for s in c]
 
     pieces = [
         (seg.offset + start, min(VERBATIM_PIECE, seg.nbytes - start), seg, start)
         for seg in verbatim
         for start in range(0, seg.nbytes, VERBATIM_PIECE)
     ]
-    n_coded = sum(len(c.rows) for c in classes)
-    n_rows = n_coded + len(pieces)
+    n_rows = sum(len(s.rows) for s in slices) + len(pieces)
 
-    # Section placement.
+    # Section placement: each slice's tables, codes and escapes follow the previous slice's in their section;
+    # each slice has its own planes (its rows' plane stride).
     pos = _align(n_rows * ROW_WORDS * 8)
-    tables_off, pos = pos, _align(pos + sum(len(c.tables) for c in classes))
+    tables_off, pos = pos, _align(pos + sum(s.tables.numel() for s in slices))
     codes_off = pos
-    pos += sum(len(c.codes) for c in classes) + 1  # + the pad byte of the two-byte code window
-    escapes_off, pos = _align(pos), _align(pos) + sum(len(c.escapes) for c in classes)
+    pos += sum(s.codes.numel() for s in slices) + 1  # + the pad byte of the two-byte code window
+    escapes_off, pos = _align(pos), _align(pos) + sum(s.escapes.numel() for s in slices)
     pos = _align(pos)
     planes_off = []
-    for c in classes:
+    for s in slices:  # back to back: a block of planes is a multiple of 16 bytes, so raw_off stays 16-aligned
         planes_off.append(pos)
-        pos = _align(pos + c.planes.size)
+        pos += s.planes.numel()
+    pos = _align(pos)
     verbatim_off = {}
     for seg in verbatim:
         verbatim_off[seg] = pos
         pos = _align(pos + seg.nbytes)
     total = _align(pos, 512)
 
-    payload = np.zeros(total, dtype=np.uint8)
+    payload, async_copy = _host_payload(total, device, pin)
+    written: list[tuple[int, int]] = []
+
+    def put(at: int, data: torch.Tensor) -> None:
+        payload[at : at + data.numel()].copy_(data.reshape(-1), non_blocking=async_copy)
+        written.append((at, at + data.numel()))
+
     all_rows = np.zeros((n_rows, ROW_WORDS), dtype=np.int64)
     row = 0
-    table_base = tables_off
-    code_base, esc_base = codes_off, escapes_off
-    for c, p_off in zip(classes, planes_off, strict=True):
-        k = len(c.rows)
-        r = c.rows.copy()
-        r[:, 2] += p_off
-        r[:, 4] += code_base
-        r[:, 5] += esc_base
-        r[:, 6] += table_base
-        all_rows[row : row + k] = r
-        payload[table_base : table_base + len(c.tables)] = c.tables
-        payload[code_base : code_base + len(c.codes)] = c.codes
-        payload[esc_base : esc_base + len(c.escapes)] = c.escapes
-        payload[p_off : p_off + c.planes.size] = c.planes.reshape(-1)
-        row += k
-        table_base += len(c.tables)
-        code_base += len(c.codes)
-        esc_base += len(c.escapes)
+    table_pos, code_pos, esc_pos = tables_off, codes_off, escapes_off
+    for s, plane_pos in zip(slices, planes_off, strict=True):
+        rows = all_rows[row : row + len(s.rows)]
+        rows[:] = s.rows
+        rows[:, 2] += plane_pos
+        rows[:, 4] += code_pos
+        rows[:, 5] += esc_pos
+        rows[:, 6] += table_pos
+        row += len(s.rows)
+        for at, data in zip((table_pos, code_pos, esc_pos, plane_pos), s.pieces, strict=True):
+            put(at, data)
+        table_pos += s.tables.numel()
+        code_pos += s.codes.numel()
+        esc_pos += s.escapes.numel()
     for out_off, nbytes, seg, start in pieces:
         all_rows[row] = (out_off, nbytes, verbatim_off[seg] + start, 0, 0, 0, 0, 0)
         row += 1
     for seg in verbatim:
-        payload[verbatim_off[seg] : verbatim_off[seg] + seg.nbytes] = flat_np[seg.offset : seg.offset + seg.nbytes]
-    payload[: all_rows.nbytes] = all_rows.reshape(-1).view(np.uint8)
+        put(verbatim_off[seg], flat[seg.offset : seg.offset + seg.nbytes])
+    put(0, torch.from_numpy(all_rows.reshape(-1).view(np.uint8)))
+    # Zero what lies between the sections (alignment, the code window's pad byte): payloads are deterministic.
+    end = 0
+    for start, stop in [*sorted(written), (total, total)]:
+        if start > end:
+            payload[end:start].zero_()
+        end = max(end, stop)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # the copies back are complete
 
     return EncodedUnit(
-        payload=torch.from_numpy(payload),
+        payload=payload,
         raw_nbytes=flat.numel(),
         stored_nbytes=total,
         segments=tuple(segments),
         chunk=chunk,
-        n16=len(classes[0].rows),
-        n32=len(classes[1].rows),
+        n16=sum(len(s.rows) for s in classes[0]),
+        n32=sum(len(s.rows) for s in classes[1]),
         n_pieces=len(pieces),
         coded_raw_nbytes=sum(s.nbytes for w in (2, 4) for s in by_width[w]),
     )

@@ -356,20 +356,28 @@ class Residency:
         """Keep a compressed copy of every unit that streams faster that way (see `codec`): loads then
         move the payload and decode it on the device, bit-exact. The raw host copy stays the truth.
 
-        Payloads are page-locked in place (``cudaHostRegister``, ~10x faster than ``pin_memory()``'s
-        copy into new page-locked memory) and unregistered before they are dropped."""
+        On a CUDA device the units are encoded there (`encode_unit` with ``device``: slices of the raw
+        bytes copied up, the payload copied back). Payloads are page-locked in place
+        (``cudaHostRegister``, ~10x faster than ``pin_memory()``'s copy into new page-locked memory) and
+        unregistered before they are dropped."""
         self.release_payloads()
         self._pinned_payloads = pin
+        device = self.device if self.cuda else None  # encoding runs on the GPU where there is one
         for unit in self.units:
             segments = [Segment(p.offset, p.nbytes, p.dtype) for p in unit.tensors]
-            encoded = encode_unit(unit.host, segments)  # type: ignore[arg-type]
+            encoded = encode_unit(self.host_of(unit), segments, device=device, pin=pin)
+            registered = pin and encoded.payload.is_pinned()  # page-locked in place by the encoder
             if not worth_compressing(encoded):
+                if registered:
+                    unpin_in_place(encoded.payload)
                 continue
-            if pin and pin_in_place(encoded.payload):
+            if registered:
                 self._registered_payloads.append(encoded.payload)
             elif pin:
                 encoded = dataclasses.replace(encoded, payload=encoded.payload.pin_memory())
             self.encoded[unit.index] = encoded
+        if self.cuda:  # the encoder's working memory goes back to the device, not to the cache
+            torch.cuda.empty_cache()
 
     def release_payloads(self) -> None:
         """Drop the compressed copies, unregistering those pinned in place (once no copy reads them)."""
