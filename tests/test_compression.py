@@ -3,6 +3,8 @@ the slot; outputs stay bitwise equal to native, edits reach the compressed copie
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from models import Stack, assert_same, snapshot, wan_latents
@@ -145,4 +147,20 @@ def test_compressed_streaming_on_a_gpu_is_bitwise_equal_and_decodes_on_its_own_s
     assert handle.phase is Phase.STEADY and handle.plan.compressed and handle.profile.decode_ms is not None
     stats = handle.stats()
     assert stats.decode_ms > 0 and stats.copy_ms > 0
+    handle.remove()
+
+
+def test_a_payload_that_does_not_decode_to_the_weights_is_refused() -> None:
+    """The set-up check CUDA runs on every payload the device encoder made, exercised here on the CPU."""
+    model, _ = make(torch.bfloat16)
+    unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=5 * unit, device="cpu", compression="lossless")
+    residency = handle.residency
+    block = residency.units[2]
+    encoded = residency.encoded[block.index]
+    residency._check_decodes_exactly(block, encoded)  # the real payload passes
+    broken = encoded.payload.clone()
+    broken[-broken.numel() // 4 :] ^= 0xFF  # the raw byte planes of the last elements
+    with pytest.raises(ft.FlexTensorError, match=r"does not decode to its weights.*compression='none'"):
+        residency._check_decodes_exactly(block, dataclasses.replace(encoded, payload=broken))
     handle.remove()
