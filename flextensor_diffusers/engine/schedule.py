@@ -38,7 +38,7 @@ class PendingTiming:
 
 @dataclass
 class TransferTotals:
-    """Copy and stall time since set-up (ms)."""
+    """Copy, decode and stall time since set-up (ms)."""
 
     copy_ms: float = 0.0
     decode_ms: float = 0.0
