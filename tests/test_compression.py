@@ -67,14 +67,21 @@ def test_an_edit_reaches_the_compressed_copies() -> None:
     handle.remove()
 
 
-def test_the_tiny_pipeline_with_compression_is_bitwise_equal() -> None:
+@pytest.mark.parametrize("raw_copies", ["ram", "disk"])
+def test_the_tiny_pipeline_with_compression_is_bitwise_equal(raw_copies: str, tmp_path) -> None:
     pipe = build_pipeline("wan22_t2v", "tiny")
     ref = wan_latents(pipe)
-    pipe.enable_flextensor_offload(budget=340_000, device="cpu", compression="lossless")
+    budget = 340_000
+    extra = dict(raw_copies=raw_copies, cache_dir=tmp_path)
+    pipe.enable_flextensor_offload(budget=budget, device="cpu", compression="lossless", **extra)
     assert all(torch.equal(wan_latents(pipe), ref) for _ in range(3))
     handles = pipe._flextensor.handles
-    assert handles["transformer"].residency.encoded and handles["transformer"].plan.streamed  # streamed compressed
+    transformer = handles["transformer"]
+    assert transformer.residency.encoded and transformer.plan.streamed  # streamed compressed
+    on_disk = {name for name, h in handles.items() if h.residency.spilled_to is not None}
+    assert on_disk == (set(handles) if raw_copies == "disk" else set())
     pipe.disable_flextensor_offload()
+    assert not any(tmp_path.iterdir())
     assert torch.equal(wan_latents(pipe), ref)
 
 
@@ -164,3 +171,51 @@ def test_a_payload_that_does_not_decode_to_the_weights_is_refused() -> None:
     with pytest.raises(ft.FlexTensorError, match=r"does not decode to its weights.*compression='none'"):
         residency._check_decodes_exactly(block, dataclasses.replace(encoded, payload=broken))
     handle.remove()
+
+
+def test_raw_copies_on_disk_leave_only_compressed_copies_in_ram(tmp_path) -> None:
+    """``raw_copies="disk"``: the weights' truth waits in a mapped cache file, host RAM holds the payloads;
+    every load decodes; outputs and edits stay exact; ``remove`` restores and deletes the file."""
+    model, x = make(torch.bfloat16)
+    other, _ = make(torch.bfloat16)
+    torch.manual_seed(1)
+    for p in other.parameters():
+        p.data.add_(torch.randn_like(p) * 0.1)
+    with torch.inference_mode():
+        ref, edited = model(x), other(x)
+    unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    config = dict(device="cpu", compression="lossless", raw_copies="disk", cache_dir=tmp_path)
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=int(3.8 * unit), **config)
+    with torch.inference_mode():
+        assert all(torch.equal(model(x), ref) for _ in range(5))
+    weights = handle.residency.packed_bytes
+    payloads = sum(e.payload.numel() for e in handle.residency.encoded.values())
+    assert handle.residency.host_ram_bytes == payloads < 0.75 * weights
+    assert handle.plan.compressed == frozenset(handle.plan.streamed) == frozenset(range(5))
+    assert len(list(tmp_path.iterdir())) == 1
+    model.load_state_dict(other.state_dict())  # lands in the file, and in new compressed copies
+    with torch.inference_mode():
+        assert all(torch.equal(model(x), edited) for _ in range(2))
+    handle.remove()
+    assert not any(tmp_path.iterdir())
+    with torch.inference_mode():
+        assert torch.equal(model(x), edited)
+    theirs = other.state_dict()
+    assert all(torch.equal(t.view(torch.uint8), theirs[k].view(torch.uint8)) for k, t in model.state_dict().items())
+
+
+def test_raw_copies_on_disk_need_staging_room_and_say_so(tmp_path) -> None:
+    """Without raw copies in RAM no load can fall back to raw: a budget for two raw slots but not for their
+    staging room is refused at set-up, naming the smallest one, with the model and the folder as they were."""
+    model, _ = make(torch.bfloat16)
+    before = snapshot(model)
+    unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    config = dict(device="cpu", compression="lossless", raw_copies="disk", cache_dir=tmp_path)
+    with pytest.raises(ft.BudgetError, match="room for a compressed load") as raised:
+        ft.offload(model, include_patterns=["blocks.*"], gpu_budget=int(2.2 * unit), **config)
+    assert raised.value.required_bytes > 2.2 * unit
+    assert_same(before, model)
+    assert not any(tmp_path.iterdir())
+    ft.offload(model, include_patterns=["blocks.*"], gpu_budget=raised.value.required_bytes, **config).remove()
+    with pytest.raises(ft.FlexTensorError, match="compression='lossless'"):
+        ft.OffloadConfig(include_patterns=["blocks.*"], raw_copies="disk")

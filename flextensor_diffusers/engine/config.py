@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -154,6 +156,11 @@ class OffloadConfig:
         compression: ``"lossless"``: units that stream faster compressed keep a compressed copy in
             host memory too; a load moves it and decodes it on the device into the slot, bit-exact
             (`codec`). ``"none"``: raw copies only.
+        raw_copies: with compression, where the raw host copies (the weights' truth) live: ``"ram"``,
+            or ``"disk"``: in a cache file in ``cache_dir``, mapped, so host RAM holds the compressed
+            copies only. Loads then always decode (raw loads would read the file), so the budget must
+            hold each slot's staging room; activation copies resident units from the file.
+        cache_dir: the folder for that cache file (default: ``flextensor-cache`` in the temp dir).
     """
 
     include_patterns: list[str]
@@ -172,6 +179,8 @@ class OffloadConfig:
     entry_methods: list[str] = field(default_factory=list)
     edit_methods: list[str] = field(default_factory=lambda: ["load_state_dict"])
     compression: str = "none"
+    raw_copies: str = "ram"
+    cache_dir: str | Path | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.include_patterns, str):
@@ -192,7 +201,27 @@ class OffloadConfig:
                 f"compression={self.compression!r} is not one of {', '.join(COMPRESSION_MODES)}: "
                 "pass 'lossless' or 'none'"
             )
+        if self.raw_copies not in ("ram", "disk"):
+            raise FlexTensorError(f"raw_copies={self.raw_copies!r} is not 'ram' or 'disk'")
+        if self.raw_copies == "disk" and self.compression == "none":
+            raise FlexTensorError(
+                "raw_copies='disk' keeps only compressed copies in RAM, and there are none: pass compression='lossless'"
+            )
         if self.compression != "none" and self.shared_host is not None:
             raise FlexTensorError("compression and shared_host cannot be combined yet: pass one of them")
         if "forward" in self.entry_methods:
             raise FlexTensorError("entry_methods lists methods besides forward (e.g. ['encode', 'decode'])")
+
+
+def cache_folder(cache_dir: str | Path | None) -> Path:
+    """The folder for cache files (created); refused at once when it cannot be written."""
+    folder = Path(cache_dir) if cache_dir is not None else Path(tempfile.gettempdir()) / "flextensor-cache"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FlexTensorError(
+            f"cannot create the weight cache folder {folder} ({exc}): pass another cache_dir"
+        ) from exc
+    if not os.access(folder, os.W_OK):
+        raise FlexTensorError(f"the weight cache folder {folder} is not writable: pass another cache_dir")
+    return folder

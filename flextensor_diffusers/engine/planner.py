@@ -307,18 +307,22 @@ def everything_resident(unit_bytes: list[int], resident_bytes: int, budget: int)
     )
 
 
-def plan_residency(profile: WorkloadProfile, budget: int, max_slots: int = 6, margin: float = 0.05) -> Plan:
+def plan_residency(
+    profile: WorkloadProfile, budget: int, max_slots: int = 6, margin: float = 0.05, raw_fallback: bool = True
+) -> Plan:
     """The plan with the least predicted step time whose memory fits ``budget``.
 
     A model kept compressed is planned twice: loading compressed the units whose loads are faster
     that way (`WorkloadProfile.paying_compressed`), and loading every unit raw, which needs no
     staging room and so fits smaller budgets or keeps more units resident. The faster plan wins; when
     both hide their loads equally, the one that moves fewer bytes over the link (and leaves it to
-    other transfers).
+    other transfers). Without ``raw_fallback`` (raw copies are not in RAM) only the first is made.
     """
     if not profile.compressed:
         return _plan_one(profile, budget, max_slots, margin)
-    candidates = {profile.compressed - profile.paying_compressed(), profile.compressed}
+    candidates = {profile.compressed - profile.paying_compressed()}
+    if raw_fallback:
+        candidates.add(profile.compressed)
     plans: list[Plan] = []
     refusals: list[BudgetError] = []
     for raw in candidates:

@@ -51,7 +51,7 @@ from .boundaries import (
     refuse_if_inside_whole_model_compile,
     refuse_whole_model_compile,
 )
-from .config import OffloadConfig, format_bytes, parse_bytes, resolve_budget, resolve_device
+from .config import OffloadConfig, cache_folder, format_bytes, parse_bytes, resolve_budget, resolve_device
 from .errors import BudgetError, FlexTensorError, InferenceOnlyError, OffloadStateError
 from .planner import Plan, WorkloadProfile, check_budget, everything_resident, plan_residency, smallest_budget
 from .profile import ProfileStore, SavedProfile, device_name, model_fingerprint, workload_signature
@@ -152,11 +152,13 @@ class OffloadHandle:
         self.schedule = SteadySchedule(self.residency, self._clock, config.measure_stalls, self.totals)
         self.boundaries = Boundaries()
         self._state_dict_hooks: list[Any] = []
+        self._raw_file: Path | None = None  # raw_copies="disk": the cache file of the raw host copies
         try:
             self._set_up()
         except BaseException:
             self.residency.teardown()
             self._unhook()
+            self._drop_raw_file()
             raise
         _OFFLOADED.update(model.modules())
 
@@ -178,6 +180,11 @@ class OffloadHandle:
             start = time.perf_counter()
             self.residency.compress(pin)
             self.setup_times.compress = 1e3 * (time.perf_counter() - start)
+            if self.config.raw_copies == "disk":
+                given = self.profiles.given.profile if self.profiles.given is not None else None
+                self._check_budget(self.budget_bytes, given)  # now with the staging room every load needs
+                self._raw_file = self._raw_file_path()
+                self.residency.spill(self._raw_file)
         if shared is not None and shared.create:
             shared.publish(self.fingerprint["sha256"])
         hooking = time.perf_counter()
@@ -229,15 +236,39 @@ class OffloadHandle:
         """The least budget for ``profile`` (default: the current one; none yet: the set-up minimum).
 
         Raw loads need no staging room, and the planner falls back to them for a compressed model
-        when the budget is too small to stage payloads, so compression never raises the minimum."""
+        when the budget is too small to stage payloads, so compression never raises the minimum;
+        unless the raw copies wait on disk (``raw_copies="disk"``): then every load decodes."""
         profile = profile or self.profile
         activations = profile.activation_peak_bytes if profile is not None else 0
-        return smallest_budget(self.resident_weight_bytes, self._unit_bytes, activations, self.config.activation_margin)
+        margin = self.config.activation_margin
+        return smallest_budget(self.resident_weight_bytes, self._unit_bytes, activations, margin, self._staging_needed)
 
     def _check_budget(self, budget: int, profile: WorkloadProfile | None = None) -> None:
         """Raise `BudgetError` when ``budget`` is under `smallest_budget` for ``profile``."""
         activations = profile.activation_peak_bytes if profile is not None else 0
-        check_budget(budget, self.resident_weight_bytes, self._unit_bytes, activations, self.config.activation_margin)
+        margin = self.config.activation_margin
+        check_budget(budget, self.resident_weight_bytes, self._unit_bytes, activations, margin, self._staging_needed)
+
+    @property
+    def _raw_on_disk(self) -> bool:
+        return self._raw_file is not None
+
+    @property
+    def _staging_needed(self) -> int:
+        """Staging room every slot must have: the largest payload when loads cannot fall back to raw."""
+        if self.config.raw_copies != "disk":
+            return 0
+        return max((e.payload.numel() for e in self.residency.encoded.values()), default=0)
+
+    def _raw_file_path(self) -> Path:
+        """Where ``raw_copies="disk"`` keeps this model's raw host copies (one file per handle)."""
+        name = f"{type(self.model).__name__}-{self.fingerprint['sha256'][:16]}-{os.getpid()}-{id(self):x}.raw"
+        return cache_folder(self.config.cache_dir) / name
+
+    def _drop_raw_file(self) -> None:
+        if self._raw_file is not None:
+            self._raw_file.unlink(missing_ok=True)
+            self._raw_file = None
 
     # ------------------------------------------------------------------------------------ device memory
 
@@ -496,7 +527,8 @@ class OffloadHandle:
             profile.transfer_bytes = [self.residency.transfer_bytes(u.index) for u in self.units]
         self.profile = profile
         try:
-            plan = plan_residency(profile, self.budget_bytes, self.config.max_slots, self.config.activation_margin)
+            config, fallback = self.config, not self._raw_on_disk
+            plan = plan_residency(profile, self.budget_bytes, config.max_slots, config.activation_margin, fallback)
         except BudgetError as exc:
             self.shortfall = exc
             self.phase = Phase.OVER_BUDGET
@@ -616,6 +648,7 @@ class OffloadHandle:
             torch.cuda.current_stream(self.device).synchronize()
         self.residency.teardown()
         self._unhook()
+        self._drop_raw_file()
         for module in self.model.modules():
             _OFFLOADED.discard(module)
         self.phase = Phase.REMOVED

@@ -56,7 +56,6 @@ import logging
 import os
 import queue
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -79,7 +78,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HostTier",
-    "cache_folder",
     "check_host_budget",
     "format_host_tier",
     "kept_in_ram_bytes",
@@ -138,20 +136,6 @@ def kept_in_ram_bytes(name: str, module: nn.Module, root: Path | None) -> int:
         if t is not None and n in getattr(sub, "_non_persistent_buffers_set", ())
     }
     return sum(t.numel() * t.element_size() for t in buffers.values())
-
-
-def cache_folder(cache_dir: str | Path | None) -> Path:
-    """The folder for cache files (created); refused at once when it cannot be written."""
-    folder = Path(cache_dir) if cache_dir is not None else Path(tempfile.gettempdir()) / "flextensor-cache"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise FlexTensorError(
-            f"cannot create the weight cache folder {folder} ({exc}): pass another cache_dir"
-        ) from exc
-    if not os.access(folder, os.W_OK):
-        raise FlexTensorError(f"the weight cache folder {folder} is not writable: pass another cache_dir")
-    return folder
 
 
 def offload_order(pipeline: Any) -> list[str]:

@@ -21,13 +21,12 @@ from torch import nn
 
 from ..engine import OffloadConfig, OffloadHandle, Phase, format_bytes, offload_shared
 from ..engine.boundaries import refuse_whole_model_compile
-from ..engine.config import resolve_budget, resolve_device
+from ..engine.config import cache_folder, resolve_budget, resolve_device
 from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
 from ..engine.planner import smallest_budget
 from ..engine.units import find_units, plan_layout
 from .host_tier import (
     HostTier,
-    cache_folder,
     check_host_budget,
     format_host_tier,
     kept_in_ram_bytes,
@@ -167,7 +166,7 @@ class PipelineOffload:
 COMPONENT_LEGEND = (
     "units: blocks streamed / blocks found (0/0: no repeated blocks, the component moves whole)\n"
     "overlap: share of copy time hidden behind compute (blank: nothing was streamed)\n"
-    "host RAM: host copies in RAM now (raw, plus compressed copies where kept; 0 while on disk)\n"
+    "host RAM: host copies in RAM now (raw ones unless they wait on disk, and compressed ones where kept)\n"
     "link: bytes compressed loads of the blocks move / the blocks' bytes (1.00: not compressed; the plan may\n"
     "  load some raw when that is faster or fits the budget better)\n"
     "switches: times the active component changed (the previous one gives its GPU memory back)"
@@ -265,7 +264,9 @@ def enable(
             files they were loaded from, else in cache files) and are read back unit by unit while they
             already run, the next one ahead as far as room allows (see `host_tier`). ``None``: every
             host copy in RAM.
-        cache_dir: where cache files go (default: a ``flextensor-cache`` folder in the temp dir).
+        cache_dir: where cache files go (default: a ``flextensor-cache`` folder in the temp dir), for
+            the host tier and for ``raw_copies="disk"`` (with ``compression="lossless"``: the raw host
+            copies wait in a mapped cache file and host RAM holds the compressed copies only).
         **config: further `OffloadConfig` fields (``max_slots``, ``profiling_runs``, ...).
     """
     if getattr(pipeline, "_flextensor", None) is not None:
@@ -310,6 +311,7 @@ def enable(
                 profile_dir=Path(profile_dir) / name if profile_dir is not None else None,
                 entry_methods=[m for m in ENTRY_METHODS if callable(getattr(module, m, None))],
                 edit_methods=[m for m in EDIT_METHODS if callable(getattr(module, m, None))],
+                cache_dir=cache_dir,
                 **config,
             )
             if tier is not None:
