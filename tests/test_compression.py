@@ -134,6 +134,21 @@ def test_the_recipe_streams_compressed(tmp_path) -> None:
     assert transformer["transfer_unit_bytes"] < transformer["unit_bytes"]
 
 
+def test_the_recipe_keeps_raw_copies_on_disk_and_names_the_missing_flag(tmp_path, capsys) -> None:
+    from flextensor_diffusers.recipes import wan22_t2v
+
+    argv = ["--random-weights", "tiny", "--device", "cpu", "-q", "--budget", "340000", "--raw-copies", "disk"]
+    argv += ["--cache-dir", str(tmp_path / "cache"), "--output", str(tmp_path / "x.mp4")]
+    with pytest.raises(SystemExit):
+        wan22_t2v.cli(argv)
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("add --compression lossless") and len(err.splitlines()) == 1
+    info = wan22_t2v.main([*argv, "--compression", "lossless", "--profile-dir", str(tmp_path / "p")])
+    components = info["offload_report"]["components"]
+    assert all(c["host"] == "disk" for c in components.values())
+    assert components["transformer"]["host_ram_bytes"] < components["transformer"]["unit_bytes"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compressed_streaming_on_a_gpu_is_bitwise_equal_and_decodes_on_its_own_stream() -> None:
@@ -219,3 +234,19 @@ def test_raw_copies_on_disk_need_staging_room_and_say_so(tmp_path) -> None:
     ft.offload(model, include_patterns=["blocks.*"], gpu_budget=raised.value.required_bytes, **config).remove()
     with pytest.raises(ft.FlexTensorError, match="compression='lossless'"):
         ft.OffloadConfig(include_patterns=["blocks.*"], raw_copies="disk")
+
+
+def test_a_process_that_exits_without_removing_offload_leaves_no_cache_file(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch; sys.path.insert(0, 'tests'); import flextensor_diffusers as ft; from models import Stack\n"
+        "model = Stack(dim=256, depth=5, dtype=torch.bfloat16).eval().requires_grad_(False)\n"
+        f"ft.offload(model, include_patterns=['blocks.*'], gpu_budget=10**7, device='cpu', compression='lossless',"
+        f" raw_copies='disk', cache_dir={str(tmp_path)!r})\n"
+        "import os; print(len(os.listdir(sys.argv[1])))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1"  # the raw copies waited in one file while the process ran
+    assert not any(tmp_path.iterdir())

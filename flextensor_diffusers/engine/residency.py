@@ -30,6 +30,7 @@ and release, so they are always on the device the model computes on.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -78,6 +79,18 @@ def _on_threads(work: Callable[[Unit], None], units: list[Unit], desc: str) -> f
         for future in futures:
             future.result()
     return time.perf_counter() - start
+
+
+#: Cache files this process wrote (`Residency.spill`). Their owners delete them when offload is removed;
+#: a process that exits without removing it deletes them here (their names carry its process id: no other
+#: process uses them), so no run leaves weight copies behind in the cache folder.
+_CACHE_FILES: set[Path] = set()
+
+
+@atexit.register
+def _delete_cache_files() -> None:
+    for path in _CACHE_FILES:
+        path.unlink(missing_ok=True)
 
 
 def drop_cached_pages(path: Path) -> None:
@@ -546,6 +559,7 @@ class Residency:
                             file.write(memoryview(unit.host.numpy()))  # type: ignore[union-attr]
                         file.truncate(offsets[-1])
                     tmp.replace(path)
+                    _CACHE_FILES.add(path)
                 except OSError as exc:
                     tmp.unlink(missing_ok=True)
                     raise FlexTensorError(

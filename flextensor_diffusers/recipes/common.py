@@ -78,6 +78,7 @@ def enable_offload(pipe: Any, options: RecipeOptions, device: torch.device, shar
         host_budget=options.host_budget,
         cache_dir=options.cache_dir,
         compression=options.compression,
+        raw_copies=options.raw_copies,
     )
 
 

@@ -63,6 +63,7 @@ class RecipeOptions:
     host_budget: str | None = None
     cache_dir: Path | None = None
     compression: str = "none"
+    raw_copies: str = "ram"
     profile_dir: Path | None = Path("profiles")
     device: str | None = None
     no_offload: bool = False
@@ -180,7 +181,14 @@ def recipe_parser(
         "--compression",
         choices=("none", "lossless"),
         default="none",
-        help="lossless: stream blocks compressed and decode them on the GPU, bit-exact (not yet measured on a GPU)",
+        help="lossless: stream blocks compressed and decode them on the GPU, bit-exact",
+    )
+    parser.add_argument(
+        "--raw-copies",
+        choices=("ram", "disk"),
+        default="ram",
+        help="with --compression lossless, disk: the raw host copies wait in a cache file (--cache-dir), so host "
+        "RAM holds the compressed copies only",
     )
     parser.add_argument(
         "--profile-dir",
@@ -234,6 +242,10 @@ def common_values(ns: argparse.Namespace, recipe: str, defaults: dict[str, SizeD
         check_budget(ns.host_budget, "--host-budget")
     check_device(ns.device, ns.gpus)
     check_compile(ns.compile, ns.no_offload)
+    if ns.raw_copies == "disk" and ns.compression == "none":
+        raise OptionsError(
+            "--raw-copies disk keeps only compressed copies in RAM, and there are none: add --compression lossless"
+        )
     for flag in ("--output", "--json", "--profile-dir", "--cache-dir"):
         value = getattr(ns, flag[2:].replace("-", "_"), None)
         if value is not None:
