@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 from models import Stack, assert_same, snapshot, wan_latents
+from torch import nn
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import Phase
@@ -48,12 +49,18 @@ def test_compressed_loads_are_bitwise_equal_and_move_fewer_bytes(dtype: torch.dt
     assert_same(before, model)
 
 
-def test_an_edit_reaches_the_compressed_copies() -> None:
-    model, x = make(torch.bfloat16)
+def edited_twin() -> nn.Module:
+    """The stack `make` builds, with every weight moved a little (what a loaded state dict would bring)."""
     other, _ = make(torch.bfloat16)
     torch.manual_seed(1)
     for p in other.parameters():
         p.data.add_(torch.randn_like(p) * 0.1)
+    return other
+
+
+def test_an_edit_reaches_the_compressed_copies() -> None:
+    model, x = make(torch.bfloat16)
+    other = edited_twin()
     with torch.inference_mode():
         expected = other(x)
     unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
@@ -192,10 +199,7 @@ def test_raw_copies_on_disk_leave_only_compressed_copies_in_ram(tmp_path) -> Non
     """``raw_copies="disk"``: the weights' truth waits in a mapped cache file, host RAM holds the payloads;
     every load decodes; outputs and edits stay exact; ``remove`` restores and deletes the file."""
     model, x = make(torch.bfloat16)
-    other, _ = make(torch.bfloat16)
-    torch.manual_seed(1)
-    for p in other.parameters():
-        p.data.add_(torch.randn_like(p) * 0.1)
+    other = edited_twin()
     with torch.inference_mode():
         ref, edited = model(x), other(x)
     unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
