@@ -502,15 +502,19 @@ class OffloadHandle:
     # ------------------------------------------------------------------------------------ planning
 
     def _measure_bandwidth(self) -> float:
-        """Bytes per ms of one host→device copy of the largest unit (when profiling loaded nothing)."""
-        unit = max(self.units, key=lambda u: u.nbytes)
-        scratch = torch.empty(unit.nbytes, dtype=torch.uint8, device=self.device)
+        """Bytes per ms of one host→device copy of the largest unit (when profiling loaded nothing); with
+        the raw copies on disk, of the largest compressed copy, which is what loads then read."""
+        if self._raw_on_disk and self.residency.encoded:
+            source = max((e.payload for e in self.residency.encoded.values()), key=lambda t: t.numel())
+        else:
+            source = self.residency.host_of(max(self.units, key=lambda u: u.nbytes))
+        scratch = torch.empty(source.numel(), dtype=torch.uint8, device=self.device)
         start = self._clock.mark()
-        scratch.copy_(self.residency.host_of(unit), non_blocking=True)
+        scratch.copy_(source, non_blocking=True)
         end = self._clock.mark()
         if self.cuda:
             end.synchronize()
-        return unit.nbytes / max(self._clock.ms(start, end), 1e-6)
+        return source.numel() / max(self._clock.ms(start, end), 1e-6)
 
     def _finish_profiling(self) -> None:
         profile = self.profiler.workload_profile(
