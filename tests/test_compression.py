@@ -212,6 +212,7 @@ def test_raw_copies_on_disk_leave_only_compressed_copies_in_ram(tmp_path) -> Non
     assert handle.residency.host_ram_bytes == payloads < 0.75 * weights
     assert handle.plan.compressed == frozenset(handle.plan.streamed) == frozenset(range(5))
     assert len(list(tmp_path.iterdir())) == 1
+    assert_residents_decoded(handle, model, x, ref)
     model.load_state_dict(other.state_dict())  # lands in the file, and in new compressed copies
     with torch.inference_mode():
         assert all(torch.equal(model(x), edited) for _ in range(2))
@@ -221,6 +222,39 @@ def test_raw_copies_on_disk_leave_only_compressed_copies_in_ram(tmp_path) -> Non
         assert torch.equal(model(x), edited)
     theirs = other.state_dict()
     assert all(torch.equal(t.view(torch.uint8), theirs[k].view(torch.uint8)) for k, t in model.state_dict().items())
+
+
+def assert_residents_decoded(handle, model, x, ref) -> None:
+    """At activation, resident units come from their compressed copies, not from the mapped file."""
+    residency = handle.residency
+    read: list[str] = []
+    original = residency.host_of
+    residency.host_of = lambda unit: (read.append(unit.name), original(unit))[1]
+    try:
+        handle.release()
+        handle.activate()
+        with torch.inference_mode():
+            assert torch.equal(model(x), ref)
+    finally:
+        del residency.host_of
+    assert not {handle.units[i].name for i in handle.plan.resident} & set(read)
+
+
+def test_raw_copies_on_disk_keep_resident_blocks_decoded(tmp_path) -> None:
+    """A budget with resident blocks beside the slots: those are decoded at activation too."""
+    torch.manual_seed(0)
+    model = Stack(dim=256, depth=8, dtype=torch.bfloat16).eval().requires_grad_(False)
+    x = torch.randint(0, 50, (2, 16))
+    with torch.inference_mode():
+        ref = model(x)
+    unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    config = dict(device="cpu", compression="lossless", raw_copies="disk", cache_dir=tmp_path)
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=int(6.5 * unit), **config)
+    with torch.inference_mode():
+        assert all(torch.equal(model(x), ref) for _ in range(4))
+    assert handle.plan.resident and handle.plan.streamed
+    assert_residents_decoded(handle, model, x, ref)
+    handle.remove()
 
 
 def test_raw_copies_on_disk_need_staging_room_and_say_so(tmp_path) -> None:

@@ -295,23 +295,37 @@ class Residency:
                     unit.bind(slot)
                     self.dst[unit.index] = slot[: unit.nbytes]
             else:
-                for index in sorted(plan.resident):
-                    unit = self.units[index]
-                    buffer = torch.empty(unit.nbytes, dtype=torch.uint8, device=self.device)
-                    buffer.copy_(self.host_of(unit), non_blocking=True)
-                    unit.bind(buffer)
-                    self.copies.resident[index] = buffer
                 self.copies.slots = [
                     torch.empty(plan.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(plan.num_slots)
                 ]
                 self.decoding = plan.compressed & frozenset(self.encoded)
                 self._allocate_staging(plan.num_slots)
+                for index in sorted(plan.resident):
+                    unit = self.units[index]
+                    buffer = torch.empty(unit.nbytes, dtype=torch.uint8, device=self.device)
+                    self._fill_resident(index, buffer)
+                    unit.bind(buffer)
+                    self.copies.resident[index] = buffer
                 for index, slot in enumerate(plan.slot_of):
                     if slot is not None:
                         self.units[index].bind(self.copies.slots[slot])
                         self.dst[index] = self.copies.slots[slot][: self.units[index].nbytes]
                 self.slot_of = list(plan.slot_of)
         self.slot_owner = [None] * len(self.copies.slots)
+
+    def _fill_resident(self, index: int, buffer: torch.Tensor) -> None:
+        """A resident unit's device copy, on the current stream: decoded from its compressed copy through
+        a staging buffer when its raw copy waits on disk (reading the mapped file would be a pageable,
+        possibly disk-bound copy), else copied from its host copy. Every later use of the staging
+        buffer is ordered after these decodes (the schedule's streams wait for this stream on `follow`)."""
+        encoded = self.encoded.get(index)
+        room = self.copies.staging[0].numel() if self.copies.staging else 0
+        if self.spilled_to is not None and encoded is not None and encoded.payload.numel() <= room:
+            staging = self.copies.staging[0][: encoded.payload.numel()]
+            staging.copy_(encoded.payload, non_blocking=True)
+            decode_into(encoded, staging, buffer)
+            return
+        buffer.copy_(self.host_of(self.units[index]), non_blocking=True)
 
     def _allocate_staging(self, num_slots: int) -> None:
         """Per slot, room for the largest payload a load decodes (none without such loads)."""
