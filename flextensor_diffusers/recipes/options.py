@@ -174,9 +174,10 @@ def recipe_parser(
     parser.add_argument(
         "--host-budget",
         help="host RAM for the weights' host copies, e.g. 32GiB, or auto (80%% of the RAM available); "
-        "components that do not fit wait in cache files (default: all in RAM)",
+        "components that do not fit wait on disk, in the weight files they were loaded from or in cache files "
+        "(default: all in RAM)",
     )
-    parser.add_argument("--cache-dir", type=Path, help="where those cache files go (default: the temp folder)")
+    parser.add_argument("--cache-dir", type=Path, help="where cache files go (default: the temp folder)")
     parser.add_argument(
         "--compression",
         choices=("none", "lossless"),
