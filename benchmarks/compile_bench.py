@@ -36,6 +36,7 @@ from engine_bench import (
     result_header,
     sync,
     time_forwards,
+    time_streamed,
     write_result,
 )
 
@@ -162,14 +163,9 @@ def main() -> None:
                 model(*x)
                 sync(device)
                 warm = graphs()
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                streamed_before = handle.stats().bytes_streamed
-                offload_ms, out = time_forwards(model, x, args.reps, device)
-                stats = handle.stats()
-                streamed = (stats.bytes_streamed - streamed_before) / args.reps
-                bandwidth = handle.profile.bandwidth_bytes_per_ms
-                lower = max(native["compiled_ms"], streamed / bandwidth)
+                timing = time_streamed(handle, model, x, args.reps, device)
+                offload_ms, out, stats = timing.ms, timing.out, timing.stats
+                lower = timing.lower_bound_ms(native["compiled_ms"])
                 run = {
                     "workload": workload,
                     "mode": "regional",
