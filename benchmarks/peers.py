@@ -45,16 +45,20 @@ METHODS = (
     "flextensor",
     "flextensor_diffusers",
     "flextensor_diffusers_lossless",
+    "flextensor_diffusers_lossless_disk",
 )
-OURS = ("flextensor_diffusers", "flextensor_diffusers_lossless")
+OURS = ("flextensor_diffusers", "flextensor_diffusers_lossless", "flextensor_diffusers_lossless_disk")
+#: A budget given as this word is the engine's own least budget for the workload, set after profiling.
+SMALLEST = "smallest"
 REFERENCE = "native_output.pt"
 # Forwards before timing: methods that profile get discovery + profiling + one steady forward.
 PROFILING_FORWARDS = 1
 WARMUP = {"flextensor": 2 + PROFILING_FORWARDS} | {method: 2 + PROFILING_FORWARDS for method in OURS}
 
 
-def set_up(method: str, model: torch.nn.Module, device: torch.device, budget: int | None) -> Any:
-    """Apply ``method`` to ``model`` (on the CPU); returns what must stay alive."""
+def set_up(method: str, model: torch.nn.Module, device: torch.device, budget: int | str | None, scratch: str) -> Any:
+    """Apply ``method`` to ``model`` (on the CPU); returns what must stay alive. ``scratch``: where ours
+    may write cache files."""
     if method == "native":
         return model.to(device)
     if method == "model_cpu_offload":
@@ -96,9 +100,13 @@ def set_up(method: str, model: torch.nn.Module, device: torch.device, budget: in
     if method in OURS:
         import flextensor_diffusers as ft
 
-        compression = "lossless" if method == "flextensor_diffusers_lossless" else "none"
         config = ft.OffloadConfig(
-            include_patterns=["blocks.*"], gpu_budget=budget, device=device, compression=compression
+            include_patterns=["blocks.*"],
+            gpu_budget=budget,
+            device=device,
+            compression="lossless" if "lossless" in method else "none",
+            raw_copies="disk" if method.endswith("_disk") else "ram",
+            cache_dir=scratch,
         )
         return ft.offload(model, config)
     raise SystemExit(f"unknown method {method!r}; one of {', '.join(METHODS)}")
@@ -112,7 +120,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     x = eb.inputs(args, args.workload, device)
     with eb.RssSampler() as rss:
         start = time.perf_counter()
-        keep = set_up(args.child, model, device, args.budget)
+        budget = "auto" if args.budget == SMALLEST else parse_budget(args.budget)
+        keep = set_up(args.child, model, device, budget, args.scratch)
         setup_s = time.perf_counter() - start
     runner = keep if args.child == "flextensor" else model
     with torch.inference_mode():
@@ -121,6 +130,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             runner(*x)
         eb.sync(device)
         warmup_s = time.perf_counter() - start
+        if args.budget == SMALLEST:  # profiled without a cap; now the least budget the engine accepts
+            keep.set_budget(keep.smallest_budget())
+            runner(*x)  # the plan's first forward
+            eb.sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         with eb.RssSampler() as rss_run:
@@ -131,9 +144,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     if args.child == "native":
         torch.save(out, reference)
     equal = bool(torch.equal(torch.load(reference).view(torch.uint8), out.view(torch.uint8)))
+    budget = keep.budget_bytes if args.budget == SMALLEST else parse_budget(args.budget)
     return {
-        "method": label(args.child, args.budget),
-        "budget_bytes": args.budget,
+        "method": label(args.child, budget),
+        "budget_bytes": budget,
+        "budget_asked": args.budget,
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
         "step_s": round(step_ms / 1e3, 5),
         "setup_s": round(setup_s, 3),
@@ -170,7 +185,13 @@ def transfer_figures(handle: Any) -> dict[str, Any]:
     }
 
 
-def label(method: str, budget: int | None) -> str:
+def parse_budget(text: str | int | None) -> int | None:
+    from flextensor_diffusers.engine import parse_bytes
+
+    return None if text is None else parse_bytes(text)
+
+
+def label(method: str, budget: int | str | None) -> str:
     return f"{method}@{budget}" if method in OURS else method
 
 
@@ -228,7 +249,9 @@ def main() -> None:
     eb.add_stack_arguments(parser)
     parser.add_argument("--workload", default="81f_832x480_cfg", choices=list(eb.WORKLOADS))
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
-    parser.add_argument("--budgets", nargs="+", default=["8.6GiB", "20GiB"], help="for flextensor_diffusers")
+    parser.add_argument(
+        "--budgets", nargs="+", default=["8.6GiB", "20GiB"], help=f"ours: bytes, or {SMALLEST!r} (the least)"
+    )
     parser.add_argument("--flextensor-budget", default="8.6GiB", help="flextensor's budget, matched to ours")
     parser.add_argument("--warmup", type=int, default=2, help="for the methods that do not profile")
     parser.add_argument("--reps", type=int, default=2)
@@ -239,7 +262,7 @@ def main() -> None:
     parser.add_argument("--resume", type=Path, help="an earlier result: keep its rows for the methods not run now")
     parser.add_argument("--merge", nargs="+", type=Path, help="write one table from these results (oldest first)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--budget", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--budget", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.merge:
         eb.write_result(args.out, merge(args.merge))
@@ -248,15 +271,13 @@ def main() -> None:
         print("RESULT " + json.dumps(child(args)), flush=True)
         return
 
-    from flextensor_diffusers.engine import parse_bytes
-
     Path(args.scratch).mkdir(parents=True, exist_ok=True)
     jobs: list[tuple[str, int | None]] = [("native", None)] if "native" in args.methods else []
     for method in args.methods:
         if method in OURS:
-            jobs += [(method, parse_bytes(b)) for b in args.budgets]
+            jobs += [(method, b if b == SMALLEST else parse_budget(b)) for b in args.budgets]
         elif method == "flextensor":
-            jobs.append((method, parse_bytes(args.flextensor_budget)))
+            jobs.append((method, parse_budget(args.flextensor_budget)))
         elif method != "native":
             jobs.append((method, None))
     shape = eb.stack_argv(args)
