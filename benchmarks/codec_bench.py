@@ -46,6 +46,7 @@ from flextensor_diffusers.engine.codec import (
     encode_unit,
     worth_compressing,
 )
+from flextensor_diffusers.engine.host_memory import unpin_in_place
 
 ALIGN = 512
 CONFIGS = [(2048, 4), (1024, 4), (4096, 8), (2048, 8), (1024, 2)]  # (block, num_warps) tried on CUDA
@@ -129,7 +130,7 @@ def encode_report(name: str, flat: torch.Tensor, segments: list[Segment], chunk:
 
 def unregister(payload: torch.Tensor) -> None:
     if payload.is_pinned():
-        torch.cuda.cudart().cudaHostUnregister(payload.data_ptr())
+        unpin_in_place(payload)
 
 
 def kernel_times(fn: Callable[[], object], top: int = 15) -> list[dict]:

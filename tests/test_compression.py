@@ -173,6 +173,8 @@ def test_compressed_streaming_on_a_gpu_is_bitwise_equal_and_decodes_on_its_own_s
     with torch.inference_mode():
         outs = [model(x).cpu() for _ in range(6)]
     assert all(torch.equal(o, ref) for o in outs)
+    assert all(u.pinned_in_place for u in handle.units)  # locked in place, not copied
+    assert handle.residency.encoded and all(e.payload.is_pinned() for e in handle.residency.encoded.values())
     assert handle.phase is Phase.STEADY and handle.plan.compressed and handle.profile.decode_ms is not None
     stats = handle.stats()
     assert stats.decode_ms > 0 and stats.copy_ms > 0

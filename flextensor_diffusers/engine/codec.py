@@ -57,13 +57,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import mmap
 import os
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
+
+from .host_memory import host_buffer, pin_in_place
 
 try:  # Triton is only needed for the device decoder; encoding and the CPU decoder work without it.
     import triton
@@ -477,29 +478,10 @@ def _encode_class(
 
 
 def _host_payload(nbytes: int, device: torch.device, pin: bool) -> tuple[torch.Tensor, bool]:
-    """An uninitialised host tensor of ``nbytes`` for the payload and whether it is page-locked.
-
-    Page-locked in place (``cudaHostRegister``) when asked: the tensor then starts on a page boundary of a
-    slightly larger buffer, so the pages registered belong to it alone (a page shared with a neighbouring
-    allocation that is registered as well would make the registration fail).
-    """
-    if not (pin and device.type == "cuda" and nbytes):
-        return torch.empty(nbytes, dtype=torch.uint8), False
-    page = mmap.PAGESIZE
-    buffer = torch.empty(_align(nbytes, page) + page, dtype=torch.uint8)
-    start = -buffer.data_ptr() % page
-    payload = buffer[start : start + nbytes]
-    try:
-        err = torch.cuda.cudart().cudaHostRegister(payload.data_ptr(), nbytes, 0)
-    except (AttributeError, RuntimeError) as exc:  # pragma: no cover - depends on the CUDA build
-        logger.debug("cudaHostRegister unavailable: %s", exc)
-        return payload, False
-    if int(getattr(err, "value", err)) == 0:
-        return payload, True
-    logger.warning("cudaHostRegister of a %d-byte payload failed (%s): it stays pageable", nbytes, err)
-    with contextlib.suppress(RuntimeError):  # the runtime keeps the error for the next launch check: take it
-        torch.zeros(1, device=device).add_(1)
-    return payload, False
+    """An uninitialised host buffer of ``nbytes`` for the payload and whether it is page-locked (in place,
+    when asked and the device is CUDA)."""
+    payload = host_buffer(nbytes)
+    return payload, bool(pin and device.type == "cuda" and nbytes and pin_in_place(payload))
 
 
 def encode_unit(
@@ -530,7 +512,7 @@ def encode_unit(
 
     ``pin`` (CUDA only) page-locks the payload in place with ``cudaHostRegister`` before the copies back, so
     they run at link speed and the payload is ready for async loads; when that worked ``payload.is_pinned()``
-    and the caller must ``cudaHostUnregister(payload.data_ptr())`` (``units.unpin_in_place``) before dropping it.
+    and the caller must ``cudaHostUnregister(payload.data_ptr())`` (``host_memory.unpin_in_place``) before dropping it.
     """
     if chunk <= 0 or chunk % 16:
         raise CodecError(f"chunk={chunk} must be a positive multiple of 16")

@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 
 from .codec import EncodedUnit, Segment, decode_into, encode_unit, worth_compressing
 from .errors import FlexTensorError, OffloadStateError
+from .host_memory import host_buffer, pin_in_place, unpin_in_place
 from .planner import Plan
 from .shared_host import SharedHostMemory
 from .units import (
@@ -55,10 +56,8 @@ from .units import (
     UnitLayout,
     align,
     pack_unit,
-    pin_in_place,
     pin_unit,
     restore_unit,
-    unpin_in_place,
     unpin_unit,
 )
 
@@ -624,7 +623,7 @@ class Residency:
         Pinned when ``pin`` (in place where CUDA allows, else a pinned copy), so that taking it back does no
         heavy work. Changes nothing of the model: runs on any thread, while the model waits or computes."""
         unit = self._positions()[position]
-        buffer = torch.empty(unit.nbytes, dtype=torch.uint8)
+        buffer = host_buffer(unit.nbytes)
         if read is not None:
             read(position, buffer)
         elif not isinstance(host, torch.Tensor):  # a stand-in is sliced per tensor only

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .errors import FlexTensorError, PatternError
+from .host_memory import host_buffer, pin_in_place, unpin_in_place
 
 logger = logging.getLogger(__name__)
 
@@ -254,20 +255,6 @@ def _lay_out(unit: Unit, tensor_ids: set[int]) -> Unit:
 # --------------------------------------------------------------------------------------------- packing
 
 
-def pin_in_place(buffer: torch.Tensor) -> bool:
-    """Page-lock ``buffer`` without copying it (cudaHostRegister); False when that is unavailable."""
-    try:
-        err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
-    except (AttributeError, RuntimeError) as exc:  # pragma: no cover - depends on the CUDA build
-        logger.debug("cudaHostRegister unavailable: %s", exc)
-        return False
-    return int(getattr(err, "value", err)) == 0
-
-
-def unpin_in_place(buffer: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
-
-
 def unpin_unit(unit: Unit) -> None:
     """Undo `pin_unit`'s in-place registration (a pinned copy is simply dropped with its buffer)."""
     if unit.pinned_in_place:
@@ -285,7 +272,7 @@ def pack_unit(unit: Unit, host: torch.Tensor | None = None, filled: bool = False
     bytes (another process packed them), so the tensors are only pointed at it.
     """
     if host is None:
-        host = torch.empty(unit.nbytes, dtype=torch.uint8, device="cpu")
+        host = host_buffer(unit.nbytes)
     for packed in unit.tensors:
         view = packed.view_of(host)
         if not filled:
