@@ -382,30 +382,36 @@ class Residency:
         """Keep a compressed copy of every unit that streams faster that way (see `codec`): loads then
         move the payload and decode it on the device, bit-exact. The raw host copy stays the truth.
 
-        On a CUDA device the units are encoded there (`encode_unit` with ``device``: slices of the raw
-        bytes copied up, the payload copied back). Payloads are page-locked in place
-        (``cudaHostRegister``, ~10x faster than ``pin_memory()``'s copy into new page-locked memory) and
-        unregistered before they are dropped."""
+        Units are encoded on the host, on `PACK_THREADS` threads. The codec can also encode on a CUDA
+        device, but that path failed on the H200 with a CUDA error on Wan2.2-sized blocks
+        (``benchmarks/results/codec_device_encode_failed_h200.log``); it stays out of set-up until it has
+        run there. On a CUDA device every payload is then decoded once there and compared with the
+        weights (`_check_decodes_exactly`). Payloads are page-locked in place (``cudaHostRegister`` on
+        their own mapping, ~10x faster than ``pin_memory()``'s copy) and unregistered before they are
+        dropped (`release_payloads`)."""
         self.release_payloads()
         self._pinned_payloads = pin
-        device = self.device if self.cuda else None  # encoding runs on the GPU where there is one
-        for unit in self.units:
+        encoded_by_unit: dict[int, EncodedUnit] = {}
+        hosts = {unit.index: self.host_of(unit) for unit in self.units}  # the gate is asked on this thread
+
+        def encode_one(unit: Unit) -> None:
             segments = [Segment(p.offset, p.nbytes, p.dtype) for p in unit.tensors]
-            encoded = encode_unit(self.host_of(unit), segments, device=device, pin=pin)
-            registered = pin and encoded.payload.is_pinned()  # page-locked in place by the encoder
-            if not worth_compressing(encoded):
-                if registered:
-                    unpin_in_place(encoded.payload)
+            encoded = encode_unit(hosts[unit.index], segments)
+            if worth_compressing(encoded):
+                encoded_by_unit[unit.index] = encoded
+
+        _on_threads(encode_one, self.units, "compressing weights")
+        for unit in self.units:
+            encoded = encoded_by_unit.get(unit.index)
+            if encoded is None:
                 continue
-            if registered:
+            if pin and pin_in_place(encoded.payload):
                 self._registered_payloads.append(encoded.payload)
             elif pin:
                 encoded = dataclasses.replace(encoded, payload=encoded.payload.pin_memory())
             self.encoded[unit.index] = encoded
             if self.cuda:
                 self._check_decodes_exactly(unit, encoded)
-        if self.cuda:  # the encoder's working memory goes back to the device, not to the cache
-            torch.cuda.empty_cache()
 
     def _check_decodes_exactly(self, unit: Unit, encoded: EncodedUnit) -> None:
         """Decode ``encoded`` on the device once and compare every tensor's bytes with the host copy.
