@@ -97,6 +97,49 @@ def test_bad_compression_settings_are_refused() -> None:
         ft.OffloadConfig(include_patterns=["blocks.*"], compression="zstd")
     with pytest.raises(ft.FlexTensorError, match="shared_host"):
         ft.OffloadConfig(include_patterns=["blocks.*"], compression="lossless", shared_host=object())
+    with pytest.raises(ft.FlexTensorError, match=r"compression_cache=True.*compression='lossless'"):
+        ft.OffloadConfig(include_patterns=["blocks.*"], compression_cache=True)
+
+
+def test_the_payload_cache_is_read_back_and_refused_when_the_weights_changed(tmp_path) -> None:
+    """The first set-up writes the compressed copies, the next one of the same weights reads them, and a
+    weight changed where the file's key does not sample it makes the file refused (every payload read is
+    checked against the weights), encoded again and rewritten; outputs bitwise equal throughout."""
+
+    def run(model: nn.Module, x: torch.Tensor) -> str:
+        with torch.inference_mode():
+            ref = model(x)
+        unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+        handle = ft.offload(
+            model,
+            include_patterns=["blocks.*"],
+            gpu_budget=int(3.8 * unit),
+            device="cpu",
+            compression="lossless",
+            compression_cache=True,
+            cache_dir=tmp_path,
+        )
+        with torch.inference_mode():
+            assert all(torch.equal(model(x), ref) for _ in range(4))
+        assert handle.plan.compressed  # the payloads (read or encoded) are what the loads decode
+        status = handle.stats().payload_cache
+        handle.remove()
+        return status
+
+    assert run(*make(torch.bfloat16)).startswith("written: ")
+    files = list(tmp_path.glob("*.payloads"))
+    assert len(files) == 1 and files[0].stat().st_size < 0.8 * sum(
+        p.numel() * p.element_size() for p in make(torch.bfloat16)[0].blocks.parameters()
+    )
+    assert run(*make(torch.bfloat16)).startswith("read: ")
+    changed, x = make(torch.bfloat16)
+    weight = max(changed.blocks[3].parameters(), key=lambda p: p.numel())
+    with torch.no_grad():
+        weight.view(-1)[weight.numel() // 3] += 1  # far from the bytes the key samples
+    status = run(changed, x)
+    assert status.startswith("refused: its copy of 'blocks.3' does not decode") and "written again" in status
+    assert list(tmp_path.glob("*.payloads")) == files and run(changed, x).startswith("read: ")
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_the_planner_counts_transfer_bytes_and_staging() -> None:

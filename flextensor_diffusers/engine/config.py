@@ -160,7 +160,10 @@ class OffloadConfig:
             or ``"disk"``: in a cache file in ``cache_dir``, mapped, so host RAM holds the compressed
             copies only. Loads then always decode (raw loads would read the file), so the budget must
             hold each slot's staging room; activation copies resident units from the file.
-        cache_dir: the folder for that cache file (default: ``flextensor-cache`` in the temp dir).
+        compression_cache: with compression, write the compressed copies to a file in ``cache_dir`` the
+            first time and read them back on later set-ups of the same weights instead of encoding
+            (`payload_cache`); every payload read is decoded and compared with the weights first.
+        cache_dir: the folder for cache files (default: ``flextensor-cache`` in the temp dir).
     """
 
     include_patterns: list[str]
@@ -180,6 +183,7 @@ class OffloadConfig:
     edit_methods: list[str] = field(default_factory=lambda: ["load_state_dict"])
     compression: str = "none"
     raw_copies: str = "ram"
+    compression_cache: bool = False
     cache_dir: str | Path | None = None
 
     def __post_init__(self) -> None:
@@ -206,6 +210,10 @@ class OffloadConfig:
         if self.raw_copies == "disk" and self.compression == "none":
             raise FlexTensorError(
                 "raw_copies='disk' keeps only compressed copies in RAM, and there are none: pass compression='lossless'"
+            )
+        if self.compression_cache and self.compression == "none":
+            raise FlexTensorError(
+                "compression_cache=True caches compressed copies, and there are none: pass compression='lossless'"
             )
         if self.compression != "none" and self.shared_host is not None:
             raise FlexTensorError("compression and shared_host cannot be combined yet: pass one of them")

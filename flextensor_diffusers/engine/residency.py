@@ -48,6 +48,7 @@ from tqdm.auto import tqdm
 from .codec import EncodedUnit, Segment, decode_into, encode_unit, worth_compressing
 from .errors import FlexTensorError, OffloadStateError
 from .host_memory import host_buffer, pin_in_place, unpin_in_place
+from .payload_cache import PayloadCache
 from .planner import Plan
 from .shared_host import SharedHostMemory
 from .units import (
@@ -378,21 +379,25 @@ class Residency:
 
     # ------------------------------------------------------------------------------------ compression
 
-    def compress(self, pin: bool) -> None:
+    def compress(self, pin: bool, cache: PayloadCache | None = None) -> None:
         """Keep a compressed copy of every unit that streams faster that way (see `codec`): loads then
         move the payload and decode it on the device, bit-exact. The raw host copy stays the truth.
 
-        Units are encoded on the host, on `PACK_THREADS` threads. The codec can also encode on a CUDA
-        device, but that path failed on the H200 with a CUDA error on Wan2.2-sized blocks
-        (``benchmarks/results/codec_device_encode_failed_h200.log``); it stays out of set-up until it has
-        run there. On a CUDA device every payload is then decoded once there and compared with the
-        weights (`_check_decodes_exactly`). Payloads are page-locked in place (``cudaHostRegister`` on
-        their own mapping, ~10x faster than ``pin_memory()``'s copy) and unregistered before they are
+        With a ``cache`` whose file holds this model's payloads, they are read back instead of encoded,
+        and each is decoded and compared with the weights before it is kept: one mismatch refuses the
+        file (`payload_cache`). Otherwise units are encoded on the host, on `PACK_THREADS` threads, and the
+        file is written. The codec can also encode on a CUDA device, but that path failed on the H200 with
+        a CUDA error on Wan2.2-sized blocks (``benchmarks/results/codec_device_encode_failed_h200.log``);
+        it stays out of set-up until it has run there. On a CUDA device every new payload is decoded once
+        there and compared with the weights too. Payloads are page-locked in place (``cudaHostRegister``
+        on their own mapping, ~10x faster than ``pin_memory()``'s copy) and unregistered before they are
         dropped (`release_payloads`)."""
         self.release_payloads()
         self._pinned_payloads = pin
-        encoded_by_unit: dict[int, EncodedUnit] = {}
         hosts = {unit.index: self.host_of(unit) for unit in self.units}  # the gate is asked on this thread
+        if cache is not None and self._keep_cached(cache.read(), pin, cache):
+            return
+        encoded_by_unit: dict[int, EncodedUnit] = {}
 
         def encode_one(unit: Unit) -> None:
             segments = [Segment(p.offset, p.nbytes, p.dtype) for p in unit.tensors]
@@ -402,34 +407,82 @@ class Residency:
 
         _on_threads(encode_one, self.units, "compressing weights")
         for unit in self.units:
-            encoded = encoded_by_unit.get(unit.index)
-            if encoded is None:
-                continue
-            if pin and pin_in_place(encoded.payload):
-                self._registered_payloads.append(encoded.payload)
-            elif pin:
-                encoded = dataclasses.replace(encoded, payload=encoded.payload.pin_memory())
-            self.encoded[unit.index] = encoded
-            if self.cuda:
-                self._check_decodes_exactly(unit, encoded)
+            if unit.index in encoded_by_unit:
+                self._keep(unit, encoded_by_unit[unit.index], pin)
+                if self.cuda:
+                    self._check_decodes_exactly(unit, self.encoded[unit.index])
+        if cache is not None:
+            cache.write(self.encoded)
+
+    def _keep_cached(self, cached: dict[int, EncodedUnit], pin: bool, cache: PayloadCache) -> bool:
+        """Keep the payloads read from ``cache`` when every one decodes to its unit's weights; else keep none."""
+        if not cached:
+            return False
+        by_index = {unit.index: unit for unit in self.units}
+        if not set(cached) <= set(by_index):
+            cache.refuse("it names units this model does not have")
+            return False
+        for index, encoded in cached.items():
+            self._keep(by_index[index], encoded, pin)
+        mismatches: dict[str, str] = {}
+
+        def check(unit: Unit) -> None:
+            mismatch = self._first_mismatch(unit, self.encoded[unit.index])
+            if mismatch is not None:
+                mismatches[unit.name] = mismatch
+
+        units = [by_index[i] for i in sorted(cached)]
+        if self.cuda:  # one decode at a time on the device
+            for unit in units:
+                check(unit)
+        else:  # fresh encodings, one unit per thread as `compress` encodes
+            _on_threads(check, units, "checking cached compressed weights")
+        if mismatches:
+            self.release_payloads()
+            name = min(mismatches)
+            cache.refuse(f"its copy of {name!r} does not decode to the weights ({mismatches[name]})")
+            return False
+        return True
+
+    def _keep(self, unit: Unit, encoded: EncodedUnit, pin: bool) -> None:
+        """Make ``encoded`` the unit's compressed copy, page-locked when ``pin``."""
+        if pin and pin_in_place(encoded.payload):
+            self._registered_payloads.append(encoded.payload)
+        elif pin:
+            encoded = dataclasses.replace(encoded, payload=encoded.payload.pin_memory())
+        self.encoded[unit.index] = encoded
 
     def _check_decodes_exactly(self, unit: Unit, encoded: EncodedUnit) -> None:
-        """Decode ``encoded`` on the device once and compare every tensor's bytes with the host copy.
+        """Refuse a new payload that does not decode to the weights: an encoder or decoder fault on this
+        device, turned into an error that names the way around it."""
+        mismatch = self._first_mismatch(unit, encoded)
+        if mismatch is not None:
+            raise FlexTensorError(
+                f"the compressed copy of {unit.name!r} does not decode to its weights ({mismatch}): "
+                "a codec fault on this device; pass compression='none' (--compression none)"
+            )
+
+    def _first_mismatch(self, unit: Unit, encoded: EncodedUnit) -> str | None:
+        """Decode ``encoded`` on the device once and compare every tensor's bytes with the host copy; the
+        name of the first tensor that differs, None when all are exact.
 
         A wrong payload would make every later load silently compute with wrong weights; this costs
-        about two copies of the unit and one decode at set-up (~25 ms for a 700 MB block on PCIe Gen5),
-        and turns an encoder or decoder fault into an error that names the way around it."""
+        about two copies of the unit and one decode at set-up (~25 ms for a 700 MB block on PCIe Gen5).
+        The CPU decoder is a slow reference (a few MB/s), so on the CPU the payload is compared with a
+        fresh encoding of the weights instead (the encoder is deterministic): as exact, at encoding speed."""
         host = self.host_of(unit)
+        if not self.cuda:
+            fresh = encode_unit(host, list(encoded.segments), chunk=encoded.chunk)
+            same = dataclasses.replace(fresh, payload=encoded.payload) == encoded
+            return None if same and torch.equal(fresh.payload, encoded.payload) else "its payload differs"
         payload = encoded.payload.to(self.device, non_blocking=True)
         out = torch.empty(encoded.raw_nbytes, dtype=torch.uint8, device=self.device)
         decode_into(encoded, payload, out)
         for packed in unit.tensors:
             span = slice(packed.offset, packed.offset + packed.nbytes)
             if not torch.equal(out[span], host[span].to(self.device, non_blocking=True)):
-                raise FlexTensorError(
-                    f"the compressed copy of {unit.name!r} does not decode to its weights ({packed.names[0]}): "
-                    "a codec fault on this device; pass compression='none' (--compression none)"
-                )
+                return packed.names[0]
+        return None
 
     def release_payloads(self) -> None:
         """Drop the compressed copies, unregistering those pinned in place (once no copy reads them)."""

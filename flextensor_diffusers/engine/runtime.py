@@ -53,6 +53,7 @@ from .boundaries import (
 )
 from .config import OffloadConfig, cache_folder, format_bytes, parse_bytes, resolve_budget, resolve_device
 from .errors import BudgetError, FlexTensorError, InferenceOnlyError, OffloadStateError
+from .payload_cache import PayloadCache, weights_key
 from .planner import Plan, WorkloadProfile, check_budget, everything_resident, plan_residency, smallest_budget
 from .profile import ProfileStore, SavedProfile, device_name, model_fingerprint, workload_signature
 from .profiler import Clock, Profiler
@@ -153,6 +154,7 @@ class OffloadHandle:
         self.boundaries = Boundaries()
         self._state_dict_hooks: list[Any] = []
         self._raw_file: Path | None = None  # raw_copies="disk": the cache file of the raw host copies
+        self.payload_cache: PayloadCache | None = None  # compression_cache: the file of the compressed copies
         try:
             self._set_up()
         except BaseException:
@@ -178,7 +180,8 @@ class OffloadHandle:
         self.residency.pack(self.setup_times, pin=pin, shared=shared, attaching=self._attaching)
         if self.config.compression == "lossless":
             start = time.perf_counter()
-            self.residency.compress(pin)
+            self.payload_cache = self._payload_cache() if self.config.compression_cache else None
+            self.residency.compress(pin, self.payload_cache)
             self.setup_times.compress = 1e3 * (time.perf_counter() - start)
             if self.config.raw_copies == "disk":
                 given = self.profiles.given.profile if self.profiles.given is not None else None
@@ -259,6 +262,12 @@ class OffloadHandle:
         if self.config.raw_copies != "disk":
             return 0
         return max((e.payload.numel() for e in self.residency.encoded.values()), default=0)
+
+    def _payload_cache(self) -> PayloadCache:
+        """This model's payload file: named by its structure and sampled bytes of every unit."""
+        hosts = {unit.index: self.residency.host_of(unit) for unit in self.units}
+        key = weights_key(self.fingerprint["sha256"], self.units, hosts)
+        return PayloadCache(cache_folder(self.config.cache_dir), type(self.model).__name__, key)
 
     def _raw_file_path(self) -> Path:
         """Where ``raw_copies="disk"`` keeps this model's raw host copies (one file per handle)."""
@@ -611,6 +620,7 @@ class OffloadHandle:
             peak_allocated_bytes=torch.cuda.max_memory_allocated(self.device) if self.cuda else None,
             plan=self.plan.summary() if self.plan else None,
             setup_ms=self.setup_times.as_dict(),
+            payload_cache=self.payload_cache.describe() if self.payload_cache is not None else None,
             transfer_unit_bytes=sum(self.residency.transfer_bytes(u.index) for u in self.units),
             unit_bytes=sum(self._unit_bytes),
             units=units,

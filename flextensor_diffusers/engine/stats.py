@@ -37,6 +37,7 @@ class OffloadStats:
     peak_allocated_bytes: int | None = None
     plan: dict[str, Any] | None = None
     setup_ms: dict[str, float] = field(default_factory=dict)  # layout, pack, pin, hooks (compress)
+    payload_cache: str | None = None  # with compression_cache: what set-up did with the file, and its path
     #: Bytes a load of every unit moves (compressed copies where kept); equals the units' bytes without.
     transfer_unit_bytes: int = 0
     unit_bytes: int = 0
@@ -64,6 +65,8 @@ class OffloadStats:
         ]
         if self.setup_ms:
             lines.append("set-up " + ", ".join(f"{k} {v:.1f} ms" for k, v in self.setup_ms.items()))
+        if self.payload_cache:
+            lines.append(f"payload cache: {self.payload_cache}")
         if self.plan:
             lines.append(
                 f"plan: {self.plan['streamed_units']} streamed, {len(self.plan['resident_units'])} resident, "

@@ -1,0 +1,168 @@
+"""A file of a model's compressed copies, so that a later set-up of the same model reads them back
+instead of encoding every unit again (``OffloadConfig(compression="lossless", compression_cache=True)``).
+
+Encoding runs on the host at a few hundred MB/s per thread, so compressing a 28 GB model takes far longer
+than packing it; reading its ~20 GB of payloads back is disk-bound instead. The file is named after what
+identifies the weights cheaply: the model's structural fingerprint (every tensor's name, shape and dtype)
+and a digest of a few sampled KiB of every unit's bytes, with the codec's version. That key tells models
+apart, but not every edit of a weight: **a read payload is therefore never trusted**. `Residency.compress`
+decodes each one and compares it with the weights, byte for byte, before it is used; one mismatch refuses
+the whole file (a warning says why), every unit is encoded again and the file is written anew.
+
+Layout: an 8-byte little-endian header length, a JSON header (format version, key, one record per unit:
+its index, the payload's offset and size and the `EncodedUnit` launch parameters), then the payloads, each
+at a 4 KiB-aligned offset after the header. The file is written to a temporary name and renamed, so a reader never sees
+half a file; a write that fails (disk full) removes it and only costs the next run its encoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .codec import EncodedUnit, Segment
+from .host_memory import host_buffer
+from .units import Unit, align
+
+logger = logging.getLogger(__name__)
+
+#: Bumped whenever the codec's payload layout or this file's layout changes: old files then never match.
+FORMAT_VERSION = 1
+#: Bytes sampled from each unit for the key: at its start, middle and end.
+SAMPLE_BYTES = 4096
+FILE_ALIGNMENT = 4096
+_LENGTH_BYTES = 8
+
+
+@dataclass(frozen=True)
+class CacheRecord:
+    """Where one unit's payload lies in the file and how to decode it (an `EncodedUnit` without payload)."""
+
+    index: int
+    offset: int
+    payload_nbytes: int
+    raw_nbytes: int
+    stored_nbytes: int
+    segments: list[tuple[int, int, str]]
+    chunk: int
+    n16: int
+    n32: int
+    n_pieces: int
+    coded_raw_nbytes: int
+
+    @classmethod
+    def of(cls, index: int, offset: int, encoded: EncodedUnit) -> CacheRecord:
+        return cls(
+            index=index,
+            offset=offset,
+            payload_nbytes=encoded.payload.numel(),
+            raw_nbytes=encoded.raw_nbytes,
+            stored_nbytes=encoded.stored_nbytes,
+            segments=[(s.offset, s.nbytes, str(s.dtype).removeprefix("torch.")) for s in encoded.segments],
+            chunk=encoded.chunk,
+            n16=encoded.n16,
+            n32=encoded.n32,
+            n_pieces=encoded.n_pieces,
+            coded_raw_nbytes=encoded.coded_raw_nbytes,
+        )
+
+    def encoded(self, payload: torch.Tensor) -> EncodedUnit:
+        return EncodedUnit(
+            payload=payload,
+            raw_nbytes=self.raw_nbytes,
+            stored_nbytes=self.stored_nbytes,
+            segments=tuple(Segment(o, n, getattr(torch, d)) for o, n, d in self.segments),
+            chunk=self.chunk,
+            n16=self.n16,
+            n32=self.n32,
+            n_pieces=self.n_pieces,
+            coded_raw_nbytes=self.coded_raw_nbytes,
+        )
+
+
+def weights_key(fingerprint: str, units: list[Unit], hosts: dict[int, torch.Tensor]) -> str:
+    """The file's key: the structural fingerprint, the codec format and sampled bytes of every unit."""
+    digest = hashlib.sha256(f"{fingerprint}:{FORMAT_VERSION}".encode())
+    for unit in units:
+        host = hosts[unit.index]
+        n = host.numel()
+        for start in sorted({0, max(0, n // 2 - SAMPLE_BYTES // 2), max(0, n - SAMPLE_BYTES)}):
+            digest.update(host[start : start + SAMPLE_BYTES].numpy().tobytes())
+    return digest.hexdigest()
+
+
+class PayloadCache:
+    """One model's payload file in ``folder``, named by `weights_key`."""
+
+    def __init__(self, folder: Path, model_class: str, key: str) -> None:
+        self.key = key
+        self.path = folder / f"{model_class}-{key[:24]}.payloads"
+        #: What the last `read`/`write` did, for the report: "read", "written", "refused: ...", "not written: ...".
+        self.status = "not used"
+
+    def read(self) -> dict[int, EncodedUnit]:
+        """The cached payloads by unit index, in new host buffers; empty when there is no usable file."""
+        if not self.path.exists():
+            return {}
+        try:
+            with self.path.open("rb") as f:
+                length = int.from_bytes(f.read(_LENGTH_BYTES), "little")
+                header = json.loads(f.read(length))
+                data_start = align(_LENGTH_BYTES + length, FILE_ALIGNMENT)
+                if header.get("version") != FORMAT_VERSION or header.get("key") != self.key:
+                    self.refuse("its header names another key or format")
+                    return {}
+                out = {}
+                for fields in header["units"]:
+                    record = CacheRecord(**fields)
+                    payload = host_buffer(record.payload_nbytes)
+                    f.seek(data_start + record.offset)
+                    if f.readinto(memoryview(payload.numpy())) != record.payload_nbytes:
+                        self.refuse("it is shorter than its header says")
+                        return {}
+                    out[record.index] = record.encoded(payload)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            self.refuse(f"it cannot be read ({exc})")
+            return {}
+        self.status = "read"
+        return out
+
+    def describe(self) -> str:
+        return f"{self.status}: {self.path}"
+
+    def refuse(self, reason: str) -> None:
+        """Note that the file is not used; it is written again after encoding."""
+        self.status = f"refused: {reason}"
+        logger.warning("payload cache %s refused: %s; encoding again", self.path, reason)
+
+    def write(self, encoded: dict[int, EncodedUnit]) -> None:
+        """Write every payload (atomically); a failure only leaves no file behind. Offsets in the header are
+        relative to the first payload, which starts at the first 4 KiB boundary after the header."""
+        records, offset = [], 0
+        for index, unit in sorted(encoded.items()):
+            records.append(CacheRecord.of(index, offset, unit))
+            offset = align(offset + unit.payload.numel(), FILE_ALIGNMENT)
+        header = {"version": FORMAT_VERSION, "key": self.key, "units": [dataclasses.asdict(r) for r in records]}
+        blob = json.dumps(header).encode()
+        data_start = align(_LENGTH_BYTES + len(blob), FILE_ALIGNMENT)
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        try:
+            with tmp.open("wb") as f:
+                f.write(len(blob).to_bytes(_LENGTH_BYTES, "little") + blob)
+                for record in records:
+                    f.seek(data_start + record.offset)
+                    f.write(memoryview(encoded[record.index].payload.numpy()))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            self.status = f"not written: {exc}"
+            logger.warning("payload cache %s not written (%s): the next run encodes again", self.path, exc)
+            return
+        self.status = f"{self.status}; written again" if self.status.startswith("refused") else "written"
