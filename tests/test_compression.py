@@ -178,10 +178,12 @@ def test_the_recipe_streams_compressed(tmp_path) -> None:
     from flextensor_diffusers.recipes import wan22_t2v
 
     argv = ["--random-weights", "tiny", "--device", "cpu", "-q", "--budget", "340000", "--compression", "lossless"]
-    info = wan22_t2v.main([*argv, "--output", str(tmp_path / "x.mp4"), "--profile-dir", str(tmp_path / "p")])
-    transformer = info["offload_report"]["components"]["transformer"]
-    assert info["compression"] == "lossless"
-    assert transformer["transfer_unit_bytes"] < transformer["unit_bytes"]
+    argv += ["--compression-cache", "--cache-dir", str(tmp_path / "cache"), "--profile-dir", str(tmp_path / "p")]
+    for run, status in enumerate(("written: ", "read: ")):  # the second run reads what the first wrote
+        info = wan22_t2v.main([*argv, "--output", str(tmp_path / f"{run}.mp4")])
+        transformer = info["offload_report"]["components"]["transformer"]
+        assert info["compression"] == "lossless" and transformer["payload_cache"].startswith(status)
+        assert transformer["transfer_unit_bytes"] < transformer["unit_bytes"]
 
 
 def test_the_recipe_keeps_raw_copies_on_disk_and_names_the_missing_flag(tmp_path, capsys) -> None:
@@ -333,3 +335,12 @@ def test_a_process_that_exits_without_removing_offload_leaves_no_cache_file(tmp_
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "1"  # the raw copies waited in one file while the process ran
     assert not any(tmp_path.iterdir())
+
+
+def test_the_recipe_names_the_flag_a_compression_cache_needs(tmp_path, capsys) -> None:
+    from flextensor_diffusers.recipes import wan22_t2v
+
+    with pytest.raises(SystemExit):
+        wan22_t2v.cli(["--random-weights", "tiny", "--device", "cpu", "--compression-cache"])
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("add --compression lossless") and len(err.splitlines()) == 1

@@ -79,6 +79,7 @@ def enable_offload(pipe: Any, options: RecipeOptions, device: torch.device, shar
         cache_dir=options.cache_dir,
         compression=options.compression,
         raw_copies=options.raw_copies,
+        compression_cache=options.compression_cache,
     )
 
 

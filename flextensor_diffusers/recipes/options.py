@@ -64,6 +64,7 @@ class RecipeOptions:
     cache_dir: Path | None = None
     compression: str = "none"
     raw_copies: str = "ram"
+    compression_cache: bool = False
     profile_dir: Path | None = Path("profiles")
     device: str | None = None
     no_offload: bool = False
@@ -192,6 +193,12 @@ def recipe_parser(
         "RAM holds the compressed copies only",
     )
     parser.add_argument(
+        "--compression-cache",
+        action="store_true",
+        help="with --compression lossless: keep the compressed copies in a file (--cache-dir) and read them back "
+        "next time instead of encoding (each is checked against the weights)",
+    )
+    parser.add_argument(
         "--profile-dir",
         type=Path,
         default=Path("profiles"),
@@ -246,6 +253,10 @@ def common_values(ns: argparse.Namespace, recipe: str, defaults: dict[str, SizeD
     if ns.raw_copies == "disk" and ns.compression == "none":
         raise OptionsError(
             "--raw-copies disk keeps only compressed copies in RAM, and there are none: add --compression lossless"
+        )
+    if getattr(ns, "compression_cache", False) and ns.compression == "none":
+        raise OptionsError(
+            "--compression-cache caches compressed copies, and there are none: add --compression lossless"
         )
     for flag in ("--output", "--json", "--profile-dir", "--cache-dir"):
         value = getattr(ns, flag[2:].replace("-", "_"), None)
