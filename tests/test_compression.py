@@ -344,3 +344,24 @@ def test_the_recipe_names_the_flag_a_compression_cache_needs(tmp_path, capsys) -
         wan22_t2v.cli(["--random-weights", "tiny", "--device", "cpu", "--compression-cache"])
     err = capsys.readouterr().err.strip()
     assert err.endswith("add --compression lossless") and len(err.splitlines()) == 1
+
+
+def test_a_payload_cache_that_cannot_be_written_leaves_no_file_and_costs_only_the_next_encoding(
+    tmp_path, monkeypatch
+) -> None:
+    from flextensor_diffusers.engine import payload_cache
+
+    def disk_full(*_: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(payload_cache.os, "replace", disk_full)
+    model, x = make(torch.bfloat16)
+    with torch.inference_mode():
+        ref = model(x)
+    config = ft.OffloadConfig(["blocks.*"], device="cpu", compression="lossless", compression_cache=True)
+    handle = ft.offload(model, dataclasses.replace(config, cache_dir=tmp_path))
+    with torch.inference_mode():
+        assert all(torch.equal(model(x), ref) for _ in range(3))
+    assert handle.stats().payload_cache.startswith("not written: [Errno 28] No space left on device")
+    assert not list(tmp_path.iterdir())
+    handle.remove()
