@@ -36,11 +36,18 @@ before moves out (free for components that wait in their weight files) and the r
 where it paused. A wrong guess is stopped between units and its buffers freed; an edit of the
 component since the read began makes its bytes stale: they are dropped and it is read again.
 
-The smallest workable host budget is the largest component's packed weights. Host RAM here is
-what the package allocates for host copies (page-locked or not), what is read back and what is read
-ahead (reserved before it is read, so the budget holds at all times); mappings of files are
-file-backed pages the kernel may drop at any time. An edit made while a component waits in its
-weight files lives in anonymous copy-on-write pages, not counted, until it is read back.
+The host budget bounds the process's anonymous and page-locked memory (RssAnon + RssShmem), not only
+the host copies. Two parts come off the top when offload is enabled (`HostOverhead`): the process's
+own memory then (Python, torch, the CUDA context, components not offloaded: its anonymous memory less
+the anonymous weights about to be packed, which become host copies) and `HOST_RESERVE_BYTES` for what
+it allocates later (reader threads, CUDA libraries). The host copies get the rest, ``weights_budget``,
+so the smallest workable host budget is the largest component's packed weights plus those two. The
+host copies' share counts what the package allocates for host copies (page-locked or not), what is
+read back and what is read ahead (reserved before it is read, so the share holds at all times);
+mappings of files are file-backed pages the kernel may drop at any time. Not bounded: an edit made
+while a component waits in its weight files (anonymous copy-on-write pages until it is read back),
+what the process allocates after enabling beyond the reserve, and on the CPU device the "device"
+copies (bounded by the GPU budget).
 
 Not built yet: streaming single blocks from disk for a component larger than the host budget,
 O_DIRECT / GPUDirect Storage (kvikio) reads, and finding the weight files of a pipeline loaded from
@@ -58,7 +65,7 @@ import queue
 import shutil
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +84,8 @@ if TYPE_CHECKING:
     from ..engine.units import Unit
 
 __all__ = [
+    "HOST_RESERVE_BYTES",
+    "HostOverhead",
     "HostTier",
     "check_host_budget",
     "format_host_tier",
@@ -95,6 +104,12 @@ WEIGHTS_FILES, CACHE_FILE = "weights files", "cache file"
 #: Units read at once: a disk serves several large reads in flight faster than one, and a unit's
 #: page-locking overlaps the next one's read.
 READ_THREADS = max(2, min(8, os.cpu_count() or 1))
+#: Host memory kept free in the host budget for what the process allocates after offload is enabled,
+#: besides host copies: the reader threads' malloc arenas and stacks, the host workspaces of CUDA
+#: libraries loaded at the first generation, a generation's Python objects. On the H200 with the full
+#: Wan2.2-A14B (benchmarks/results/host_tier_h200.json) the process's RssAnon + RssShmem peaked 1.23 GB
+#: above the tier's own peak: 0.55 GB it held before the pipeline was loaded, about 0.68 GB came later.
+HOST_RESERVE_BYTES = 2**30
 
 
 def resolve_host_budget(host_budget: int | str) -> int:
@@ -106,19 +121,108 @@ def resolve_host_budget(host_budget: int | str) -> int:
     return parse_bytes(host_budget)
 
 
+def anonymous_bytes() -> int:
+    """The process's anonymous and page-locked memory now, what the host budget bounds: RssAnon + RssShmem
+    of /proc/self/status (page-locked host copies are anonymous mappings registered with CUDA). Where that
+    file is missing (macOS, Windows), psutil's resident set size, file pages included (an overestimate);
+    0 where neither can be read: a measurement never keeps offload from being enabled."""
+    counted = ("RssAnon:", "RssShmem:")
+    try:
+        with open("/proc/self/status") as status:
+            kib = [int(line.split()[1]) for line in status if line.startswith(counted)]
+        if len(kib) == len(counted):
+            return sum(kib) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:  # no psutil, or no access: 0, as documented
+        return 0
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """Address ranges mapped from files (/proc/self/maps lines with an inode), sorted; empty where unreadable."""
+    ranges: list[tuple[int, int]] = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                if len(fields) >= 6 and fields[4] != "0":
+                    start, end = fields[0].split("-")
+                    ranges.append((int(start, 16), int(end, 16)))
+    except OSError:
+        return []
+    return sorted(ranges)
+
+
+def anonymous_weight_bytes(modules: Iterable[nn.Module]) -> int:
+    """Bytes of the modules' CPU parameters and buffers in anonymous memory, each storage once: packing
+    turns them into host copies, which the tier counts, so they are not the process's own memory. Views
+    of mapped weight files (what ``from_pretrained`` gives for unconverted safetensors) are file pages,
+    not counted; a model built or converted in memory is anonymous. Without /proc/self/maps every CPU
+    weight counts (psutil's resident set holds mapped pages too)."""
+    ranges = _file_mappings()
+    starts = [start for start, _ in ranges]
+    storages: dict[int, int] = {}
+    for module in modules:
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            if tensor.device.type == "cpu":
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+
+    def mapped(address: int) -> bool:
+        i = bisect.bisect_right(starts, address) - 1
+        return i >= 0 and address < ranges[i][1]
+
+    return sum(nbytes for address, nbytes in storages.items() if not mapped(address))
+
+
+def process_own_bytes(modules: Iterable[nn.Module]) -> int:
+    """The process's own memory before ``modules`` (the components to offload) are packed: its anonymous
+    and page-locked memory (`anonymous_bytes`) less their anonymous weights (`anonymous_weight_bytes`).
+    Python, torch, the CUDA context, components not offloaded: host memory the host copies cannot have."""
+    return max(0, anonymous_bytes() - anonymous_weight_bytes(modules))
+
+
+@dataclass(frozen=True)
+class HostOverhead:
+    """What the host budget holds besides the host copies: the process's own memory when offload is
+    enabled (`process_own_bytes`) and `HOST_RESERVE_BYTES` for what it allocates later."""
+
+    own_bytes: int
+    reserve_bytes: int
+
+    @classmethod
+    def measure(cls, modules: Iterable[nn.Module]) -> HostOverhead:
+        """Now, before ``modules`` are packed (module-level names, so tests can set both)."""
+        return cls(process_own_bytes(modules), HOST_RESERVE_BYTES)
+
+    @property
+    def nbytes(self) -> int:
+        return self.own_bytes + self.reserve_bytes
+
+
 def check_host_budget(
-    host_budget: int, component_bytes: dict[str, int], kept_bytes: dict[str, int] | None = None
+    host_budget: int,
+    component_bytes: dict[str, int],
+    overhead: HostOverhead,
+    kept_bytes: dict[str, int] | None = None,
 ) -> None:
     """Refuse a host budget under the largest component's packed weights (plus what the others keep in
-    RAM while they wait in their weight files, ``kept_bytes``), naming the smallest workable one."""
+    RAM while they wait in their weight files, ``kept_bytes``) next to ``overhead``, naming the smallest
+    workable one."""
     kept = kept_bytes or {}
     need = {n: b + sum(kept.get(o, 0) for o in component_bytes if o != n) for n, b in component_bytes.items()}
     name = max(component_bytes, key=lambda n: component_bytes[n])
-    smallest = max(need.values())
+    smallest = max(need.values()) + overhead.nbytes
     if host_budget < smallest:
         raise HostBudgetError(
             f"host_budget {format_bytes(host_budget)} cannot hold the largest component, {name} "
-            f"({format_bytes(component_bytes[name])}), which must be in RAM while it runs: the smallest workable host "
+            f"({format_bytes(component_bytes[name])}), which must be in RAM while it runs, next to the process's "
+            f"own memory ({format_bytes(overhead.own_bytes)}: Python, torch, CUDA) and a reserve "
+            f"({format_bytes(overhead.reserve_bytes)}) for what it allocates later: the smallest workable host "
             f"budget is {format_bytes(smallest)}",
             required_bytes=smallest,
         )
@@ -465,13 +569,16 @@ def _read_error(component: str, exc: BaseException) -> FlexTensorError:
 
 @dataclass
 class HostTier:
-    """Which components' host copies are in RAM, under ``budget``; the rest wait on disk (their own
-    weight files, else cache files in ``folder``). One lock around its state; the reader threads only
-    read a component's bytes into new buffers (`ReadJob`) and touch no state here."""
+    """Which components' host copies are in RAM, under ``weights_budget`` (the host ``budget`` less
+    ``overhead``); the rest wait on disk (their own weight files, else cache files in ``folder``). One
+    lock around its state; the reader threads only read a component's bytes into new buffers (`ReadJob`)
+    and touch no state here."""
 
-    budget: int
+    budget: int  # the user's host budget: the whole process's anonymous and page-locked memory
     folder: Path
     pin: bool
+    overhead: HostOverhead  # measured when offload was enabled
+    weights_budget: int = field(init=False)  # the host copies' share, budget - overhead: what `ram_bytes` stays under
     weights_root: Path | None = None  # the pipeline's folder, where its components' folders are
     order: list[str] = field(default_factory=list)  # the pipeline's declared order (`offload_order`)
     handles: dict[str, OffloadHandle] = field(default_factory=dict)
@@ -488,6 +595,7 @@ class HostTier:
 
     def __post_init__(self) -> None:
         self._seen = ComponentOrder(self.order)
+        self.weights_budget = self.budget - self.overhead.nbytes
 
     @property
     def reads(self) -> list[Switch]:
@@ -721,7 +829,7 @@ class HostTier:
         except FlexTensorError as exc:  # reading ahead is optional: the component is read when it runs
             logger.warning("host tier: no read ahead of %s: %s", name, exc)
         job = self._new_job(name)
-        room = self.budget - self.ram_bytes()
+        room = self.weights_budget - self.ram_bytes()
         if job.units_within(room) == 0:
             return
         job.allow(room)
@@ -752,14 +860,14 @@ class HostTier:
         ``nbytes`` more fit. ``required=False``: move nothing unless that makes them fit."""
         if not required:
             movable = sum(self._freed_by_moving(n) for n in self.recency if self._movable(n, keep))
-            if self.ram_bytes() + nbytes - movable > self.budget:
+            if self.ram_bytes() + nbytes - movable > self.weights_budget:
                 return False
         for other in list(self.recency):
-            if self.ram_bytes() + nbytes <= self.budget:
+            if self.ram_bytes() + nbytes <= self.weights_budget:
                 return True
             if self._movable(other, keep):
                 self._move_out(other)
-        return self.ram_bytes() + nbytes <= self.budget
+        return self.ram_bytes() + nbytes <= self.weights_budget
 
     def _move_out(self, name: str) -> None:
         handle = self.handles[name]
@@ -789,8 +897,9 @@ class HostTier:
     # ------------------------------------------------------------------------------------ report
 
     def report(self) -> dict[str, Any]:
-        """Budget, RAM, per component its bytes, where it is, where it waits and its reads; per switch
-        the read, the wait, what was read ahead and the read's bandwidth; disk read bandwidth."""
+        """Budget and where it went (the process's own memory at enable, the reserve, the host copies'
+        share), RAM, per component its bytes, where it is, where it waits and its reads; per switch the
+        read, the wait, what was read ahead and the read's bandwidth; disk read bandwidth."""
         with self._lock:
             if self._fill is not None:
                 self._fill.switch.read_s = self._fill.job.read_s
@@ -810,6 +919,9 @@ class HostTier:
                 }
             return {
                 "host_budget_bytes": self.budget,
+                "process_own_bytes": self.overhead.own_bytes,
+                "host_reserve_bytes": self.overhead.reserve_bytes,
+                "weights_budget_bytes": self.weights_budget,
                 "host_ram_bytes": self.ram_bytes(),
                 "peak_host_ram_bytes": self.peak_ram_bytes,
                 "on_disk": [n for n, c in components.items() if c["host"] == "disk"],
@@ -881,15 +993,19 @@ class HostTier:
 
 
 def format_host_tier(tier: dict[str, Any]) -> list[str]:
-    """The host tier's lines of the offload report: a summary, then one row per component."""
+    """The host tier's lines of the offload report: where the host budget went, a summary, then one row per
+    component."""
     disk = ", ".join(tier["on_disk"]) or "none"
     gbps = f" at {tier['disk_read_gbps']:.2f} GB/s" if tier.get("disk_read_gbps") else ""
     lines = [
-        f"host RAM {format_bytes(tier['host_ram_bytes'])} of {format_bytes(tier['host_budget_bytes'])} "
+        f"host budget {format_bytes(tier['host_budget_bytes'])}: the process's own memory at enable "
+        f"{format_bytes(tier['process_own_bytes'])}, reserve {format_bytes(tier['host_reserve_bytes'])}, "
+        f"host copies {format_bytes(tier['weights_budget_bytes'])}",
+        f"host copies in RAM {format_bytes(tier['host_ram_bytes'])} of {format_bytes(tier['weights_budget_bytes'])} "
         f"(peak {format_bytes(tier['peak_host_ram_bytes'])}); on disk now: {disk}; "
         f"{len(tier['disk_reads_s'])} reads from disk, {tier['disk_read_s']:.2f} s{gbps}, "
         f"waited {tier['wait_s']:.2f} s ({tier['hidden_s']:.2f} s hidden: "
-        f"{format_bytes(tier.get('read_ahead_bytes', 0))} read ahead, the rest while computing)"
+        f"{format_bytes(tier.get('read_ahead_bytes', 0))} read ahead, the rest while computing)",
     ]
     rows = [("host copies", "bytes", "now", "waits in", "reads", "read ahead", "read s", "wait s")]
     for name, c in tier["components"].items():

@@ -26,6 +26,7 @@ from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
 from ..engine.planner import smallest_budget
 from ..engine.units import find_units, plan_layout
 from .host_tier import (
+    HostOverhead,
     HostTier,
     check_host_budget,
     format_host_tier,
@@ -127,6 +128,7 @@ class PipelineOffload:
                 "host": "disk" if handle.residency.spilled_to is not None else "ram",
                 "unit_bytes": stats.unit_bytes,
                 "transfer_unit_bytes": stats.transfer_unit_bytes,
+                "payload_cache": stats.payload_cache,  # compression_cache: read, written or refused, and where
                 # host copies in RAM now (raw copies, and compressed copies where kept)
                 "host_ram_bytes": handle.residency.host_ram_bytes,
             }
@@ -259,11 +261,12 @@ def enable(
             streams from one host copy (local rank 0 packs each component into shared memory,
             the others attach; build their pipeline on the meta device). See `offload_shared`.
         shared_host_root: where the shared files live (a RAM-backed filesystem).
-        host_budget: bytes, a string like ``"32GiB"`` or ``"auto"`` (80 % of the RAM available): host
-            RAM for the components' host copies; those that do not fit wait on disk (in the safetensors
-            files they were loaded from, else in cache files) and are read back unit by unit while they
-            already run, the next one ahead as far as room allows (see `host_tier`). ``None``: every
-            host copy in RAM.
+        host_budget: bytes, a string like ``"32GiB"`` or ``"auto"`` (80 % of the RAM available): the
+            process's anonymous and page-locked memory. Its own memory when offload is enabled and a
+            1 GiB reserve come off the top, the components' host copies get the rest; those that do
+            not fit wait on disk (in the safetensors files they were loaded from, else in cache files)
+            and are read back unit by unit while they already run, the next one ahead as far as room
+            allows (see `host_tier`). ``None``: every host copy in RAM.
         cache_dir: where cache files go (default: a ``flextensor-cache`` folder in the temp dir), for
             the host tier and for ``raw_copies="disk"`` (with ``compression="lossless"``: the raw host
             copies wait in a mapped cache file and host RAM holds the compressed copies only).
@@ -291,12 +294,15 @@ def enable(
             )
         host_bytes = resolve_host_budget(host_budget)
         root = pipeline_folder(pipeline)
-        check_host_budget(host_bytes, packed, {n: kept_in_ram_bytes(n, available[n], root) for n in packed})
+        overhead = HostOverhead.measure(available[n] for n in packed)  # before packing: the process's own memory
+        kept = {n: kept_in_ram_bytes(n, available[n], root) for n in packed}
+        check_host_budget(host_bytes, packed, overhead, kept)
         pin = device.type == "cuda" and config.get("pin_memory", True)
         tier = HostTier(
             budget=host_bytes,
             folder=cache_folder(cache_dir),
             pin=pin,
+            overhead=overhead,
             weights_root=root,
             order=offload_order(pipeline),
         )
