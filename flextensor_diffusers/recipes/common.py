@@ -317,7 +317,8 @@ def error_line(exc: BaseException, budget: str, host_budget: str = "auto") -> st
     if isinstance(exc, HostBudgetError) and exc.required_bytes is not None:
         fix = budget_suggestion(exc.required_bytes)
         return (
-            f"--host-budget {host_budget} cannot hold the largest component, which must be in RAM while it runs: "
+            f"--host-budget {host_budget} cannot hold the largest component, which must be in RAM while it runs, "
+            "next to the process's own memory and a reserve: "
             f"the smallest workable host budget is {fix[:-3]} GiB; pass --host-budget {fix}"
         )
     if isinstance(exc, BudgetError):

@@ -174,7 +174,8 @@ def recipe_parser(
     )
     parser.add_argument(
         "--host-budget",
-        help="host RAM for the weights' host copies, e.g. 32GiB, or auto (80%% of the RAM available); "
+        help="the process's host memory (anonymous and page-locked), e.g. 32GiB, or auto (80%% of the RAM "
+        "available); its own memory and a 1 GiB reserve come off the top, the weights' host copies get the rest; "
         "components that do not fit wait on disk, in the weight files they were loaded from or in cache files "
         "(default: all in RAM)",
     )
