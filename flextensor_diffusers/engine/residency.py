@@ -395,8 +395,13 @@ class Residency:
         self.release_payloads()
         self._pinned_payloads = pin
         hosts = {unit.index: self.host_of(unit) for unit in self.units}  # the gate is asked on this thread
-        if cache is not None and self._keep_cached(cache.read(), pin, cache):
-            return
+        if cache is None or not self._keep_cached(cache.read(), pin, cache):
+            self._encode_all(hosts, pin, cache)
+        if self.cuda:  # the checks' decode buffers go back to the device, not to the allocator's cache
+            torch.cuda.empty_cache()
+
+    def _encode_all(self, hosts: dict[int, torch.Tensor], pin: bool, cache: PayloadCache | None) -> None:
+        """Encode every unit worth it (one per thread), keep and check the payloads, write ``cache``."""
         encoded_by_unit: dict[int, EncodedUnit] = {}
 
         def encode_one(unit: Unit) -> None:
