@@ -6,8 +6,9 @@ set-up at most 0.8x flextensor 0.5.0's). This times, for ``--units`` units of ``
 
 * ``empty+copy+register``: ``torch.empty`` (4 KiB pages, faulted on first touch by the copy), then
   ``cudaHostRegister`` in place (what set-up does today);
-* ``hugepage+copy+register``: an anonymous mapping advised ``MADV_HUGEPAGE`` (2 MiB pages where the
-  kernel gives them: 512x fewer faults and page-table entries to lock), then the same copy and register;
+* ``hugepage+copy+register``: the package's own host buffer (`host_memory.host_buffer`: an anonymous
+  mapping advised ``MADV_HUGEPAGE`` from 32 MiB on, so 2 MiB pages where the kernel gives them: 512x
+  fewer faults and page-table entries to lock), then the same copy and register;
 * ``register+copy``: ``cudaHostRegister`` on the fresh (untouched) buffer first, then the copy;
 * ``pin_memory``: ``Tensor.pin_memory()`` per unit (torch's pinned allocator, then a copy).
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import subprocess
 import sys
 import time
@@ -34,7 +34,9 @@ from pathlib import Path
 
 import torch
 
-HUGE_PAGE = 2 << 20
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flextensor_diffusers.engine.host_memory import host_buffer, pin_in_place, unpin_in_place
 
 
 @dataclass
@@ -48,22 +50,9 @@ class VariantTimes:
 
 
 def register(buffer: torch.Tensor) -> None:
-    err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
-    if int(getattr(err, "value", err)) != 0:
-        raise RuntimeError(f"cudaHostRegister failed: {err}")
-
-
-def unregister(buffer: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
-
-
-def huge_buffer(nbytes: int) -> torch.Tensor:
-    """An anonymous private mapping, 2 MiB aligned inside, advised to use transparent huge pages."""
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
-    whole = torch.frombuffer(region, dtype=torch.uint8)
-    skip = (-whole.data_ptr()) % HUGE_PAGE
-    return whole[skip : skip + nbytes]
+    """`pin_in_place`, loud: a variant whose buffers stay pageable would time nothing worth comparing."""
+    if not pin_in_place(buffer):
+        raise RuntimeError("cudaHostRegister failed")
 
 
 def on_threads(work: Callable[[int], None], count: int, threads: int) -> float:
@@ -81,7 +70,7 @@ def run_variant(name: str, sources: list[torch.Tensor], threads: int, can_regist
     if name == "pin_memory":
         copy = on_threads(lambda i: buffers.__setitem__(i, sources[i].pin_memory()), n, threads)
     else:
-        make = huge_buffer if name.startswith("hugepage") else lambda b: torch.empty(b, dtype=torch.uint8)
+        make = host_buffer if name.startswith("hugepage") else lambda b: torch.empty(b, dtype=torch.uint8)
         alloc = on_threads(lambda i: buffers.__setitem__(i, make(nbytes)), n, threads)
         if name == "register+copy" and can_register:
             reg = on_threads(lambda i: register(buffers[i]), n, threads)
@@ -90,7 +79,7 @@ def run_variant(name: str, sources: list[torch.Tensor], threads: int, can_regist
             reg = on_threads(lambda i: register(buffers[i]), n, threads)
         if can_register:
             for b in buffers:
-                unregister(b)
+                unpin_in_place(b)
     total = alloc + copy + reg
     buffers.clear()
     return VariantTimes(
