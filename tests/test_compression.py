@@ -220,7 +220,14 @@ def test_compressed_streaming_on_a_gpu_is_bitwise_equal_and_decodes_on_its_own_s
     assert all(torch.equal(o, ref) for o in outs)
     assert all(u.pinned_in_place for u in handle.units)  # locked in place, not copied
     assert handle.residency.encoded and all(e.payload.is_pinned() for e in handle.residency.encoded.values())
-    assert handle.phase is Phase.STEADY and handle.plan.compressed and handle.profile.decode_ms is not None
+    profile, plan = handle.profile, handle.plan
+    why = (
+        f"decode_ms={profile.decode_ms} unit_bytes={profile.unit_bytes} transfer_bytes={profile.transfer_bytes} "
+        f"bandwidth_bytes_per_ms={profile.bandwidth_bytes_per_ms:.0f} activations={profile.activation_peak_bytes} "
+        f"paying={sorted(profile.paying_compressed())} plan: resident={sorted(plan.resident)} "
+        f"slots={plan.num_slots} predicted_ms={plan.predicted_ms:.3f} budget={plan.budget_bytes}"
+    )
+    assert handle.phase is Phase.STEADY and plan.compressed and profile.decode_ms is not None, why
     stats = handle.stats()
     assert stats.decode_ms > 0 and stats.copy_ms > 0
     handle.remove()

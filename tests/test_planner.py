@@ -103,3 +103,16 @@ def test_compute_bound_workload_hides_all_transfers() -> None:
     plan = plan_residency(p, 50 * MB + 2 * 100 * MB + 105 * MB + 1)
     assert len(plan.streamed) == 20
     assert plan.predicted_ms <= 1.02 * plan.lower_bound_ms + 4.0  # only the very first load is exposed
+
+
+def test_a_units_decode_time_is_its_fastest_profiled_decode() -> None:
+    """The first decode of a Triton specialisation also waits for its compilation: a mean over the profiled
+    forwards would make decoding look slower than the link and plan every load raw."""
+    import torch
+
+    from flextensor_diffusers.engine.profiler import Clock, Profiler
+
+    profiler = Profiler(torch.device("cpu"), Clock(torch.device("cpu")))
+    profiler.cuda = True  # the per-unit rule is the GPU's; the CPU plans decodes as free
+    decoded = {0: [2500.0, 0.2, 0.3], 2: [0.4]}
+    assert profiler._decode_per_unit(decoded, [100, 100, 100]) == pytest.approx([0.2, 0.3, 0.4])

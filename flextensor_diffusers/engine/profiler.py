@@ -157,14 +157,17 @@ class Profiler:
         return run
 
     def _decode_per_unit(self, decoded: dict[int, list[float]], unit_bytes: list[int]) -> list[float] | None:
-        """Mean measured decode time per unit; a unit not decoded while profiled is estimated from the
-        others' time per byte. None on the CPU, where loads are synchronous copies and decoding runs
-        torch ops: nothing there stands for what a GPU would do, so plans take decodes as free."""
+        """Fastest measured decode time per unit; a unit not decoded while profiled is estimated from the
+        others' time per byte. The fastest, not the mean: a decode is the same work every time, and the
+        first launch of a Triton specialisation also waits for its compilation (seconds), which a mean
+        over two or three profiled forwards would turn into "decoding is slower than the link". None on
+        the CPU, where loads are synchronous copies and decoding runs torch ops: nothing there stands for
+        what a GPU would do, so plans take decodes as free."""
         if not decoded or not self.cuda:
             return None
-        mean = {u: sum(ms) / len(ms) for u, ms in decoded.items()}
-        per_byte = sum(mean.values()) / sum(unit_bytes[u] for u in mean)
-        return [mean.get(u, per_byte * unit_bytes[u]) for u in range(len(unit_bytes))]
+        fastest = {u: min(ms) for u, ms in decoded.items()}
+        per_byte = sum(fastest.values()) / sum(unit_bytes[u] for u in fastest)
+        return [fastest.get(u, per_byte * unit_bytes[u]) for u in range(len(unit_bytes))]
 
     def workload_profile(
         self, unit_names: list[str], unit_bytes: list[int], resident_bytes: int, measure_bandwidth: Any
