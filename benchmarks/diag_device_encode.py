@@ -140,21 +140,23 @@ def main() -> None:
         print("RESULT " + json.dumps(run_variant(args.variant, args.reps)), flush=True)
         return
     results = []
-    for blocking in ("1", "0"):
-        for name in VARIANTS:
-            env = dict(os.environ, CUDA_LAUNCH_BLOCKING=blocking)
-            cmd = [sys.executable, __file__, "--variant", name, "--reps", str(args.reps)]
-            try:
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-                lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-                result = json.loads(lines[-1][7:]) if lines else {"variant": name, "ok": False}
-                result["returncode"] = proc.returncode
-                result["stderr_tail"] = proc.stderr.splitlines()[-8:]
-            except subprocess.TimeoutExpired:
-                result = {"variant": name, "ok": False, "error": f"timed out after {args.timeout} s"}
-            result["cuda_launch_blocking"] = blocking
-            print(json.dumps(result), flush=True)
-            results.append(result)
+    # Every variant with launches made synchronous (an error surfaces at its own call), and the one codec_bench
+    # ran when it failed (page-locked input and payload) also as it ran there.
+    runs = [(name, "1") for name in VARIANTS] + [("pin_memory_in_pinned_out", "0")]
+    for name, blocking in runs:
+        env = dict(os.environ, CUDA_LAUNCH_BLOCKING=blocking)
+        cmd = [sys.executable, __file__, "--variant", name, "--reps", str(args.reps)]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            result = json.loads(lines[-1][7:]) if lines else {"variant": name, "ok": False}
+            result["returncode"] = proc.returncode
+            result["stderr_tail"] = proc.stderr.splitlines()[-8:]
+        except subprocess.TimeoutExpired:
+            result = {"variant": name, "ok": False, "error": f"timed out after {args.timeout} s"}
+        result["cuda_launch_blocking"] = blocking
+        print(json.dumps(result), flush=True)
+        results.append(result)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=2) + "\n")
