@@ -311,9 +311,10 @@ def main() -> None:
             continue
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            runs.append({"method": method, "budget_bytes": budget, "error": tail[0]})
-            print(f"{method:>34}: failed: {tail[0]}", flush=True)
+            # The error line itself, not only torch's closing hint ("Compile with TORCH_USE_CUDA_DSA ...")
+            tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-6:]) or "no output"
+            runs.append({"method": method, "budget_bytes": budget, "error": tail})
+            print(f"{method:>34}: failed: {tail}", flush=True)
             continue
         run = json.loads(line.removeprefix("RESULT "))
         runs.append(run)

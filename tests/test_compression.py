@@ -204,16 +204,19 @@ def test_the_recipe_keeps_raw_copies_on_disk_and_names_the_missing_flag(tmp_path
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compressed_streaming_on_a_gpu_is_bitwise_equal_and_decodes_on_its_own_stream() -> None:
-    """The CUDA path: payload copies on the copy stream, Triton decodes on the decode stream."""
+    """The CUDA path: units encoded on the device, payload copies on the copy stream, Triton decodes on the
+    decode stream; an edit encodes again there after the old payloads were unregistered and freed."""
     torch.manual_seed(0)
     model = Stack(dim=1024, depth=8, dtype=torch.bfloat16).eval().requires_grad_(False)
+    other = Stack(dim=1024, depth=8, dtype=torch.bfloat16).eval().requires_grad_(False)
     x = torch.randint(0, 50, (4, 64), device="cuda")
     with torch.inference_mode():
-        ref = model.to("cuda")(x).cpu()
+        ref, edited = model.to("cuda")(x).cpu(), other.to("cuda")(x).cpu()
     model.to("cpu")
     unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    # Two slots with room to stage a payload (~1.7 units each) and the activations (~0.4 units on the H200).
     handle = ft.offload(
-        model, include_patterns=["blocks.*"], gpu_budget=int(3.8 * unit), device="cuda", compression="lossless"
+        model, include_patterns=["blocks.*"], gpu_budget=int(4.2 * unit), device="cuda", compression="lossless"
     )
     with torch.inference_mode():
         outs = [model(x).cpu() for _ in range(6)]
@@ -230,7 +233,12 @@ def test_compressed_streaming_on_a_gpu_is_bitwise_equal_and_decodes_on_its_own_s
     assert handle.phase is Phase.STEADY and plan.compressed and profile.decode_ms is not None, why
     stats = handle.stats()
     assert stats.decode_ms > 0 and stats.copy_ms > 0
+    model.load_state_dict(other.state_dict())
+    with torch.inference_mode():
+        assert all(torch.equal(model(x).cpu(), edited) for _ in range(3))
     handle.remove()
+    torch.cuda.empty_cache()
+    torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # a new device allocation still works
 
 
 def test_a_payload_that_does_not_decode_to_the_weights_is_refused() -> None:

@@ -30,9 +30,10 @@ The encoder (:func:`encode_unit`) is made of torch ops vectorised over the chunk
 it runs on the host or, much faster, on a CUDA device (``device=``): per-chunk histograms by one
 ``bincount`` over ``256 · chunk + symbol``, a stable sort of each chunk's 256 counts, the size of each
 ``b`` from their cumulative sums, codes by a lookup in per-chunk code tables, escapes by a boolean index,
-and codes packed eight at a time into ``b`` bytes with shifts. On the H200 the device path failed with a
-CUDA error on Wan2.2-sized blocks (``benchmarks/results/codec_device_encode_failed_h200.log``), so
-`Residency.compress` encodes on the host until it has run there.
+and codes packed eight at a time into ``b`` bytes with shifts. On the H200, asking for a page-locked
+payload (``pin=True``) of a pageable or ``pin_memory()`` input made the next device allocation fail with
+"CUDA error: resource already mapped"; a page-locked payload of an input locked in place, and a pageable
+payload of any input, ran (``benchmarks/results/diag_device_encode_h200.json``).
 
 Payload layout (one flat ``uint8`` tensor, everything the device needs; sections aligned to 64 bytes):
 

@@ -68,6 +68,11 @@ logger = logging.getLogger(__name__)
 PACK_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
+def _segments_of(unit: Unit) -> list[Segment]:
+    """The codec's view of a unit's flat buffer: where each tensor lies and its dtype."""
+    return [Segment(p.offset, p.nbytes, p.dtype) for p in unit.tensors]
+
+
 def _on_threads(work: Callable[[Unit], None], units: list[Unit], desc: str) -> float:
     """Run ``work`` on every unit on `PACK_THREADS` threads; seconds of wall time. Every started
     task finishes before the first failure is raised."""
@@ -385,13 +390,11 @@ class Residency:
 
         With a ``cache`` whose file holds this model's payloads, they are read back instead of encoded,
         and each is decoded and compared with the weights before it is kept: one mismatch refuses the
-        file (`payload_cache`). Otherwise units are encoded on the host, on `PACK_THREADS` threads, and the
-        file is written. The codec can also encode on a CUDA device, but that path failed on the H200 with
-        a CUDA error on Wan2.2-sized blocks (``benchmarks/results/codec_device_encode_failed_h200.log``);
-        it stays out of set-up until it has run there. On a CUDA device every new payload is decoded once
-        there and compared with the weights too. Payloads are page-locked in place (``cudaHostRegister``
-        on their own mapping, ~10x faster than ``pin_memory()``'s copy) and unregistered before they are
-        dropped (`release_payloads`)."""
+        file (`payload_cache`). Otherwise units are encoded, on the CPU on `PACK_THREADS` threads and on a
+        CUDA device there (`_encode_on_device`), and the file is written. On a CUDA device every new
+        payload is decoded once there and compared with the weights too. Payloads are page-locked in place
+        (``cudaHostRegister`` on their own mapping, ~10x faster than ``pin_memory()``'s copy) and
+        unregistered before they are dropped (`release_payloads`)."""
         self.release_payloads()
         self._pinned_payloads = pin
         hosts = {unit.index: self.host_of(unit) for unit in self.units}  # the gate is asked on this thread
@@ -401,23 +404,42 @@ class Residency:
             torch.cuda.empty_cache()
 
     def _encode_all(self, hosts: dict[int, torch.Tensor], pin: bool, cache: PayloadCache | None) -> None:
-        """Encode every unit worth it (one per thread), keep and check the payloads, write ``cache``."""
-        encoded_by_unit: dict[int, EncodedUnit] = {}
+        """Encode every unit worth it, keep and check the payloads, write ``cache``. On the CPU one unit
+        per thread; on CUDA one after the other on the device (`_encode_on_device`)."""
+        if self.cuda:
+            self._encode_on_device(hosts, pin)
+        else:
+            encoded_by_unit: dict[int, EncodedUnit] = {}
 
-        def encode_one(unit: Unit) -> None:
-            segments = [Segment(p.offset, p.nbytes, p.dtype) for p in unit.tensors]
-            encoded = encode_unit(hosts[unit.index], segments)
-            if worth_compressing(encoded):
-                encoded_by_unit[unit.index] = encoded
+            def encode_one(unit: Unit) -> None:
+                encoded = encode_unit(hosts[unit.index], _segments_of(unit))
+                if worth_compressing(encoded):
+                    encoded_by_unit[unit.index] = encoded
 
-        _on_threads(encode_one, self.units, "compressing weights")
-        for unit in self.units:
-            if unit.index in encoded_by_unit:
-                self._keep(unit, encoded_by_unit[unit.index], pin)
-                if self.cuda:
-                    self._check_decodes_exactly(unit, self.encoded[unit.index])
+            _on_threads(encode_one, self.units, "compressing weights")
+            for unit in self.units:
+                if unit.index in encoded_by_unit:
+                    self._keep(unit, encoded_by_unit[unit.index], pin)
         if cache is not None:
             cache.write(self.encoded)
+
+    def _encode_on_device(self, hosts: dict[int, torch.Tensor], pin: bool) -> None:
+        """Encode each unit on the device, keep its payload if it is worth it, and check that it decodes.
+
+        The payload is page-locked by the encoder (its copies back then run at link speed) only when the
+        unit's own buffer is: on the H200 that combination ran, while a page-locked payload encoded from a
+        pageable or ``pin_memory()`` buffer made the next device allocation fail with "CUDA error: resource
+        already mapped" (``benchmarks/results/diag_device_encode_h200.json``). Otherwise the payload comes
+        back pageable and `_keep` locks it in place afterwards, as for host-encoded payloads."""
+        for unit in tqdm(self.units, desc="compressing weights on the device", disable=None, leave=False):
+            host = hosts[unit.index]
+            encoded = encode_unit(host, _segments_of(unit), device=self.device, pin=pin and host.is_pinned())
+            if not worth_compressing(encoded):
+                if encoded.payload.is_pinned():
+                    unpin_in_place(encoded.payload)
+                continue
+            self._keep(unit, encoded, pin)
+            self._check_decodes_exactly(unit, self.encoded[unit.index])
 
     def _keep_cached(self, cached: dict[int, EncodedUnit], pin: bool, cache: PayloadCache) -> bool:
         """Keep the payloads read from ``cache`` when every one decodes to its unit's weights; else keep none."""
@@ -450,8 +472,10 @@ class Residency:
         return True
 
     def _keep(self, unit: Unit, encoded: EncodedUnit, pin: bool) -> None:
-        """Make ``encoded`` the unit's compressed copy, page-locked when ``pin``."""
-        if pin and pin_in_place(encoded.payload):
+        """Make ``encoded`` the unit's compressed copy, page-locked when ``pin``. A payload the device
+        encoder already locked in place is only recorded: locking it again fails, and the fallback copy
+        would drop a mapping that is still registered, which breaks later device allocations."""
+        if encoded.payload.is_pinned() or (pin and pin_in_place(encoded.payload)):
             self._registered_payloads.append(encoded.payload)
         elif pin:
             encoded = dataclasses.replace(encoded, payload=encoded.payload.pin_memory())
