@@ -179,9 +179,16 @@ def transfer_figures(handle: Any) -> dict[str, Any]:
         "bandwidth_bytes_per_ms": profile.bandwidth_bytes_per_ms if profile is not None else None,
         "streamed_units": len(handle.plan.streamed) if handle.plan is not None else None,
         "streamed_raw_bytes": sum(handle.units[i].nbytes for i in handle.plan.streamed) if handle.plan else None,
+        # what the plan's loads move: the payload for a unit it decodes, the raw bytes for the others
         "streamed_transfer_bytes": (
-            sum(handle.residency.transfer_bytes(i) for i in handle.plan.streamed) if handle.plan else None
+            sum(
+                handle.residency.transfer_bytes(i) if i in handle.plan.compressed else handle.units[i].nbytes
+                for i in handle.plan.streamed
+            )
+            if handle.plan
+            else None
         ),
+        "streamed_compressed_units": len(handle.plan.compressed) if handle.plan else None,
     }
 
 
