@@ -46,7 +46,7 @@ from flextensor_diffusers.engine.codec import (
     encode_unit,
     worth_compressing,
 )
-from flextensor_diffusers.engine.host_memory import unpin_in_place
+from flextensor_diffusers.engine.host_memory import host_buffer, pin_in_place, unpin_in_place
 
 ALIGN = 512
 CONFIGS = [(2048, 4), (1024, 4), (4096, 8), (2048, 8), (1024, 2)]  # (block, num_warps) tried on CUDA
@@ -154,13 +154,18 @@ def device_encode_report(
     flat: torch.Tensor, segments: list[Segment], chunk: int, device: torch.device, reps: int, host: EncodedUnit
 ) -> dict:
     """``encode_unit(..., device=device)`` end to end (copies both ways included) as ``Residency.compress`` calls
-    it: page-locked unit buffer in, payload page-locked in place (``pin=True``); also with a pageable payload
-    and with a pageable input. Each variant: a warm-up call, then the median of ``reps`` calls."""
-    pinned_flat = flat.pin_memory()
+    it: unit buffer locked in place, payload locked in place by the encoder (``pin=True``); also with a
+    pageable payload, and both pageable. Each variant: a warm-up call, then the median of ``reps`` calls. A
+    page-locked payload of a pageable or ``pin_memory()`` input is not tried: on the H200 it made the next
+    device allocation fail (``benchmarks/results/diag_device_encode_h200.json``)."""
+    pinned_flat = host_buffer(flat.numel())
+    pinned_flat.copy_(flat)
+    if not pin_in_place(pinned_flat):
+        raise RuntimeError("cudaHostRegister of the unit buffer failed")
     variants = {
         "pinned_in_pinned_out": (pinned_flat, True),
         "pinned_in_pageable_out": (pinned_flat, False),
-        "pageable_in_pinned_out": (flat, True),
+        "pageable_in_pageable_out": (flat, False),
     }
     report: dict = {"raw_mb": flat.numel() / 1e6}
     for name, (src, pin) in variants.items():
@@ -197,6 +202,7 @@ def device_encode_report(
         )
     except Exception as exc:  # the profile is a diagnostic: the timings above stand without it
         report["kernels"] = f"profile failed: {exc!r}"
+    unpin_in_place(pinned_flat)
     return report
 
 

@@ -4,7 +4,9 @@ Methods: native; accelerate's model-level hook (what diffusers' ``enable_model_c
 diffusers leaf-level offload (what ``enable_sequential_cpu_offload`` gives, via accelerate);
 diffusers group offloading (block level, one block per group, streams, with and without
 ``record_stream``, with ``low_cpu_mem_usage``); accelerate ``cpu_offload``; NVIDIA flextensor 0.5.0;
-this package at given budgets, with raw and with losslessly compressed streaming. For each: peak
+this package at given budgets, with raw and with losslessly compressed streaming (also with the raw copies
+on disk, and with the payloads' cache file: name that method twice, the first run writes the file and the
+second reads it back). For each: peak
 allocated GPU memory, median step time after warm-up, set-up time (pinning included), peak host RSS,
 bitwise equality with native.
 
@@ -46,8 +48,14 @@ METHODS = (
     "flextensor_diffusers",
     "flextensor_diffusers_lossless",
     "flextensor_diffusers_lossless_disk",
+    "flextensor_diffusers_lossless_cached",
 )
-OURS = ("flextensor_diffusers", "flextensor_diffusers_lossless", "flextensor_diffusers_lossless_disk")
+OURS = (
+    "flextensor_diffusers",
+    "flextensor_diffusers_lossless",
+    "flextensor_diffusers_lossless_disk",
+    "flextensor_diffusers_lossless_cached",
+)
 #: A budget given as this word is the engine's own least budget for the workload, set after profiling.
 SMALLEST = "smallest"
 REFERENCE = "native_output.pt"
@@ -106,6 +114,8 @@ def set_up(method: str, model: torch.nn.Module, device: torch.device, budget: in
             device=device,
             compression="lossless" if "lossless" in method else "none",
             raw_copies="disk" if method.endswith("_disk") else "ram",
+            # the payloads' file in ``scratch``: the first run writes it, a later one reads it back
+            compression_cache=method.endswith("_cached"),
             cache_dir=scratch,
         )
         return ft.offload(model, config)
@@ -176,6 +186,7 @@ def transfer_figures(handle: Any) -> dict[str, Any]:
         "stats": report,
         "weights_bytes": sum(u.nbytes for u in handle.units) + handle.residency.base.nbytes,
         "stored_host_bytes": handle.residency.host_ram_bytes,
+        "payload_cache": stats.payload_cache,
         "bandwidth_bytes_per_ms": profile.bandwidth_bytes_per_ms if profile is not None else None,
         "streamed_units": len(handle.plan.streamed) if handle.plan is not None else None,
         "streamed_raw_bytes": sum(handle.units[i].nbytes for i in handle.plan.streamed) if handle.plan else None,
