@@ -153,57 +153,80 @@ def kernel_times(fn: Callable[[], object], top: int = 15) -> list[dict]:
 def device_encode_report(
     flat: torch.Tensor, segments: list[Segment], chunk: int, device: torch.device, reps: int, host: EncodedUnit
 ) -> dict:
-    """``encode_unit(..., device=device)`` end to end (copies both ways included) as ``Residency.compress`` calls
-    it: unit buffer locked in place, payload locked in place by the encoder (``pin=True``); also with a
-    pageable payload, and both pageable. Each variant: a warm-up call, then the median of ``reps`` calls. A
-    page-locked payload of a pageable or ``pin_memory()`` input is not tried: on the H200 it made the next
-    device allocation fail (``benchmarks/results/diag_device_encode_h200.json``)."""
+    """``encode_unit(..., device=device)`` end to end (copies both ways included), as ``Residency.compress``
+    calls it (unit buffer locked in place, pageable payload that set-up locks afterwards), with a pageable
+    input, and with the payload locked in place by the encoder (``pin=True``), last: on the H200 that made
+    device allocations fail with "resource already mapped" in some processes and not in others
+    (``benchmarks/results/diag_device_encode_h200.json``, ``codec_device_encode_h200.log``), and once it
+    fails every later CUDA allocation of the process does. Each variant: a warm-up call, then the median of
+    ``reps`` calls; the first failure is recorded and ends the report. The kernel profile is of the set-up
+    variant."""
     pinned_flat = host_buffer(flat.numel())
     pinned_flat.copy_(flat)
     if not pin_in_place(pinned_flat):
         raise RuntimeError("cudaHostRegister of the unit buffer failed")
     variants = {
-        "pinned_in_pinned_out": (pinned_flat, True),
         "pinned_in_pageable_out": (pinned_flat, False),
         "pageable_in_pageable_out": (flat, False),
+        "pinned_in_pinned_out": (pinned_flat, True),
     }
     report: dict = {"raw_mb": flat.numel() / 1e6}
     for name, (src, pin) in variants.items():
-        times, peaks = [], []
-        for rep in range(reps + 1):
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-            start = time.perf_counter()
-            encoded = encode_unit(src, segments, chunk=chunk, device=device, pin=pin)
-            seconds = time.perf_counter() - start
-            if rep:
-                times.append(seconds)
-                peaks.append(torch.cuda.max_memory_allocated(device) - base)
-            if rep < reps:
-                unregister(encoded.payload)
-        seconds = statistics.median(times)
-        out = torch.zeros(encoded.raw_nbytes, dtype=torch.uint8, device=device)
-        decode_into(encoded, encoded.payload.to(device), out)
-        report[name] = {
-            "s": round(seconds, 4),
-            "gbps": round(flat.numel() / seconds / 1e9, 2),
-            "payload_pinned": encoded.payload.is_pinned(),
-            "device_peak_mib": round(max(peaks) / 2**20, 1),
-            "stored_vs_host": round(encoded.stored_nbytes / host.stored_nbytes - 1, 6),
-            "exact": segments_equal(out, flat.to(device), segments),
-        }
-        unregister(encoded.payload)
-        del out, encoded
+        try:
+            report[name] = encode_variant(src, flat, segments, chunk, device, reps, host, pin)
+        except RuntimeError as exc:
+            report[name] = f"failed: {exc!r}"
+            print(f"  device encode {name} failed: {exc!r}", flush=True)
+            break
         print(f"  device encode {name}: {report[name]}", flush=True)
-    try:
-        report["kernels"] = kernel_times(
-            lambda: unregister(encode_unit(pinned_flat, segments, chunk=chunk, device=device, pin=True).payload)
-        )
-    except Exception as exc:  # the profile is a diagnostic: the timings above stand without it
-        report["kernels"] = f"profile failed: {exc!r}"
+        if name == "pinned_in_pageable_out":
+            try:
+                report["kernels"] = kernel_times(
+                    lambda: encode_unit(pinned_flat, segments, chunk=chunk, device=device, pin=False)
+                )
+            except Exception as exc:  # the profile is a diagnostic: the timings stand without it
+                report["kernels"] = f"profile failed: {exc!r}"
     unpin_in_place(pinned_flat)
     return report
+
+
+def encode_variant(
+    src: torch.Tensor,
+    flat: torch.Tensor,
+    segments: list[Segment],
+    chunk: int,
+    device: torch.device,
+    reps: int,
+    host: EncodedUnit,
+    pin: bool,
+) -> dict:
+    """One variant of `device_encode_report`: seconds, device memory, and whether the payload decodes exactly."""
+    times, peaks = [], []
+    for rep in range(reps + 1):
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        start = time.perf_counter()
+        encoded = encode_unit(src, segments, chunk=chunk, device=device, pin=pin)
+        seconds = time.perf_counter() - start
+        if rep:
+            times.append(seconds)
+            peaks.append(torch.cuda.max_memory_allocated(device) - base)
+        if rep < reps:
+            unregister(encoded.payload)
+    seconds = statistics.median(times)
+    out = torch.zeros(encoded.raw_nbytes, dtype=torch.uint8, device=device)
+    decode_into(encoded, encoded.payload.to(device), out)
+    result = {
+        "s": round(seconds, 4),
+        "gbps": round(flat.numel() / seconds / 1e9, 2),
+        "payload_pinned": encoded.payload.is_pinned(),
+        "device_peak_mib": round(max(peaks) / 2**20, 1),
+        "stored_vs_host": round(encoded.stored_nbytes / host.stored_nbytes - 1, 6),
+        "exact": segments_equal(out, flat.to(device), segments),
+    }
+    unregister(encoded.payload)
+    return result
 
 
 def segments_equal(out: torch.Tensor, flat_dev: torch.Tensor, segments: list[Segment]) -> bool:
@@ -312,15 +335,12 @@ def main() -> None:
     for name, build in units:
         flat, segments = build()
         encoded, report = encode_report(name, flat, segments, args.chunk)
-        if device.type == "cuda" and args.device_encode:
-            try:  # a diagnostic: it failed on the H200 (see the results README); the decode figures stand without it
-                report["device_encode"] = device_encode_report(
-                    flat, segments, args.chunk, device, args.encode_reps, encoded
-                )
-            except RuntimeError as exc:
-                report["device_encode"] = f"failed: {exc!r}"
-                print(f"  device encode failed: {exc!r}", flush=True)
+        if device.type == "cuda":
+            torch.zeros(1, device=device)  # the CUDA context exists before any host memory is registered
         report.update(device_report(encoded, flat, segments, device, args.iters))
+        if device.type == "cuda" and args.device_encode:  # last: a failure there ends the process's CUDA use
+            reps = args.encode_reps
+            report["device_encode"] = device_encode_report(flat, segments, args.chunk, device, reps, encoded)
         results["units"].append(report)
         del flat, encoded
     print(json.dumps(results, indent=2))

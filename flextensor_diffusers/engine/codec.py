@@ -31,9 +31,9 @@ it runs on the host or, much faster, on a CUDA device (``device=``): per-chunk h
 ``bincount`` over ``256 · chunk + symbol``, a stable sort of each chunk's 256 counts, the size of each
 ``b`` from their cumulative sums, codes by a lookup in per-chunk code tables, escapes by a boolean index,
 and codes packed eight at a time into ``b`` bytes with shifts. On the H200, asking for a page-locked
-payload (``pin=True``) of a pageable or ``pin_memory()`` input made the next device allocation fail with
-"CUDA error: resource already mapped"; a page-locked payload of an input locked in place, and a pageable
-payload of any input, ran (``benchmarks/results/diag_device_encode_h200.json``).
+payload (``pin=True``) made device allocations of the process fail with "CUDA error: resource already
+mapped" in some processes and not in others, and a pageable payload (``pin=False``) ran wherever it was
+tried (``benchmarks/results/diag_device_encode_h200.json``); set-up asks for a pageable one.
 
 Payload layout (one flat ``uint8`` tensor, everything the device needs; sections aligned to 64 bytes):
 

@@ -426,19 +426,15 @@ class Residency:
     def _encode_on_device(self, hosts: dict[int, torch.Tensor], pin: bool) -> None:
         """Encode each unit on the device, keep its payload if it is worth it, and check that it decodes.
 
-        The payload is page-locked by the encoder (its copies back then run at link speed) only when the
-        unit's own buffer is: on the H200 that combination ran, while a page-locked payload encoded from a
-        pageable or ``pin_memory()`` buffer made the next device allocation fail with "CUDA error: resource
-        already mapped" (``benchmarks/results/diag_device_encode_h200.json``). Otherwise the payload comes
-        back pageable and `_keep` locks it in place afterwards, as for host-encoded payloads."""
+        The encoder writes a pageable payload, which `_keep` then locks in place, exactly as for a
+        host-encoded one. Letting the encoder lock it first (``pin=True``, so that its copies back run at
+        link speed) made device allocations fail with "CUDA error: resource already mapped" on the H200,
+        in some processes and not in others (``benchmarks/results/diag_device_encode_h200.json``,
+        ``codec_device_encode_h200.log``); the cause is not known, so set-up does not use it."""
         for unit in tqdm(self.units, desc="compressing weights on the device", disable=None, leave=False):
-            host = hosts[unit.index]
-            encoded = encode_unit(host, _segments_of(unit), device=self.device, pin=pin and host.is_pinned())
-            if not worth_compressing(encoded):
-                if encoded.payload.is_pinned():
-                    unpin_in_place(encoded.payload)
-                continue
-            self._keep(unit, encoded, pin)
+            encoded = encode_unit(hosts[unit.index], _segments_of(unit), device=self.device, pin=False)
+            if worth_compressing(encoded):
+                self._keep(unit, encoded, pin)
             self._check_decodes_exactly(unit, self.encoded[unit.index])
 
     def _keep_cached(self, cached: dict[int, EncodedUnit], pin: bool, cache: PayloadCache) -> bool:
@@ -472,9 +468,9 @@ class Residency:
         return True
 
     def _keep(self, unit: Unit, encoded: EncodedUnit, pin: bool) -> None:
-        """Make ``encoded`` the unit's compressed copy, page-locked when ``pin``. A payload the device
-        encoder already locked in place is only recorded: locking it again fails, and the fallback copy
-        would drop a mapping that is still registered, which breaks later device allocations."""
+        """Make ``encoded`` the unit's compressed copy, page-locked when ``pin``. A payload already locked
+        in place is only recorded: locking it again would fail, and the fallback copy would drop a
+        mapping that is still registered."""
         if encoded.payload.is_pinned() or (pin and pin_in_place(encoded.payload)):
             self._registered_payloads.append(encoded.payload)
         elif pin:
