@@ -138,6 +138,10 @@ def test_the_payload_cache_is_read_back_and_refused_when_the_weights_changed(tmp
         weight.view(-1)[weight.numel() // 3] += 1  # far from the bytes the key samples
     status = run(changed, x)
     assert status.startswith("refused: its copy of 'blocks.3' does not decode") and "written again" in status
+    (file,) = tmp_path.glob("*.payloads")
+    with file.open("r+b") as f:  # a copy cut short (a full disk, an interrupted transfer)
+        f.truncate(file.stat().st_size - 8192)
+    assert run(changed, x) == f"refused: it is shorter than its header says; written again: {file}"
     assert list(tmp_path.glob("*.payloads")) == files and run(changed, x).startswith("read: ")
     assert not list(tmp_path.glob("*.tmp"))
 

@@ -398,7 +398,7 @@ class Residency:
         self.release_payloads()
         self._pinned_payloads = pin
         hosts = {unit.index: self.host_of(unit) for unit in self.units}  # the gate is asked on this thread
-        if cache is None or not self._keep_cached(cache.read(), pin, cache):
+        if cache is None or not self._keep_cached(cache.read(PACK_THREADS), pin, cache):
             self._encode_all(hosts, pin, cache)
         if self.cuda:  # the checks' decode buffers go back to the device, not to the allocator's cache
             torch.cuda.empty_cache()
