@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from flextensor_diffusers.engine import BudgetError
 from flextensor_diffusers.engine.planner import (
@@ -15,6 +16,7 @@ from flextensor_diffusers.engine.planner import (
     schedule_loads,
     simulate,
 )
+from flextensor_diffusers.engine.profiler import Clock, Profiler
 
 MB = 10**6
 
@@ -106,12 +108,8 @@ def test_compute_bound_workload_hides_all_transfers() -> None:
 
 
 def test_a_units_decode_time_is_its_fastest_profiled_decode() -> None:
-    """The first decode of a Triton specialisation also waits for its compilation: a mean over the profiled
-    forwards would make decoding look slower than the link and plan every load raw."""
-    import torch
-
-    from flextensor_diffusers.engine.profiler import Clock, Profiler
-
+    """One slow sample (a Triton kernel compiled at its first launch, a stall) must not make decoding look
+    slower than the link, which would plan every load raw."""
     profiler = Profiler(torch.device("cpu"), Clock(torch.device("cpu")))
     profiler.cuda = True  # the per-unit rule is the GPU's; the CPU plans decodes as free
     decoded = {0: [2500.0, 0.2, 0.3], 2: [0.4]}

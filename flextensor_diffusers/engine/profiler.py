@@ -158,9 +158,10 @@ class Profiler:
 
     def _decode_per_unit(self, decoded: dict[int, list[float]], unit_bytes: list[int]) -> list[float] | None:
         """Fastest measured decode time per unit; a unit not decoded while profiled is estimated from the
-        others' time per byte. The fastest, not the mean: a decode is the same work every time, and the
-        first launch of a Triton specialisation also waits for its compilation (seconds), which a mean
-        over two or three profiled forwards would turn into "decoding is slower than the link". None on
+        others' time per byte. The fastest, not the mean: a decode is the same work every time, and what
+        else lands in one sample only adds to it (a Triton specialisation compiled at its first launch
+        while the stream waits, a stall), which a mean over two or three profiled forwards would turn
+        into "decoding is slower than the link". None on
         the CPU, where loads are synchronous copies and decoding runs torch ops: nothing there stands for
         what a GPU would do, so plans take decodes as free."""
         if not decoded or not self.cuda:

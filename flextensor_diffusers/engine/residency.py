@@ -390,11 +390,11 @@ class Residency:
 
         With a ``cache`` whose file holds this model's payloads, they are read back instead of encoded,
         and each is decoded and compared with the weights before it is kept: one mismatch refuses the
-        file (`payload_cache`). Otherwise units are encoded, on the CPU on `PACK_THREADS` threads and on a
-        CUDA device there (`_encode_on_device`), and the file is written. On a CUDA device every new
-        payload is decoded once there and compared with the weights too. Payloads are page-locked in place
-        (``cudaHostRegister`` on their own mapping, ~10x faster than ``pin_memory()``'s copy) and
-        unregistered before they are dropped (`release_payloads`)."""
+        file (`payload_cache`). Otherwise units are encoded (on the GPU where there is one: `_encode_all`)
+        and the file is written. On a CUDA device every new payload is decoded once there and compared
+        with the weights too. Payloads are page-locked in place (``cudaHostRegister`` on their own
+        mapping, ~10x faster than ``pin_memory()``'s copy) and unregistered before they are dropped
+        (`release_payloads`)."""
         self.release_payloads()
         self._pinned_payloads = pin
         hosts = {unit.index: self.host_of(unit) for unit in self.units}  # the gate is asked on this thread
@@ -404,38 +404,35 @@ class Residency:
             torch.cuda.empty_cache()
 
     def _encode_all(self, hosts: dict[int, torch.Tensor], pin: bool, cache: PayloadCache | None) -> None:
-        """Encode every unit worth it, keep and check the payloads, write ``cache``. On the CPU one unit
-        per thread; on CUDA one after the other on the device (`_encode_on_device`)."""
+        """Encode every unit worth it, then keep the payloads (locked in place) and, on CUDA, check that each
+        decodes to its weights; write ``cache``. On the CPU one unit per thread; on CUDA one after the
+        other on the device.
+
+        The device encoder writes a pageable payload (``pin=False``), which `_keep` locks in place, as for
+        a host-encoded one. Letting the encoder lock it (so that its copies back run at link speed) made
+        device allocations fail with "CUDA error: resource already mapped" on the H200, in some processes
+        and not in others (``benchmarks/results/diag_device_encode_h200.json``,
+        ``codec_device_encode_h200.log``); the cause is not known, so set-up does not ask for it."""
+        encoded_by_unit: dict[int, EncodedUnit] = {}
+
+        def encode_one(unit: Unit) -> None:
+            device = self.device if self.cuda else None
+            encoded = encode_unit(hosts[unit.index], _segments_of(unit), device=device, pin=False)
+            if worth_compressing(encoded):
+                encoded_by_unit[unit.index] = encoded
+
         if self.cuda:
-            self._encode_on_device(hosts, pin)
+            for unit in tqdm(self.units, desc="compressing weights on the device", disable=None, leave=False):
+                encode_one(unit)
         else:
-            encoded_by_unit: dict[int, EncodedUnit] = {}
-
-            def encode_one(unit: Unit) -> None:
-                encoded = encode_unit(hosts[unit.index], _segments_of(unit))
-                if worth_compressing(encoded):
-                    encoded_by_unit[unit.index] = encoded
-
             _on_threads(encode_one, self.units, "compressing weights")
-            for unit in self.units:
-                if unit.index in encoded_by_unit:
-                    self._keep(unit, encoded_by_unit[unit.index], pin)
+        for unit in self.units:
+            if unit.index in encoded_by_unit:
+                self._keep(unit, encoded_by_unit[unit.index], pin)
+                if self.cuda:
+                    self._check_decodes_exactly(unit, self.encoded[unit.index])
         if cache is not None:
             cache.write(self.encoded)
-
-    def _encode_on_device(self, hosts: dict[int, torch.Tensor], pin: bool) -> None:
-        """Encode each unit on the device, keep its payload if it is worth it, and check that it decodes.
-
-        The encoder writes a pageable payload, which `_keep` then locks in place, exactly as for a
-        host-encoded one. Letting the encoder lock it first (``pin=True``, so that its copies back run at
-        link speed) made device allocations fail with "CUDA error: resource already mapped" on the H200,
-        in some processes and not in others (``benchmarks/results/diag_device_encode_h200.json``,
-        ``codec_device_encode_h200.log``); the cause is not known, so set-up does not use it."""
-        for unit in tqdm(self.units, desc="compressing weights on the device", disable=None, leave=False):
-            encoded = encode_unit(hosts[unit.index], _segments_of(unit), device=self.device, pin=False)
-            if worth_compressing(encoded):
-                self._keep(unit, encoded, pin)
-            self._check_decodes_exactly(unit, self.encoded[unit.index])
 
     def _keep_cached(self, cached: dict[int, EncodedUnit], pin: bool, cache: PayloadCache) -> bool:
         """Keep the payloads read from ``cache`` when every one decodes to its unit's weights; else keep none."""
