@@ -245,6 +245,28 @@ def test_compressed_streaming_on_a_gpu_is_bitwise_equal_and_decodes_on_its_own_s
     torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # a new device allocation still works
 
 
+def test_a_failing_encoder_is_refused_naming_the_fix_and_leaves_the_model_as_it_was(monkeypatch) -> None:
+    """A CUDA fault in the encoder (the H200 raised "resource already mapped") ends set-up with a one-line
+    error that names compression='none', and the model comes back untouched."""
+    from flextensor_diffusers.engine import residency
+
+    def faulting_encoder(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA error: resource already mapped\nSearch for `cudaErrorAlreadyMapped' ...")
+
+    model, x = make(torch.bfloat16)
+    with torch.inference_mode():
+        ref = model(x)
+    before = snapshot(model)
+    monkeypatch.setattr(residency, "encode_unit", faulting_encoder)
+    unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    expected = r"compressing the weights on cpu failed \(CUDA error: resource already mapped\): pass compression='none'"
+    with pytest.raises(ft.FlexTensorError, match=expected):
+        ft.offload(model, include_patterns=["blocks.*"], gpu_budget=5 * unit, device="cpu", compression="lossless")
+    assert_same(before, model)
+    with torch.inference_mode():
+        assert torch.equal(model(x), ref)
+
+
 def test_a_payload_that_does_not_decode_to_the_weights_is_refused() -> None:
     """The set-up check CUDA runs on every payload the device encoder made, exercised here on the CPU."""
     model, _ = make(torch.bfloat16)

@@ -421,11 +421,21 @@ class Residency:
             if worth_compressing(encoded):
                 encoded_by_unit[unit.index] = encoded
 
-        if self.cuda:
-            for unit in tqdm(self.units, desc="compressing weights on the device", disable=None, leave=False):
-                encode_one(unit)
-        else:
-            _on_threads(encode_one, self.units, "compressing weights")
+        try:
+            if self.cuda:
+                for unit in tqdm(self.units, desc="compressing weights on the device", disable=None, leave=False):
+                    encode_one(unit)
+            else:
+                _on_threads(encode_one, self.units, "compressing weights")
+        except FlexTensorError:
+            raise
+        except RuntimeError as exc:  # a CUDA fault, or the device out of memory
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            room = "; or leave ~1.2 GiB of the device free at set-up (the encoder's most)"
+            raise FlexTensorError(
+                f"compressing the weights on {self.device} failed ({first_line}): pass compression='none' "
+                f"(--compression none) to stream them raw{room if isinstance(exc, torch.OutOfMemoryError) else ''}"
+            ) from exc
         for unit in self.units:
             if unit.index in encoded_by_unit:
                 self._keep(unit, encoded_by_unit[unit.index], pin)
