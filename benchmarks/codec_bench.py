@@ -153,7 +153,7 @@ def kernel_times(fn: Callable[[], object], top: int = 15) -> list[dict]:
 def device_encode_report(
     flat: torch.Tensor, segments: list[Segment], chunk: int, device: torch.device, reps: int, host: EncodedUnit
 ) -> dict:
-    """``encode_unit(..., device=device)`` end to end (copies both ways included), as ``Residency.compress``
+    """``encode_unit(..., device=device)`` end to end (copies both ways included), as ``CompressedCopies.make``
     calls it (unit buffer locked in place, pageable payload that set-up locks afterwards), with a pageable
     input, and with the payload locked in place by the encoder (``pin=True``), last: on the H200 that made
     device allocations fail with "resource already mapped" in some processes and not in others

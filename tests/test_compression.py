@@ -248,7 +248,7 @@ def test_compressed_streaming_on_a_gpu_is_bitwise_equal_and_decodes_on_its_own_s
 def test_a_failing_encoder_is_refused_naming_the_fix_and_leaves_the_model_as_it_was(monkeypatch) -> None:
     """A CUDA fault in the encoder (the H200 raised "resource already mapped") ends set-up with a one-line
     error that names compression='none', and the model comes back untouched."""
-    from flextensor_diffusers.engine import residency
+    from flextensor_diffusers.engine import compressed_copies
 
     def faulting_encoder(*args: object, **kwargs: object) -> None:
         raise RuntimeError("CUDA error: resource already mapped\nSearch for `cudaErrorAlreadyMapped' ...")
@@ -257,7 +257,7 @@ def test_a_failing_encoder_is_refused_naming_the_fix_and_leaves_the_model_as_it_
     with torch.inference_mode():
         ref = model(x)
     before = snapshot(model)
-    monkeypatch.setattr(residency, "encode_unit", faulting_encoder)
+    monkeypatch.setattr(compressed_copies, "encode_unit", faulting_encoder)
     unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
     expected = r"compressing the weights on cpu failed \(CUDA error: resource already mapped\): pass compression='none'"
     with pytest.raises(ft.FlexTensorError, match=expected):
@@ -275,11 +275,11 @@ def test_a_payload_that_does_not_decode_to_the_weights_is_refused() -> None:
     residency = handle.residency
     block = residency.units[2]
     encoded = residency.encoded[block.index]
-    residency._check_decodes_exactly(block, encoded)  # the real payload passes
+    residency.compressed.check_decodes_exactly(block, encoded)  # the real payload passes
     broken = encoded.payload.clone()
     broken[-broken.numel() // 4 :] ^= 0xFF  # the raw byte planes of the last elements
     with pytest.raises(ft.FlexTensorError, match=r"does not decode to its weights.*compression='none'"):
-        residency._check_decodes_exactly(block, dataclasses.replace(encoded, payload=broken))
+        residency.compressed.check_decodes_exactly(block, dataclasses.replace(encoded, payload=broken))
     handle.remove()
 
 

@@ -5,7 +5,7 @@ Encoding runs on the host at a few hundred MB/s per thread, so compressing a 28 
 than packing it; reading its ~20 GB of payloads back is disk-bound instead. The file is named after what
 identifies the weights cheaply: the model's structural fingerprint (every tensor's name, shape and dtype)
 and a digest of a few sampled KiB of every unit's bytes, with the codec's version. That key tells models
-apart, but not every edit of a weight: **a read payload is therefore never trusted**. `Residency.compress`
+apart, but not every edit of a weight: **a read payload is therefore never trusted**. `CompressedCopies.make`
 decodes each one and compares it with the weights, byte for byte, before it is used; one mismatch refuses
 the whole file (a warning says why), every unit is encoded again and the file is written anew.
 

@@ -34,7 +34,6 @@ import atexit
 import dataclasses
 import logging
 import os
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
@@ -45,11 +44,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .codec import EncodedUnit, Segment, decode_into, encode_unit, worth_compressing
+from .codec import EncodedUnit, decode_into
+from .compressed_copies import CompressedCopies
 from .errors import FlexTensorError, OffloadStateError
-from .host_memory import host_buffer, pin_in_place, unpin_in_place
+from .host_memory import host_buffer, pin_in_place
 from .payload_cache import PayloadCache
 from .planner import Plan
+from .setup_threads import PACK_THREADS, on_threads
 from .shared_host import SharedHostMemory
 from .units import (
     ALIGNMENT,
@@ -63,28 +64,6 @@ from .units import (
 )
 
 logger = logging.getLogger(__name__)
-
-#: Threads that pack and pin units at set-up.
-PACK_THREADS = max(1, min(8, os.cpu_count() or 1))
-
-
-def _segments_of(unit: Unit) -> list[Segment]:
-    """The codec's view of a unit's flat buffer: where each tensor lies and its dtype."""
-    return [Segment(p.offset, p.nbytes, p.dtype) for p in unit.tensors]
-
-
-def _on_threads(work: Callable[[Unit], None], units: list[Unit], desc: str) -> float:
-    """Run ``work`` on every unit on `PACK_THREADS` threads; seconds of wall time. Every started
-    task finishes before the first failure is raised."""
-    start = time.perf_counter()
-    with ThreadPoolExecutor(PACK_THREADS) as pool, tqdm(total=len(units), desc=desc, disable=None, leave=False) as bar:
-        futures = [pool.submit(work, unit) for unit in units]
-        for _done in as_completed(futures):
-            bar.update()
-        for future in futures:
-            future.result()
-    return time.perf_counter() - start
-
 
 #: Cache files this process wrote (`Residency.spill`). Their owners delete them when offload is removed;
 #: a process that exits without removing it deletes them here (their names carry its process id: no other
@@ -166,12 +145,10 @@ class Residency:
         self.loads = [0] * len(self.units)
         self.bytes_streamed = 0
         #: Units kept compressed as well (`compress`; payloads pinned for CUDA).
-        self.encoded: dict[int, EncodedUnit] = {}
+        self.compressed = CompressedCopies(self.units, device, self.host_of)
         #: The encoded units whose loads move the payload and decode it: all of them before a plan
         #: exists (profiling measures their decodes), then the plan's choice (`Plan.compressed`).
         self.decoding: frozenset[int] = frozenset()
-        self._registered_payloads: list[torch.Tensor] = []  # payloads page-locked in place
-        self._pinned_payloads = False
         #: The cache file the host copies live in while spilled (None: in RAM).
         self.spilled_to: Path | None = None
         #: The file still holds the RAM copies' bytes (no edit since `fill`): spilling needs no write.
@@ -202,9 +179,9 @@ class Residency:
 
         units = [self.base, *self.units]
         verb = "attaching to shared weights" if attaching else "packing weights"
-        times.pack = 1e3 * _on_threads(pack_one, units, verb)
+        times.pack = 1e3 * on_threads(pack_one, units, verb)
         if pin:
-            times.pin = 1e3 * _on_threads(pin_one, units, "pinning weights")
+            times.pin = 1e3 * on_threads(pin_one, units, "pinning weights")
 
     @property
     def resident_weight_bytes(self) -> int:
@@ -385,145 +362,13 @@ class Residency:
     # ------------------------------------------------------------------------------------ compression
 
     def compress(self, pin: bool, cache: PayloadCache | None = None) -> None:
-        """Keep a compressed copy of every unit that streams faster that way (see `codec`): loads then
-        move the payload and decode it on the device, bit-exact. The raw host copy stays the truth.
+        """Make the units' compressed copies (`CompressedCopies.make`); loads the plan lets decode move them."""
+        self.compressed.make(pin, cache)
 
-        With a ``cache`` whose file holds this model's payloads, they are read back instead of encoded,
-        and each is decoded and compared with the weights before it is kept: one mismatch refuses the
-        file (`payload_cache`). Otherwise units are encoded (on the GPU where there is one: `_encode_all`)
-        and the file is written. On a CUDA device every new payload is decoded once there and compared
-        with the weights too. Payloads are page-locked in place (``cudaHostRegister`` on their own
-        mapping, ~10x faster than ``pin_memory()``'s copy) and unregistered before they are dropped
-        (`release_payloads`)."""
-        self.release_payloads()
-        self._pinned_payloads = pin
-        hosts = {unit.index: self.host_of(unit) for unit in self.units}  # the gate is asked on this thread
-        if cache is None or not self._keep_cached(cache.read(PACK_THREADS), pin, cache):
-            self._encode_all(hosts, pin, cache)
-        if self.cuda:  # the checks' decode buffers go back to the device, not to the allocator's cache
-            torch.cuda.empty_cache()
-
-    def _encode_all(self, hosts: dict[int, torch.Tensor], pin: bool, cache: PayloadCache | None) -> None:
-        """Encode every unit worth it, then keep the payloads (locked in place) and, on CUDA, check that each
-        decodes to its weights; write ``cache``. On the CPU one unit per thread; on CUDA one after the
-        other on the device.
-
-        The device encoder writes a pageable payload (``pin=False``), which `_keep` locks in place, as for
-        a host-encoded one. Letting the encoder lock it (so that its copies back run at link speed) made
-        device allocations fail with "CUDA error: resource already mapped" on the H200, in some processes
-        and not in others (``benchmarks/results/diag_device_encode_h200.json``,
-        ``codec_device_encode_h200.log``); the cause is not known, so set-up does not ask for it."""
-        encoded_by_unit: dict[int, EncodedUnit] = {}
-
-        def encode_one(unit: Unit) -> None:
-            device = self.device if self.cuda else None
-            encoded = encode_unit(hosts[unit.index], _segments_of(unit), device=device, pin=False)
-            if worth_compressing(encoded):
-                encoded_by_unit[unit.index] = encoded
-
-        try:
-            if self.cuda:
-                for unit in tqdm(self.units, desc="compressing weights on the device", disable=None, leave=False):
-                    encode_one(unit)
-            else:
-                _on_threads(encode_one, self.units, "compressing weights")
-        except FlexTensorError:
-            raise
-        except RuntimeError as exc:  # a CUDA fault, or the device out of memory
-            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            room = "; or leave ~1.2 GiB of the device free at set-up (the encoder's most)"
-            raise FlexTensorError(
-                f"compressing the weights on {self.device} failed ({first_line}): pass compression='none' "
-                f"(--compression none) to stream them raw{room if isinstance(exc, torch.OutOfMemoryError) else ''}"
-            ) from exc
-        for unit in self.units:
-            if unit.index in encoded_by_unit:
-                self._keep(unit, encoded_by_unit[unit.index], pin)
-                if self.cuda:
-                    self._check_decodes_exactly(unit, self.encoded[unit.index])
-        if cache is not None:
-            cache.write(self.encoded)
-
-    def _keep_cached(self, cached: dict[int, EncodedUnit], pin: bool, cache: PayloadCache) -> bool:
-        """Keep the payloads read from ``cache`` when every one decodes to its unit's weights; else keep none."""
-        if not cached:
-            return False
-        by_index = {unit.index: unit for unit in self.units}
-        if not set(cached) <= set(by_index):
-            cache.refuse("it names units this model does not have")
-            return False
-        for index, encoded in cached.items():
-            self._keep(by_index[index], encoded, pin)
-        mismatches: dict[str, str] = {}
-
-        def check(unit: Unit) -> None:
-            mismatch = self._first_mismatch(unit, self.encoded[unit.index])
-            if mismatch is not None:
-                mismatches[unit.name] = mismatch
-
-        units = [by_index[i] for i in sorted(cached)]
-        if self.cuda:  # one decode at a time on the device
-            for unit in units:
-                check(unit)
-        else:  # fresh encodings, one unit per thread as `compress` encodes
-            _on_threads(check, units, "checking cached compressed weights")
-        if mismatches:
-            self.release_payloads()
-            name = min(mismatches)
-            cache.refuse(f"its copy of {name!r} does not decode to the weights ({mismatches[name]})")
-            return False
-        return True
-
-    def _keep(self, unit: Unit, encoded: EncodedUnit, pin: bool) -> None:
-        """Make ``encoded`` the unit's compressed copy, page-locked when ``pin``. A payload already locked
-        in place is only recorded: locking it again would fail, and the fallback copy would drop a
-        mapping that is still registered."""
-        if encoded.payload.is_pinned() or (pin and pin_in_place(encoded.payload)):
-            self._registered_payloads.append(encoded.payload)
-        elif pin:
-            encoded = dataclasses.replace(encoded, payload=encoded.payload.pin_memory())
-        self.encoded[unit.index] = encoded
-
-    def _check_decodes_exactly(self, unit: Unit, encoded: EncodedUnit) -> None:
-        """Refuse a new payload that does not decode to the weights: an encoder or decoder fault on this
-        device, turned into an error that names the way around it."""
-        mismatch = self._first_mismatch(unit, encoded)
-        if mismatch is not None:
-            raise FlexTensorError(
-                f"the compressed copy of {unit.name!r} does not decode to its weights ({mismatch}): "
-                "a codec fault on this device; pass compression='none' (--compression none)"
-            )
-
-    def _first_mismatch(self, unit: Unit, encoded: EncodedUnit) -> str | None:
-        """Decode ``encoded`` on the device once and compare every tensor's bytes with the host copy; the
-        name of the first tensor that differs, None when all are exact.
-
-        A wrong payload would make every later load silently compute with wrong weights; this costs
-        about two copies of the unit and one decode at set-up (~25 ms for a 700 MB block on PCIe Gen5).
-        The CPU decoder is a slow reference (a few MB/s), so on the CPU the payload is compared with a
-        fresh encoding of the weights instead (the encoder is deterministic): as exact, at encoding speed."""
-        host = self.host_of(unit)
-        if not self.cuda:
-            fresh = encode_unit(host, list(encoded.segments), chunk=encoded.chunk)
-            same = dataclasses.replace(fresh, payload=encoded.payload) == encoded
-            return None if same and torch.equal(fresh.payload, encoded.payload) else "its payload differs"
-        payload = encoded.payload.to(self.device, non_blocking=True)
-        out = torch.empty(encoded.raw_nbytes, dtype=torch.uint8, device=self.device)
-        decode_into(encoded, payload, out)
-        for packed in unit.tensors:
-            span = slice(packed.offset, packed.offset + packed.nbytes)
-            if not torch.equal(out[span], host[span].to(self.device, non_blocking=True)):
-                return packed.names[0]
-        return None
-
-    def release_payloads(self) -> None:
-        """Drop the compressed copies, unregistering those pinned in place (once no copy reads them)."""
-        if self._registered_payloads and self.cuda:
-            torch.cuda.synchronize(self.device)
-        for payload in self._registered_payloads:
-            unpin_in_place(payload)
-        self._registered_payloads = []
-        self.encoded = {}
+    @property
+    def encoded(self) -> dict[int, EncodedUnit]:
+        """The compressed copy of each unit kept compressed, by unit index."""
+        return self.compressed.encoded
 
     def note_load(self, slot: int, index: int) -> None:
         self.slot_owner[slot] = index
@@ -556,7 +401,7 @@ class Residency:
             with torch.no_grad(), torch.inference_mode(False):
                 self._adopt_replaced()
             if self.encoded:  # the compressed copies must say what the edited host copies say
-                self.compress(self._pinned_payloads)
+                self.compressed.make(self.compressed.pinned)
 
     def _adopt_replaced(self) -> None:
         refused: list[str] = []
@@ -591,7 +436,7 @@ class Residency:
     def host_ram_bytes(self) -> int:
         """Host RAM the host copies take now (all of them; while spilled, what stand-ins keep in RAM and
         the units already taken back), and compressed copies."""
-        payloads = sum(e.payload.numel() for e in self.encoded.values())
+        payloads = self.compressed.payload_bytes
         if self.spilled_to is None:
             return payloads + self.packed_bytes
         taken = sum(self._positions()[p].nbytes for p in self._taken)
@@ -855,4 +700,4 @@ class Residency:
                     self.slot_of[unit.index] = None
             for t, origin in self.loose:
                 t.data = t.data.to(origin)
-        self.release_payloads()
+        self.compressed.release()

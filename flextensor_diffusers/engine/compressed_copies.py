@@ -1,0 +1,189 @@
+"""The compressed copy of each unit worth it: made at set-up, page-locked, checked, released before dropped.
+
+A unit kept compressed streams its *payload* (`codec`) and decodes it on the device into its slot, bit-exact;
+the raw host copy stays the weights' truth (`residency`). Payloads come from the encoder or from the payload
+cache (`payload_cache`), and none is used before it was shown to decode to the weights: on CUDA by decoding
+it there once and comparing, on the CPU by comparing it with a fresh encoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from .codec import EncodedUnit, Segment, decode_into, encode_unit, worth_compressing
+from .errors import FlexTensorError
+from .host_memory import pin_in_place, unpin_in_place
+from .payload_cache import PayloadCache
+from .setup_threads import PACK_THREADS, on_threads
+from .units import Unit
+
+
+def segments_of(unit: Unit) -> list[Segment]:
+    """The codec's view of a unit's flat buffer: where each tensor lies and its dtype."""
+    return [Segment(p.offset, p.nbytes, p.dtype) for p in unit.tensors]
+
+
+class CompressedCopies:
+    """The payloads of a model's units by unit index (``encoded``), and the page-locking that goes with them.
+
+    ``host_of(unit)`` gives a unit's final host bytes (the residency's gate while units arrive from disk).
+    """
+
+    def __init__(self, units: list[Unit], device: torch.device, host_of: Callable[[Unit], torch.Tensor]) -> None:
+        self.units = units
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._host_of = host_of
+        self.encoded: dict[int, EncodedUnit] = {}
+        self.pinned = False  # payloads are page-locked (asked at the last `make`)
+        self._registered: list[torch.Tensor] = []  # payloads page-locked in place
+
+    def make(self, pin: bool, cache: PayloadCache | None = None) -> None:
+        """Keep a compressed copy of every unit that streams faster that way (see `codec`): loads then
+        move the payload and decode it on the device, bit-exact. The raw host copy stays the truth.
+
+        With a ``cache`` whose file holds this model's payloads, they are read back instead of encoded,
+        and each is decoded and compared with the weights before it is kept: one mismatch refuses the
+        file (`payload_cache`). Otherwise units are encoded (on the GPU where there is one: `_encode_all`)
+        and the file is written. On a CUDA device every new payload is decoded once there and compared
+        with the weights too. Payloads are page-locked in place (``cudaHostRegister`` on their own
+        mapping, ~10x faster than ``pin_memory()``'s copy) and unregistered before they are dropped
+        (`release`)."""
+        self.release()
+        self.pinned = pin
+        hosts = {unit.index: self._host_of(unit) for unit in self.units}  # the gate is asked on this thread
+        if cache is None or not self._keep_cached(cache.read(PACK_THREADS), pin, cache):
+            self._encode_all(hosts, pin, cache)
+        if self.cuda:  # the checks' decode buffers go back to the device, not to the allocator's cache
+            torch.cuda.empty_cache()
+
+    def _encode_all(self, hosts: dict[int, torch.Tensor], pin: bool, cache: PayloadCache | None) -> None:
+        """Encode every unit worth it, then keep the payloads (locked in place) and, on CUDA, check that each
+        decodes to its weights; write ``cache``. On the CPU one unit per thread; on CUDA one after the
+        other on the device.
+
+        The device encoder writes a pageable payload (``pin=False``), which `_keep` locks in place, as for
+        a host-encoded one. Letting the encoder lock it (so that its copies back run at link speed) made
+        device allocations fail with "CUDA error: resource already mapped" on the H200, in some processes
+        and not in others (``benchmarks/results/diag_device_encode_h200.json``,
+        ``codec_device_encode_h200.log``); the cause is not known, so set-up does not ask for it."""
+        encoded_by_unit: dict[int, EncodedUnit] = {}
+
+        def encode_one(unit: Unit) -> None:
+            device = self.device if self.cuda else None
+            encoded = encode_unit(hosts[unit.index], segments_of(unit), device=device, pin=False)
+            if worth_compressing(encoded):
+                encoded_by_unit[unit.index] = encoded
+
+        try:
+            if self.cuda:
+                for unit in tqdm(self.units, desc="compressing weights on the device", disable=None, leave=False):
+                    encode_one(unit)
+            else:
+                on_threads(encode_one, self.units, "compressing weights")
+        except FlexTensorError:
+            raise
+        except RuntimeError as exc:  # a CUDA fault, or the device out of memory
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            room = "; or leave ~1.2 GiB of the device free at set-up (the encoder's most)"
+            raise FlexTensorError(
+                f"compressing the weights on {self.device} failed ({first_line}): pass compression='none' "
+                f"(--compression none) to stream them raw{room if isinstance(exc, torch.OutOfMemoryError) else ''}"
+            ) from exc
+        for unit in self.units:
+            if unit.index in encoded_by_unit:
+                self._keep(unit, encoded_by_unit[unit.index], pin)
+                if self.cuda:
+                    self.check_decodes_exactly(unit, self.encoded[unit.index])
+        if cache is not None:
+            cache.write(self.encoded)
+
+    def _keep_cached(self, cached: dict[int, EncodedUnit], pin: bool, cache: PayloadCache) -> bool:
+        """Keep the payloads read from ``cache`` when every one decodes to its unit's weights; else keep none."""
+        if not cached:
+            return False
+        by_index = {unit.index: unit for unit in self.units}
+        if not set(cached) <= set(by_index):
+            cache.refuse("it names units this model does not have")
+            return False
+        for index, encoded in cached.items():
+            self._keep(by_index[index], encoded, pin)
+        mismatches: dict[str, str] = {}
+
+        def check(unit: Unit) -> None:
+            mismatch = self._first_mismatch(unit, self.encoded[unit.index])
+            if mismatch is not None:
+                mismatches[unit.name] = mismatch
+
+        units = [by_index[i] for i in sorted(cached)]
+        if self.cuda:  # one decode at a time on the device
+            for unit in units:
+                check(unit)
+        else:  # fresh encodings, one unit per thread as `compress` encodes
+            on_threads(check, units, "checking cached compressed weights")
+        if mismatches:
+            self.release()
+            name = min(mismatches)
+            cache.refuse(f"its copy of {name!r} does not decode to the weights ({mismatches[name]})")
+            return False
+        return True
+
+    def _keep(self, unit: Unit, encoded: EncodedUnit, pin: bool) -> None:
+        """Make ``encoded`` the unit's compressed copy, page-locked when ``pin``. A payload already locked
+        in place is only recorded: locking it again would fail, and the fallback copy would drop a
+        mapping that is still registered."""
+        if encoded.payload.is_pinned() or (pin and pin_in_place(encoded.payload)):
+            self._registered.append(encoded.payload)
+        elif pin:
+            encoded = dataclasses.replace(encoded, payload=encoded.payload.pin_memory())
+        self.encoded[unit.index] = encoded
+
+    def check_decodes_exactly(self, unit: Unit, encoded: EncodedUnit) -> None:
+        """Refuse a new payload that does not decode to the weights: an encoder or decoder fault on this
+        device, turned into an error that names the way around it."""
+        mismatch = self._first_mismatch(unit, encoded)
+        if mismatch is not None:
+            raise FlexTensorError(
+                f"the compressed copy of {unit.name!r} does not decode to its weights ({mismatch}): "
+                "a codec fault on this device; pass compression='none' (--compression none)"
+            )
+
+    def _first_mismatch(self, unit: Unit, encoded: EncodedUnit) -> str | None:
+        """Decode ``encoded`` on the device once and compare every tensor's bytes with the host copy; the
+        name of the first tensor that differs, None when all are exact.
+
+        A wrong payload would make every later load silently compute with wrong weights; this costs
+        about two copies of the unit and one decode at set-up (~25 ms for a 700 MB block on PCIe Gen5).
+        The CPU decoder is a slow reference (a few MB/s), so on the CPU the payload is compared with a
+        fresh encoding of the weights instead (the encoder is deterministic): as exact, at encoding speed."""
+        host = self._host_of(unit)
+        if not self.cuda:
+            fresh = encode_unit(host, list(encoded.segments), chunk=encoded.chunk)
+            same = dataclasses.replace(fresh, payload=encoded.payload) == encoded
+            return None if same and torch.equal(fresh.payload, encoded.payload) else "its payload differs"
+        payload = encoded.payload.to(self.device, non_blocking=True)
+        out = torch.empty(encoded.raw_nbytes, dtype=torch.uint8, device=self.device)
+        decode_into(encoded, payload, out)
+        for packed in unit.tensors:
+            span = slice(packed.offset, packed.offset + packed.nbytes)
+            if not torch.equal(out[span], host[span].to(self.device, non_blocking=True)):
+                return packed.names[0]
+        return None
+
+    def release(self) -> None:
+        """Drop the compressed copies, unregistering those pinned in place (once no copy reads them)."""
+        if self._registered and self.cuda:
+            torch.cuda.synchronize(self.device)
+        for payload in self._registered:
+            unpin_in_place(payload)
+        self._registered = []
+        self.encoded = {}
+
+    @property
+    def payload_bytes(self) -> int:
+        """Host bytes of all payloads."""
+        return sum(e.payload.numel() for e in self.encoded.values())
