@@ -17,12 +17,12 @@ import flextensor_diffusers as ft
 from flextensor_diffusers.engine import format_bytes
 from flextensor_diffusers.engine.residency import Residency
 from flextensor_diffusers.models import build_pipeline
-from flextensor_diffusers.pipelines import host_tier
+from flextensor_diffusers.pipelines import host_budget, host_tier
 from flextensor_diffusers.pipelines.weight_files import WeightSource, read_entries
 
 BUDGET = 250_000  # GPU budget: the transformer blocks stream
 #: The measurement of the process's own memory, before the fixture below sets it to nothing.
-MEASURED_OWN_BYTES = host_tier.process_own_bytes
+MEASURED_OWN_BYTES = host_budget.process_own_bytes
 
 
 @pytest.fixture(autouse=True)
@@ -35,8 +35,8 @@ def host_copies_only(monkeypatch):
 
 def set_overhead(monkeypatch, own: int, reserve: int) -> None:
     """The process's own memory measures ``own`` bytes, and the reserve is ``reserve`` bytes."""
-    monkeypatch.setattr(host_tier, "process_own_bytes", lambda modules: own)
-    monkeypatch.setattr(host_tier, "HOST_RESERVE_BYTES", reserve)
+    monkeypatch.setattr(host_budget, "process_own_bytes", lambda modules: own)
+    monkeypatch.setattr(host_budget, "HOST_RESERVE_BYTES", reserve)
 
 
 def packed_sizes(pipe) -> dict[str, int]:
@@ -176,10 +176,10 @@ def test_the_process_own_memory_leaves_out_the_weights_about_to_be_packed(saved)
     non-persistent buffers, a few KB)."""
     built = build_pipeline("wan22_t2v", "tiny").transformer
     weights = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in built.parameters()}
-    assert host_tier.anonymous_weight_bytes([built]) >= sum(weights.values()) > 0
+    assert host_budget.anonymous_weight_bytes([built]) >= sum(weights.values()) > 0
     loaded = load(saved[0]).transformer
-    assert host_tier.anonymous_weight_bytes([loaded]) < sum(p.nbytes for p in loaded.parameters()) // 10
-    anonymous = host_tier.anonymous_bytes()
+    assert host_budget.anonymous_weight_bytes([loaded]) < sum(p.nbytes for p in loaded.parameters()) // 10
+    anonymous = host_budget.anonymous_bytes()
     assert abs(anonymous - status_bytes("RssAnon") - status_bytes("RssShmem")) <= 2**20  # it runs on in between
     own = MEASURED_OWN_BYTES([built])
     assert 0 < own <= anonymous - sum(weights.values()) + 2**20
@@ -394,12 +394,12 @@ def measure_anonymous_memory(folder: str, out: str, part: float = 0.0) -> None:
     with pytest.MonkeyPatch.context() as patch:
         set_overhead(patch, own=0, reserve=0)
         gpu, need = smallest_budgets(pipe, cache)  # what the host copies need, alone
-    host_tier.HOST_RESERVE_BYTES = ANON_SLACK  # what a tiny generation allocates, not a GPU process's libraries
+    host_budget.HOST_RESERVE_BYTES = ANON_SLACK  # what a tiny generation allocates, not a GPU process's libraries
     modules = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
     before = rss_anon()
-    host_budget = host_tier.process_own_bytes(modules) + ANON_SLACK + need + 2**22 + int(part * need)
+    budget = host_budget.process_own_bytes(modules) + ANON_SLACK + need + 2**22 + int(part * need)
     with AnonPeak() as peak:
-        pipe.enable_flextensor_offload(budget=gpu, device="cpu", host_budget=host_budget, cache_dir=cache)
+        pipe.enable_flextensor_offload(budget=gpu, device="cpu", host_budget=budget, cache_dir=cache)
         after_enable = rss_anon()
         for _ in range(3):
             wan_latents(pipe)
@@ -408,7 +408,7 @@ def measure_anonymous_memory(folder: str, out: str, part: float = 0.0) -> None:
         "before": before,
         "after_enable": after_enable,
         "peak": peak.peak,
-        "host_budget": host_budget,
+        "host_budget": budget,
         "weights_budget": tier.weights_budget,
         "gpu_budget": gpu,
         "expert": max(h.residency.packed_bytes for h in pipe._flextensor.handles.values()),

@@ -37,11 +37,8 @@ where it paused. A wrong guess is stopped between units and its buffers freed; a
 component since the read began makes its bytes stale: they are dropped and it is read again.
 
 The host budget bounds the process's anonymous and page-locked memory (RssAnon + RssShmem), not only
-the host copies. Two parts come off the top when offload is enabled (`HostOverhead`): the process's
-own memory then (Python, torch, the CUDA context, components not offloaded: its anonymous memory less
-the anonymous weights about to be packed, which become host copies) and `HOST_RESERVE_BYTES` for what
-it allocates later (reader threads, CUDA libraries). The host copies get the rest, ``weights_budget``,
-so the smallest workable host budget is the largest component's packed weights plus those two. The
+the host copies: what the process holds besides them comes off the top (`host_budget.HostOverhead`),
+and the host copies get the rest, ``weights_budget``. The
 host copies' share counts what the package allocates for host copies (page-locked or not), what is
 read back and what is read ahead (reserved before it is read, so the share holds at all times);
 mappings of files are file-backed pages the kernel may drop at any time. Not bounded: an edit made
@@ -65,7 +62,7 @@ import queue
 import shutil
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,8 +71,8 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from ..engine import format_bytes
-from ..engine.config import is_auto, parse_bytes
-from ..engine.errors import FlexTensorError, HostBudgetError
+from ..engine.errors import FlexTensorError
+from .host_budget import HostOverhead
 from .weight_files import WeightSource, component_folders, pipeline_folder
 
 if TYPE_CHECKING:
@@ -84,148 +81,20 @@ if TYPE_CHECKING:
     from ..engine.units import Unit
 
 __all__ = [
-    "HOST_RESERVE_BYTES",
-    "HostOverhead",
     "HostTier",
-    "check_host_budget",
     "format_host_tier",
     "kept_in_ram_bytes",
     "offload_order",
     "pipeline_folder",
     "read_order",
-    "resolve_host_budget",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: What ``host_budget="auto"`` takes: this share of the RAM available when offload is enabled.
-AUTO_HOST_SHARE = 0.8
 WEIGHTS_FILES, CACHE_FILE = "weights files", "cache file"
 #: Units read at once: a disk serves several large reads in flight faster than one, and a unit's
 #: page-locking overlaps the next one's read.
 READ_THREADS = max(2, min(8, os.cpu_count() or 1))
-#: Host memory kept free in the host budget for what the process allocates after offload is enabled,
-#: besides host copies: the reader threads' malloc arenas and stacks, the host workspaces of CUDA
-#: libraries loaded at the first generation, a generation's Python objects. On the H200 with the full
-#: Wan2.2-A14B (benchmarks/results/host_tier_h200.json) the process's RssAnon + RssShmem peaked 1.23 GB
-#: above the tier's own peak: 0.55 GB it held before the pipeline was loaded, about 0.68 GB came later.
-HOST_RESERVE_BYTES = 2**30
-
-
-def resolve_host_budget(host_budget: int | str) -> int:
-    """Bytes of host RAM for host copies; ``"auto"``: `AUTO_HOST_SHARE` of the RAM available now."""
-    if is_auto(host_budget):
-        import psutil
-
-        return int(psutil.virtual_memory().available * AUTO_HOST_SHARE)
-    return parse_bytes(host_budget)
-
-
-def anonymous_bytes() -> int:
-    """The process's anonymous and page-locked memory now, what the host budget bounds: RssAnon + RssShmem
-    of /proc/self/status (page-locked host copies are anonymous mappings registered with CUDA). Where that
-    file is missing (macOS, Windows), psutil's resident set size, file pages included (an overestimate);
-    0 where neither can be read: a measurement never keeps offload from being enabled."""
-    counted = ("RssAnon:", "RssShmem:")
-    try:
-        with open("/proc/self/status") as status:
-            kib = [int(line.split()[1]) for line in status if line.startswith(counted)]
-        if len(kib) == len(counted):
-            return sum(kib) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        import psutil
-
-        return int(psutil.Process().memory_info().rss)
-    except Exception:  # no psutil, or no access: 0, as documented
-        return 0
-
-
-def _file_mappings() -> list[tuple[int, int]]:
-    """Address ranges mapped from files (/proc/self/maps lines with an inode), sorted; empty where unreadable."""
-    ranges: list[tuple[int, int]] = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split()
-                if len(fields) >= 6 and fields[4] != "0":
-                    start, end = fields[0].split("-")
-                    ranges.append((int(start, 16), int(end, 16)))
-    except OSError:
-        return []
-    return sorted(ranges)
-
-
-def anonymous_weight_bytes(modules: Iterable[nn.Module]) -> int:
-    """Bytes of the modules' CPU parameters and buffers in anonymous memory, each storage once: packing
-    turns them into host copies, which the tier counts, so they are not the process's own memory. Views
-    of mapped weight files (what ``from_pretrained`` gives for unconverted safetensors) are file pages,
-    not counted; a model built or converted in memory is anonymous. Without /proc/self/maps every CPU
-    weight counts (psutil's resident set holds mapped pages too)."""
-    ranges = _file_mappings()
-    starts = [start for start, _ in ranges]
-    storages: dict[int, int] = {}
-    for module in modules:
-        for tensor in itertools.chain(module.parameters(), module.buffers()):
-            if tensor.device.type == "cpu":
-                storage = tensor.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
-
-    def mapped(address: int) -> bool:
-        i = bisect.bisect_right(starts, address) - 1
-        return i >= 0 and address < ranges[i][1]
-
-    return sum(nbytes for address, nbytes in storages.items() if not mapped(address))
-
-
-def process_own_bytes(modules: Iterable[nn.Module]) -> int:
-    """The process's own memory before ``modules`` (the components to offload) are packed: its anonymous
-    and page-locked memory (`anonymous_bytes`) less their anonymous weights (`anonymous_weight_bytes`).
-    Python, torch, the CUDA context, components not offloaded: host memory the host copies cannot have."""
-    return max(0, anonymous_bytes() - anonymous_weight_bytes(modules))
-
-
-@dataclass(frozen=True)
-class HostOverhead:
-    """What the host budget holds besides the host copies: the process's own memory when offload is
-    enabled (`process_own_bytes`) and `HOST_RESERVE_BYTES` for what it allocates later."""
-
-    own_bytes: int
-    reserve_bytes: int
-
-    @classmethod
-    def measure(cls, modules: Iterable[nn.Module]) -> HostOverhead:
-        """Now, before ``modules`` are packed (module-level names, so tests can set both)."""
-        return cls(process_own_bytes(modules), HOST_RESERVE_BYTES)
-
-    @property
-    def nbytes(self) -> int:
-        return self.own_bytes + self.reserve_bytes
-
-
-def check_host_budget(
-    host_budget: int,
-    component_bytes: dict[str, int],
-    overhead: HostOverhead,
-    kept_bytes: dict[str, int] | None = None,
-) -> None:
-    """Refuse a host budget under the largest component's packed weights (plus what the others keep in
-    RAM while they wait in their weight files, ``kept_bytes``) next to ``overhead``, naming the smallest
-    workable one."""
-    kept = kept_bytes or {}
-    need = {n: b + sum(kept.get(o, 0) for o in component_bytes if o != n) for n, b in component_bytes.items()}
-    name = max(component_bytes, key=lambda n: component_bytes[n])
-    smallest = max(need.values()) + overhead.nbytes
-    if host_budget < smallest:
-        raise HostBudgetError(
-            f"host_budget {format_bytes(host_budget)} cannot hold the largest component, {name} "
-            f"({format_bytes(component_bytes[name])}), which must be in RAM while it runs, next to the process's "
-            f"own memory ({format_bytes(overhead.own_bytes)}: Python, torch, CUDA) and a reserve "
-            f"({format_bytes(overhead.reserve_bytes)}) for what it allocates later: the smallest workable host "
-            f"budget is {format_bytes(smallest)}",
-            required_bytes=smallest,
-        )
 
 
 def kept_in_ram_bytes(name: str, module: nn.Module, root: Path | None) -> int:

@@ -25,16 +25,8 @@ from ..engine.config import cache_folder, resolve_budget, resolve_device
 from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
 from ..engine.planner import smallest_budget
 from ..engine.units import find_units, plan_layout
-from .host_tier import (
-    HostOverhead,
-    HostTier,
-    check_host_budget,
-    format_host_tier,
-    kept_in_ram_bytes,
-    offload_order,
-    pipeline_folder,
-    resolve_host_budget,
-)
+from .host_budget import HostOverhead, check_host_budget, resolve_host_budget
+from .host_tier import HostTier, format_host_tier, kept_in_ram_bytes, offload_order, pipeline_folder
 from .patterns import patterns_for
 
 logger = logging.getLogger(__name__)
