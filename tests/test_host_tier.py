@@ -17,7 +17,7 @@ import flextensor_diffusers as ft
 from flextensor_diffusers.engine import format_bytes
 from flextensor_diffusers.engine.residency import Residency
 from flextensor_diffusers.models import build_pipeline
-from flextensor_diffusers.pipelines import host_budget, host_tier
+from flextensor_diffusers.pipelines import disk_reads, host_budget
 from flextensor_diffusers.pipelines.weight_files import WeightSource, read_entries
 
 BUDGET = 250_000  # GPU budget: the transformer blocks stream
@@ -632,7 +632,7 @@ def a_read_started(events: list[tuple[str, int]]) -> None:
 
 def one_read_at_a_time(monkeypatch) -> None:
     """Units are read one after the other: timings that do not depend on the number of cores."""
-    monkeypatch.setattr(host_tier, "READ_THREADS", 1)
+    monkeypatch.setattr(disk_reads, "READ_THREADS", 1)
 
 
 def reading(pipe, component: str) -> dict | None:

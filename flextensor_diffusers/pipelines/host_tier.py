@@ -18,12 +18,11 @@ Where a component waits:
 * **a cache file** in ``cache_dir`` otherwise, written when it first moves out and kept, unwritten
   again, until an edit.
 
-Reading back is progressive, unit by unit (`ReadJob`, on the `Reader`'s threads): the units are read
-in the order the component will need them (the base, the plan's resident units, then the profiled
-call order; unit order before a profile exists), a few at once, each into its own (pinned) buffer,
-and the component starts at once. The engine asks `Residency.host_gate` before it reads a unit's host
-bytes (`FillGate`): the gate blocks until the reader delivered that unit, then adopts the buffer on
-the main thread, so the first blocks compute while the last ones are still being read. The time
+Reading back is progressive, unit by unit (`disk_reads`: a `ReadJob` on the `Reader`'s threads): the
+units are read in the order the component will need them, a few at once, each into its own (pinned)
+buffer, and the component starts at once. The engine asks `Residency.host_gate` before it reads a
+unit's host bytes (`FillGate`): the gate blocks until the reader delivered that unit, then adopts the
+buffer on the main thread, so the first blocks compute while the last ones are still being read. The time
 blocked there (plus `bring_in`'s own) is the switch's exposed disk time, ``wait_s``; the reader's own
 time is ``read_s``. A read that fails is raised at the next gate as a one-line error, with the
 component left on disk as it was (read again when it next runs).
@@ -53,17 +52,13 @@ a hub id (only local folders are looked up).
 
 from __future__ import annotations
 
-import bisect
 import functools
-import itertools
 import logging
 import os
-import queue
 import shutil
 import threading
 import time
-from collections.abc import Callable, Collection
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -72,13 +67,12 @@ from torch import nn
 
 from ..engine import format_bytes
 from ..engine.errors import FlexTensorError
+from .disk_reads import FillGate, HowToRead, Reader, ReadJob, read_error, read_order
 from .host_budget import HostOverhead
 from .weight_files import WeightSource, component_folders, pipeline_folder
 
 if TYPE_CHECKING:
     from ..engine import OffloadHandle
-    from ..engine.residency import Residency
-    from ..engine.units import Unit
 
 __all__ = [
     "HostTier",
@@ -86,15 +80,11 @@ __all__ = [
     "kept_in_ram_bytes",
     "offload_order",
     "pipeline_folder",
-    "read_order",
 ]
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS_FILES, CACHE_FILE = "weights files", "cache file"
-#: Units read at once: a disk serves several large reads in flight faster than one, and a unit's
-#: page-locking overlaps the next one's read.
-READ_THREADS = max(2, min(8, os.cpu_count() or 1))
 
 
 def kept_in_ram_bytes(name: str, module: nn.Module, root: Path | None) -> int:
@@ -116,19 +106,6 @@ def offload_order(pipeline: Any) -> list[str]:
     e.g. ``"text_encoder->transformer->transformer_2->vae"``)."""
     seq = getattr(pipeline, "model_cpu_offload_seq", None)
     return [name.strip() for name in seq.split("->") if name.strip()] if isinstance(seq, str) else []
-
-
-def read_order(handle: OffloadHandle) -> list[int]:
-    """The positions of ``handle``'s host copies (0: the base, ``i + 1``: unit ``i``) in the order the
-    engine reads them when it becomes active: the base, the plan's resident units (laid out at
-    activation, by index), then the streamed units in the profiled call order, then any others."""
-    order = [0]
-    if handle.plan is not None:
-        order += [i + 1 for i in sorted(handle.plan.resident)]
-    if handle.profile is not None:
-        order += [call.unit + 1 for call in handle.profile.calls]
-    order += range(1, len(handle.units) + 1)
-    return list(dict.fromkeys(order))
 
 
 @dataclass
@@ -166,221 +143,6 @@ class Switch:
             "gbps": self.gbps,
             "complete": self.complete,
         }
-
-
-@dataclass(frozen=True)
-class HowToRead:
-    """How a component waiting on disk is read back."""
-
-    read: Callable[[int, Any], None] | None  # straight from the weight files (None: copy from its stand-ins)
-    written: bool  # its weight-file views were written into: the files no longer hold its bytes
-
-
-class ReadJob:
-    """The read of one spilled component's units into new RAM buffers, in the order it will need them,
-    never past ``allowed`` bytes of that order (the budget's room for it: a read ahead pauses there
-    until the component becomes active and the budget lets it go on).
-
-    The reader thread (`run`), the unit threads (`_read_one`) and the main thread (`wait_for`, `allow`,
-    `stop`) share it under one condition. ``how`` is decided on the reader thread as the read starts
-    (whether the weight files still hold the bytes reads ``/proc/self/smaps``: no main-thread time).
-    """
-
-    def __init__(
-        self, component: str, residency: Residency, order: list[int], plan: Callable[[], HowToRead], pin: bool
-    ) -> None:
-        self.component = component
-        self.residency = residency
-        self.order = order
-        self.pin = pin
-        self.hosts = residency.spilled_hosts()  # what reads copy from; what a given-up fill points back at
-        self.nbytes = [u.nbytes for u in [residency.base, *residency.units]]
-        self.ends = list(itertools.accumulate(self.nbytes[p] for p in order))  # bytes up to each unit, in order
-        self.how: HowToRead | None = None
-        self.allowed = 0  # main thread: bytes of the order the reader may read
-        self.taken_bytes = 0  # main thread: of those, what the residency adopted (counted there)
-        self.running = False  # the reader thread began it
-        self.delivered: dict[int, Unit] = {}
-        self.read_bytes = 0
-        self.read_s = 0.0
-        self.error: BaseException | None = None
-        self.stopped = False
-        self.finished = False  # the reader left it: every allowed unit read, or stopped, or failed
-        self._plan = plan
-        self._in_flight = 0
-        self._busy_since: float | None = None
-        self._cond = threading.Condition()
-
-    def units_within(self, nbytes: int) -> int:
-        """How many units of the order fit, whole, in ``nbytes``."""
-        return bisect.bisect_right(self.ends, nbytes)
-
-    @property
-    def reserved_bytes(self) -> int:
-        """Host RAM this job may hold, not yet counted by the residency: its allowed units, less those taken."""
-        count = self.units_within(self.allowed)
-        return (self.ends[count - 1] if count else 0) - self.taken_bytes
-
-    # ------------------------------------------------------------------------------------ main thread
-
-    def allow(self, nbytes: int) -> None:
-        with self._cond:
-            self.allowed = nbytes
-            self._cond.notify_all()
-
-    def stop(self) -> None:
-        """Read no further unit (those in flight finish; what they read is freed)."""
-        with self._cond:
-            self.stopped = True
-            self._cond.notify_all()
-
-    def wait_finished(self) -> None:
-        """Wait until the reader left the job; one it has not begun is finished at once (and skipped)."""
-        with self._cond:
-            if not self.running:
-                self.finished = True
-            self._cond.wait_for(lambda: self.finished)
-
-    def wait_for(self, position: int) -> Unit | None:
-        """Block until ``position`` is read and hand it over; None when the job stopped first. A failure
-        of the read is raised here."""
-        with self._cond:
-            self._cond.wait_for(lambda: position in self.delivered or self.error is not None or self.finished)
-            unit = self.delivered.pop(position, None)
-            if unit is None and self.error is not None:
-                raise self.error
-            return unit
-
-    def take_all(self) -> list[Unit]:
-        with self._cond:
-            units = list(self.delivered.values())
-            self.delivered.clear()
-            return units
-
-    # ------------------------------------------------------------------------------------ reader threads
-
-    def run(self, pool: ThreadPoolExecutor) -> None:
-        """On the reader thread: submit the units in order, at most `READ_THREADS` at once and never past
-        ``allowed``; the job is finished once the last one submitted is in."""
-        with self._cond:
-            if self.finished:  # given up before it began
-                return
-            self.running = True
-        try:
-            if not self.stopped:
-                how = self._plan()
-                with self._cond:
-                    self.how = how
-            for n, position in enumerate(self.order):
-                with self._cond:
-                    self._cond.wait_for(lambda n=n: self._may_submit(n))
-                    if self.stopped or self.error is not None:
-                        break
-                    if self._in_flight == 0:
-                        self._busy_since = time.perf_counter()
-                    self._in_flight += 1
-                try:
-                    pool.submit(self._read_one, position)
-                except BaseException:
-                    self._landed(None)
-                    raise
-        except BaseException as exc:
-            with self._cond:
-                self.error = self.error or exc
-        finally:
-            with self._cond:
-                self._cond.wait_for(lambda: self._in_flight == 0)
-                self.finished = True
-                self._cond.notify_all()
-
-    def _may_submit(self, n: int) -> bool:
-        if self.stopped or self.error is not None:
-            return True
-        return self.ends[n] <= self.allowed and self._in_flight < READ_THREADS
-
-    def _read_one(self, position: int) -> None:
-        assert self.how is not None
-        try:
-            unit = self.residency.read_unit(position, self.hosts[position], self.pin, self.how.read)
-        except BaseException as exc:
-            with self._cond:
-                self.error = self.error or exc
-            self._landed(None)
-            return
-        self._landed(unit)
-
-    def _landed(self, unit: Unit | None) -> None:
-        """A unit read ended (``unit`` None: it failed): deliver it, or free it when the job was stopped."""
-        drop = None
-        with self._cond:
-            self._in_flight -= 1
-            if self._in_flight == 0 and self._busy_since is not None:
-                self.read_s += time.perf_counter() - self._busy_since
-                self._busy_since = None
-            if unit is not None and (self.stopped or self.error is not None):
-                drop = unit
-            elif unit is not None:
-                self.delivered[unit.index + 1] = unit
-                self.read_bytes += unit.nbytes
-            self._cond.notify_all()
-        if drop is not None:
-            self.residency.drop_read([drop])
-
-
-class Reader:
-    """Runs read jobs one after the other (a component's read back, then the read ahead of the next) on one
-    daemon thread, a read ahead paused for room must never keep the process from exiting, each job
-    reading up to `READ_THREADS` units at once on a pool of its own."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[ReadJob | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._pool: ThreadPoolExecutor | None = None
-
-    def start(self, job: ReadJob) -> None:
-        if self._thread is None:
-            self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="flextensor-read")
-            self._thread = threading.Thread(target=self._run, args=(self._pool,), name="flextensor-reader", daemon=True)
-            self._thread.start()
-        self._queue.put(job)
-
-    def _run(self, pool: ThreadPoolExecutor) -> None:
-        while (job := self._queue.get()) is not None:
-            job.run(pool)
-
-    @staticmethod
-    def give_up(job: ReadJob) -> None:
-        """Stop ``job`` between units, wait for the units in flight and free everything it read and no one took."""
-        job.stop()
-        job.wait_finished()
-        job.residency.drop_read(job.take_all())
-
-    def close(self) -> None:
-        """Join the threads (every job was given up or finished first)."""
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            assert self._pool is not None
-            self._pool.shutdown(wait=True)
-            self._thread = self._pool = None
-
-
-class FillGate:
-    """`Residency.host_gate` while a component's units arrive: one list lookup for a unit already taken;
-    for another, ``arrive(position)`` waits for the reader and adopts the unit's buffer."""
-
-    def __init__(self, positions: int, arrive: Callable[[int], None]) -> None:
-        self.pending = [True] * positions
-        self.left = positions
-        self._arrive = arrive
-
-    def __call__(self, unit: Unit) -> None:
-        if self.pending[unit.index + 1]:
-            self._arrive(unit.index + 1)
-
-    def took(self, position: int) -> None:
-        self.pending[position] = False
-        self.left -= 1
 
 
 @dataclass
@@ -423,17 +185,6 @@ class ComponentOrder:
         if name not in declared or len(declared) < 2:
             return None
         return declared[(declared.index(name) + 1) % len(declared)]
-
-
-def _read_error(component: str, exc: BaseException) -> FlexTensorError:
-    """A failed read back as a one-line error naming the fix (errors of this package already name theirs)."""
-    if isinstance(exc, FlexTensorError):
-        return exc
-    reason = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return FlexTensorError(
-        f"reading {component}'s weights back from disk failed ({reason}); it stays on disk and is read again when "
-        "it next runs: fix the disk, cache_dir or model folder and run again, or disable_flextensor_offload()"
-    )
 
 
 @dataclass
@@ -616,7 +367,7 @@ class HostTier:
             except Exception as exc:
                 fill.switch.wait_s += time.perf_counter() - begin
                 self._give_up_fill()
-                error = _read_error(fill.job.component, exc)
+                error = read_error(fill.job.component, exc)
                 if error is exc:
                     raise
                 raise error from exc
