@@ -48,7 +48,6 @@ from .codec import EncodedUnit, decode_into
 from .compressed_copies import CompressedCopies
 from .errors import FlexTensorError, OffloadStateError
 from .host_memory import host_buffer, pin_in_place
-from .payload_cache import PayloadCache
 from .planner import Plan
 from .setup_threads import PACK_THREADS, on_threads
 from .shared_host import SharedHostMemory
@@ -144,7 +143,7 @@ class Residency:
         self.dst: list[torch.Tensor | None] = [None] * len(self.units)
         self.loads = [0] * len(self.units)
         self.bytes_streamed = 0
-        #: Units kept compressed as well (`compress`; payloads pinned for CUDA).
+        #: Units kept compressed as well (`CompressedCopies.make`; payloads pinned for CUDA).
         self.compressed = CompressedCopies(self.units, device, self.host_of)
         #: The encoded units whose loads move the payload and decode it: all of them before a plan
         #: exists (profiling measures their decodes), then the plan's choice (`Plan.compressed`).
@@ -360,10 +359,6 @@ class Residency:
         return encoded.payload.numel() if encoded is not None else self.units[index].nbytes
 
     # ------------------------------------------------------------------------------------ compression
-
-    def compress(self, pin: bool, cache: PayloadCache | None = None) -> None:
-        """Make the units' compressed copies (`CompressedCopies.make`); loads the plan lets decode move them."""
-        self.compressed.make(pin, cache)
 
     @property
     def encoded(self) -> dict[int, EncodedUnit]:

@@ -181,7 +181,7 @@ class OffloadHandle:
         if self.config.compression == "lossless":
             start = time.perf_counter()
             self.payload_cache = self._payload_cache() if self.config.compression_cache else None
-            self.residency.compress(pin, self.payload_cache)
+            self.residency.compressed.make(pin, self.payload_cache)
             self.setup_times.compress = 1e3 * (time.perf_counter() - start)
             if self.config.raw_copies == "disk":
                 given = self.profiles.given.profile if self.profiles.given is not None else None
