@@ -123,7 +123,7 @@ class CompressedCopies:
         if self.cuda:  # one decode at a time on the device
             for unit in units:
                 check(unit)
-        else:  # fresh encodings, one unit per thread as `compress` encodes
+        else:  # fresh encodings, one unit per thread as `_encode_all` encodes
             on_threads(check, units, "checking cached compressed weights")
         if mismatches:
             self.release()
@@ -133,10 +133,9 @@ class CompressedCopies:
         return True
 
     def _keep(self, unit: Unit, encoded: EncodedUnit, pin: bool) -> None:
-        """Make ``encoded`` the unit's compressed copy, page-locked when ``pin``. A payload already locked
-        in place is only recorded: locking it again would fail, and the fallback copy would drop a
-        mapping that is still registered."""
-        if encoded.payload.is_pinned() or (pin and pin_in_place(encoded.payload)):
+        """Make ``encoded`` the unit's compressed copy, page-locked when ``pin`` (every payload arrives
+        pageable: the encoders are asked for one, and the cache reads into new buffers)."""
+        if pin and pin_in_place(encoded.payload):
             self._registered.append(encoded.payload)
         elif pin:
             encoded = dataclasses.replace(encoded, payload=encoded.payload.pin_memory())
