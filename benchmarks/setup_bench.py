@@ -21,6 +21,7 @@ reused would skip its page faults), on sources it touched first (filled with a c
 
     python benchmarks/setup_bench.py --out $OUT/setup_h200.json
     python benchmarks/setup_bench.py --units 4 --mb 64      # any machine with CUDA (a CPU build skips register)
+    python benchmarks/setup_bench.py --units 40 --threads 16 --variants hugepage+copy+register/unit
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ def main() -> None:
     parser.add_argument(
         "--intra-op-threads", type=int, default=0, help="torch.set_num_threads in each variant (0: torch's default)"
     )
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="which to time")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -145,7 +147,7 @@ def main() -> None:
     shape += ["--intra-op-threads", str(args.intra_op_threads)]
     best: dict[str, dict] = {}
     for _ in range(args.reps):
-        for name in VARIANTS if can_register else VARIANTS[:4]:
+        for name in [v for v in args.variants if can_register or v != "pin_memory"]:
             proc = subprocess.run([sys.executable, __file__, *shape, "--variant", name], capture_output=True, text=True)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
