@@ -182,7 +182,7 @@ def device_encode_report(
         if name == "pinned_in_pageable_out":
             try:
                 report["kernels"] = kernel_times(
-                    lambda: encode_unit(pinned_flat, segments, chunk=chunk, device=device, pin=False)
+                    lambda: encode_unit(pinned_flat, segments, chunk=chunk, device=device, verify=True)
                 )
             except Exception as exc:  # the profile is a diagnostic: the timings stand without it
                 report["kernels"] = f"profile failed: {exc!r}"
@@ -207,7 +207,7 @@ def encode_variant(
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         start = time.perf_counter()
-        encoded = encode_unit(src, segments, chunk=chunk, device=device, pin=pin)
+        encoded = encode_unit(src, segments, chunk=chunk, device=device, pin=pin, verify=True)
         seconds = time.perf_counter() - start
         if rep:
             times.append(seconds)

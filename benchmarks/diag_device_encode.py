@@ -87,7 +87,7 @@ def run_variant(name: str, reps: int) -> dict:
 
         setattr(codec, fn_name, wrapper)
 
-    for fn_name in ("_fetch", "_encode_slice", "_host_payload", "_encode_class", "pin_in_place"):
+    for fn_name in ("_fetch", "_encode_slice", "_download", "_encode_class", "pin_in_place"):
         traced(fn_name)
     dim = 5120 if mb >= 700 else 512
     ffn = 13824 if dim == 5120 else 1408

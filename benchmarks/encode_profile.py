@@ -1,6 +1,6 @@
 """Where the device encoder's time goes, for one Wan2.2-A14B block (issue 16's set-up target).
 
-``CompressedCopies`` encodes each unit with ``encode_unit(flat, ..., device="cuda", pin=False)`` from the
+``CompressedCopies`` encodes each unit with ``encode_unit(flat, ..., device="cuda", verify=True)`` from the
 unit's page-locked raw buffer. This script times that call end to end, then splits it: each stage of the
 coder with the device synchronised before and after (``stages_ms``, summed over the unit's slices; also the
 whole call with the histograms by ``bincount``, as before the Triton histogram kernel), the
@@ -34,7 +34,7 @@ from codec_bench import pack, wan_block_tensors
 from flextensor_diffusers.engine import codec
 from flextensor_diffusers.engine.host_memory import host_buffer, pin_in_place, unpin_in_place
 
-STAGES = ("_fetch", "_split_words", "_histograms", "_choose_codes", "_pack_all", "_host_payload")
+STAGES = ("_fetch", "_split_words", "_histograms", "_choose_codes", "_pack_all", "_verify_on_device", "_download")
 
 
 def timed(seconds: Callable[[], float], reps: int) -> float:
@@ -69,7 +69,7 @@ def stage_times(flat: torch.Tensor, segments: list[codec.Segment]) -> dict[str, 
     for name, fn in originals.items():
         setattr(codec, name, wrap(name, fn))
     try:
-        total = wall(lambda: codec.encode_unit(flat, segments, device="cuda", pin=False)) * 1e3
+        total = wall(lambda: codec.encode_unit(flat, segments, device="cuda", verify=True)) * 1e3
     finally:
         for name, fn in originals.items():
             setattr(codec, name, fn)
@@ -151,7 +151,7 @@ def main() -> None:
     pinned.copy_(flat)
     if not pin_in_place(pinned):
         raise SystemExit("cudaHostRegister of the unit buffer failed")
-    encode = lambda: codec.encode_unit(pinned, segments, device="cuda", pin=False)  # noqa: E731
+    encode = lambda: codec.encode_unit(pinned, segments, device="cuda", verify=True)  # noqa: E731
     encoded = encode()  # warm-up
     results: dict = {
         "command": " ".join(sys.argv),

@@ -1,5 +1,6 @@
 """The unit codec: bit-exact round trips (torch reference decoder, Triton kernel under the interpreter, CUDA)."""
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -11,10 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+from flextensor_diffusers.engine import codec
 from flextensor_diffusers.engine.codec import (
     CODE_BITS,
     DEVICE_SLICE_BYTES,
     CodecError,
+    CodecMismatch,
     EncodedUnit,
     Segment,
     decode_into,
@@ -339,6 +342,23 @@ def test_triton_kernel_exact_under_interpreter() -> None:
     assert result.returncode == 0 and "exact" in result.stdout, result.stderr[-3000:]
 
 
+def test_the_device_check_names_the_first_segment_that_does_not_decode() -> None:
+    """``verify``'s check (run here on the CPU with the reference decoder): a good payload passes; one with
+    a flipped byte in the second tensor's rest planes is refused naming that segment."""
+    tensors = [torch.arange(40, dtype=torch.int64), awkward(torch.bfloat16, 5000), awkward(torch.bfloat16, 300)]
+    flat, segments = pack(tensors)
+    encoded = encode_unit(flat, segments, chunk=1024)
+    codec._verify_on_device(encoded, flat)
+    rows = encoded.payload[: encoded.n_rows * 64].view(torch.int64).reshape(-1, 8)
+    first_chunk = rows[0].tolist()  # a chunk of segment 1: its rest plane at raw_off
+    assert first_chunk[0] == segments[1].offset
+    broken = encoded.payload.clone()
+    broken[first_chunk[2] + 3] ^= 0x01
+    with pytest.raises(CodecMismatch, match="segment 1 does not decode") as caught:
+        codec._verify_on_device(dataclasses.replace(encoded, payload=broken), flat)
+    assert caught.value.segment == 1
+
+
 def test_encoded_unit_is_frozen() -> None:
     flat, segments = pack([awkward(torch.bfloat16, 10)])
     encoded = encode_unit(flat, segments)
@@ -351,9 +371,9 @@ def test_encoded_unit_is_frozen() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("pinned", [False, True], ids=["pageable", "pinned"])
 def test_cuda_encoder_matches_the_host_encoder(pinned: bool) -> None:
-    """The device encoder (slices copied on a side stream, the first held on the device and the later ones sent
-    back at once, the payload page-locked in place) writes the host encoder's payload byte for byte, and the
-    kernel decodes it exactly; ``flat`` may already be on the device."""
+    """The device encoder (the unit copied over once, coded in slices, the payload assembled and checked there,
+    then copied back, page-locked in place when asked) writes the host encoder's payload byte for byte, and
+    the kernel decodes it exactly; ``flat`` may already be on the device."""
     int16 = torch.iinfo(torch.int16)
     uniform = torch.randint(int16.min, int16.max, (20_000,), generator=torch.Generator().manual_seed(7))
     tensors = [
@@ -370,7 +390,7 @@ def test_cuda_encoder_matches_the_host_encoder(pinned: bool) -> None:
         flat = flat.pin_memory()
     sliced = {"chunk": 4096, "slice_bytes": 3 * 4096 * 2}
     host = encode_unit(flat, segments, **sliced)
-    encoded = encode_unit(flat, segments, device="cuda", hold_bytes=100_000, pin=pinned, **sliced)
+    encoded = encode_unit(flat, segments, device="cuda", pin=pinned, verify=True, **sliced)
     try:
         assert encoded.payload.device.type == "cpu" and encoded.payload.is_pinned() == pinned
         assert torch.equal(encoded.payload, host.payload)

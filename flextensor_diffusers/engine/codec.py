@@ -59,6 +59,7 @@ overlap, so decode order is free. Bytes of the flat buffer outside segments are 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -100,8 +101,6 @@ CODE_BITS = (1, 2, 3, 4, 5, 6, 7)  # table-coded widths; 8 (identity, no escape)
 DEVICE_SLICE_BYTES = 128 << 20
 #: Raw bytes the encoder codes at a time on the host: small, so each pass's temporaries stay in cache.
 HOST_SLICE_BYTES = 4 << 20
-#: Coded bytes the device encoder keeps there until it assembles the payload (a Wan2.2 block's ~470 MiB fit).
-DEVICE_HOLD_BYTES = 512 << 20
 
 #: Dtypes whose words are shuffled into (exponent symbol, rest), with their word size in bytes.
 CODED_DTYPES: dict[torch.dtype, int] = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
@@ -109,6 +108,15 @@ CODED_DTYPES: dict[torch.dtype, int] = {torch.bfloat16: 2, torch.float16: 2, tor
 
 class CodecError(ValueError):
     """A unit cannot be encoded or decoded as asked; the message names the fix."""
+
+
+class CodecMismatch(CodecError):
+    """A payload checked on the device (``encode_unit(..., verify=True)``) does not decode to its unit's bytes:
+    an encoder or decoder fault on that device. ``segment`` is the index of the first segment that differs."""
+
+    def __init__(self, segment: int) -> None:
+        super().__init__(f"segment {segment} does not decode to its bytes; stream this unit uncompressed")
+        self.segment = segment
 
 
 @dataclass(frozen=True)
@@ -453,14 +461,9 @@ def _slice_rows(per_seg: np.ndarray, step: int) -> list[tuple[int, int]]:
 
 
 def _encode_class(
-    flat: torch.Tensor, segments: list[Segment], width: int, chunk: int, device: torch.device, slice_bytes: int,
-    hold_bytes: int,
-) -> list[_Slice]:  # fmt: skip
-    """Code every segment of one word width, ``slice_bytes`` of chunks at a time.
-
-    On CUDA the next slice's words are copied on a side stream while the current one is coded, and coded slices
-    stay on the device while they hold at most ``hold_bytes`` in all (later ones go to host memory at once).
-    """
+    flat: torch.Tensor, segments: list[Segment], width: int, chunk: int, device: torch.device, slice_bytes: int
+) -> list[_Slice]:
+    """Code every segment of one word width, ``slice_bytes`` of chunks at a time, where ``flat`` lies."""
     if not segments:
         return []
     counts = np.array([s.nbytes // width for s in segments], dtype=np.int64)
@@ -471,42 +474,7 @@ def _encode_class(
     out_off = np.array([s.offset for s in segments], dtype=np.int64)[seg_of] + first * width
     step = min(slice_bytes // (chunk * width), (1 << 31) // 256 - 1)  # 256 · row + symbol stays an int32
     plan = [_Rows.of(out_off[a:b], n[a:b], seg_of[a:b]) for a, b in _slice_rows(per_seg, step)]
-
-    copy_stream = torch.cuda.Stream(device) if device.type == "cuda" and flat.device != device else None
-
-    def fetch(rows: _Rows) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        if copy_stream is None:
-            return _fetch(flat, rows, width, chunk, device), None
-        copy_stream.wait_stream(torch.cuda.current_stream(device))  # after what the caller queued (a copy into flat)
-        with torch.cuda.stream(copy_stream):
-            raw = _fetch(flat, rows, width, chunk, device)
-            return raw, copy_stream.record_event()
-
-    slices: list[_Slice] = []
-    held = 0
-    pending = fetch(plan[0])
-    for i, rows in enumerate(plan):
-        raw, ready = pending
-        if ready is not None:
-            torch.cuda.current_stream(device).wait_event(ready)
-            raw.record_stream(torch.cuda.current_stream(device))
-        if i + 1 < len(plan):
-            pending = fetch(plan[i + 1])
-        coded = _encode_slice([raw], rows, width, chunk)
-        del raw
-        if device.type != "cpu":
-            held += coded.nbytes
-            if held > hold_bytes:
-                coded = coded.to(torch.device("cpu"))
-        slices.append(coded)
-    return slices
-
-
-def _host_payload(nbytes: int, device: torch.device, pin: bool) -> tuple[torch.Tensor, bool]:
-    """An uninitialised host buffer of ``nbytes`` for the payload and whether it is page-locked (in place,
-    when asked and the device is CUDA)."""
-    payload = host_buffer(nbytes)
-    return payload, bool(pin and device.type == "cuda" and nbytes and pin_in_place(payload))
+    return [_encode_slice([_fetch(flat, rows, width, chunk, device)], rows, width, chunk) for rows in plan]
 
 
 def encode_unit(
@@ -517,8 +485,8 @@ def encode_unit(
     min_elements: int = DEFAULT_MIN_ELEMENTS,
     device: torch.device | str | None = None,
     slice_bytes: int | None = None,
-    hold_bytes: int = DEVICE_HOLD_BYTES,
     pin: bool = False,
+    verify: bool = False,
 ) -> EncodedUnit:
     """Encode the segments of a unit's flat host buffer; see the module docstring for the format.
 
@@ -526,18 +494,22 @@ def encode_unit(
     ``min_elements`` elements are stored verbatim. The result decodes to the exact bytes of every segment.
 
     ``device`` is where the coding runs: ``None`` (or ``"cpu"``) on the host, with torch's CPU threads, in
-    slices of ``HOST_SLICE_BYTES``. On a CUDA device the coded segments' bytes are copied over in slices of
-    ``slice_bytes`` raw bytes (default ``DEVICE_SLICE_BYTES``; the next slice's copy, async when ``flat`` is
-    page-locked, overlaps the coding of the current one), the coded slices stay there while they hold at most
-    ``hold_bytes`` (later ones come back to host memory at once), and the payload is assembled in host memory
-    by copies of the slices' sections; the call returns once it is complete. The device memory the call
-    allocates peaks at about ``4.6 · slice_bytes + min(hold_bytes, 0.7 · coded bytes)``: the slice coded and
-    its temporaries (3.6× its bytes for 16-bit words, 2.75× for 32-bit ones), the next slice, and the slices
-    held (~0.7× their raw bytes for BF16): ~1.1 GiB with the defaults. ``flat`` may also be on the device.
+    slices of ``HOST_SLICE_BYTES``. On a CUDA device ``flat`` is copied over in one transfer (``flat`` may
+    also be there already), coded there in slices of ``slice_bytes`` raw bytes (default
+    ``DEVICE_SLICE_BYTES``), the payload is assembled there, and it comes back to host memory in one
+    transfer; the call returns once it has. Each byte crosses the link once each way, whatever the unit's
+    layout. The device memory the call allocates peaks at about the unit's bytes plus the larger of
+    ``3.6 · slice_bytes + 0.7 · (coded bytes)`` (a slice's temporaries while the coded slices accumulate)
+    and ``1.7 · (unit bytes)`` (payload and check): ~1.9 GB for a 703 MB Wan2.2 block.
 
-    ``pin`` (CUDA only) page-locks the payload in place with ``cudaHostRegister`` before the copies back, so
-    they run at link speed and the payload is ready for async loads; when that worked ``payload.is_pinned()``
-    and the caller must ``cudaHostUnregister(payload.data_ptr())`` (``host_memory.unpin_in_place``) before dropping it.
+    ``verify`` (CUDA only) decodes the assembled payload on the device and compares every segment with
+    ``flat``'s bytes there before it comes back, and raises `CodecMismatch` naming the first segment that
+    differs: a check of encoder and decoder on this device at the cost of one decode, with no extra copy.
+
+    ``pin`` (CUDA only) page-locks the payload in place with ``cudaHostRegister`` before the copy back, so
+    it runs at link speed and the payload is ready for async loads; when that worked ``payload.is_pinned()``
+    and the caller must ``cudaHostUnregister(payload.data_ptr())`` (``host_memory.unpin_in_place``) before
+    dropping it.
     """
     if chunk <= 0 or chunk % 16:
         raise CodecError(f"chunk={chunk} must be a positive multiple of 16")
@@ -558,7 +530,24 @@ def encode_unit(
         else:
             verbatim.append(seg)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        classes = [_encode_class(flat, by_width[w], w, chunk, device, slice_bytes, hold_bytes) for w in (2, 4)]
+        source = flat.to(device, non_blocking=True)  # on the device: one transfer; on the host: ``flat`` itself
+        classes = [_encode_class(source, by_width[w], w, chunk, device, slice_bytes) for w in (2, 4)]
+        return _assemble(source, segments, classes, by_width, verbatim, chunk, device, pin, verify)
+
+
+def _assemble(
+    source: torch.Tensor,
+    segments: list[Segment],
+    classes: list[list[_Slice]],
+    by_width: dict[int, list[Segment]],
+    verbatim: list[Segment],
+    chunk: int,
+    device: torch.device,
+    pin: bool,
+    verify: bool,
+) -> EncodedUnit:
+    """The payload of the coded ``classes`` and the ``verbatim`` segments of ``source`` (the unit's bytes where
+    they were coded), laid out as the module docstring says: in host memory, through the device on CUDA."""
     slices = [s for c in classes for s in c]
 
     pieces = [
@@ -587,11 +576,11 @@ def encode_unit(
         pos = _align(pos + seg.nbytes)
     total = _align(pos, 512)
 
-    payload, async_copy = _host_payload(total, device, pin)
+    payload = torch.empty(total, dtype=torch.uint8, device=device) if device.type == "cuda" else host_buffer(total)
     written: list[tuple[int, int]] = []
 
     def put(at: int, data: torch.Tensor) -> None:
-        payload[at : at + data.numel()].copy_(data.reshape(-1), non_blocking=async_copy)
+        payload[at : at + data.numel()].copy_(data.reshape(-1), non_blocking=True)
         written.append((at, at + data.numel()))
 
     all_rows = np.zeros((n_rows, ROW_WORDS), dtype=np.int64)
@@ -610,11 +599,12 @@ def encode_unit(
         table_pos += s.tables.numel()
         code_pos += s.codes.numel()
         esc_pos += s.escapes.numel()
+        s.tables = s.codes = s.escapes = s.planes = payload[:0]  # freed once copied: less device memory
     for out_off, nbytes, seg, start in pieces:
         all_rows[row] = (out_off, nbytes, verbatim_off[seg] + start, 0, 0, 0, 0, 0)
         row += 1
     for seg in verbatim:
-        put(verbatim_off[seg], flat[seg.offset : seg.offset + seg.nbytes])
+        put(verbatim_off[seg], source[seg.offset : seg.offset + seg.nbytes])
     put(0, torch.from_numpy(all_rows.reshape(-1).view(np.uint8)))
     # Zero what lies between the sections (alignment, the code window's pad byte): payloads are deterministic.
     end = 0
@@ -622,12 +612,9 @@ def encode_unit(
         if start > end:
             payload[end:start].zero_()
         end = max(end, stop)
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()  # the copies back are complete
-
-    return EncodedUnit(
+    encoded = EncodedUnit(
         payload=payload,
-        raw_nbytes=flat.numel(),
+        raw_nbytes=source.numel(),
         stored_nbytes=total,
         segments=tuple(segments),
         chunk=chunk,
@@ -636,6 +623,36 @@ def encode_unit(
         n_pieces=len(pieces),
         coded_raw_nbytes=sum(s.nbytes for w in (2, 4) for s in by_width[w]),
     )
+    if device.type != "cuda":
+        return encoded
+    del slices, classes
+    if verify:
+        _verify_on_device(encoded, source)
+    return dataclasses.replace(encoded, payload=_download(payload, pin))
+
+
+def _verify_on_device(encoded: EncodedUnit, source: torch.Tensor) -> None:
+    """Decode ``encoded`` (its payload on the device) and compare each segment with ``source``'s bytes there;
+    one synchronisation. Raises `CodecMismatch` for the first segment that differs."""
+    out = torch.empty(encoded.raw_nbytes, dtype=torch.uint8, device=source.device)
+    decode_into(encoded, encoded.payload, out)
+    spans = [(i, slice(s.offset, s.offset + s.nbytes)) for i, s in enumerate(encoded.segments) if s.nbytes]
+    if not spans:
+        return
+    differs = torch.stack([torch.ne(out[span], source[span]).any() for _, span in spans]).cpu()
+    if differs.any():
+        raise CodecMismatch(spans[int(differs.nonzero()[0])][0])
+
+
+def _download(payload: torch.Tensor, pin: bool) -> torch.Tensor:
+    """The device ``payload`` in a new host buffer (page-locked in place when ``pin`` and that works), once
+    the copy is complete."""
+    host = host_buffer(payload.numel())
+    pinned = bool(pin and payload.numel() and pin_in_place(host))
+    host.copy_(payload, non_blocking=pinned)
+    if pinned:
+        torch.cuda.current_stream(payload.device).synchronize()
+    return host
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
-from .codec import EncodedUnit, Segment, decode_into, encode_unit, worth_compressing
+from .codec import CodecMismatch, EncodedUnit, Segment, decode_into, encode_unit, worth_compressing
 from .errors import FlexTensorError
 from .host_memory import pin_in_place, unpin_in_place
 from .payload_cache import PayloadCache
@@ -75,7 +75,10 @@ class CompressedCopies:
 
         def encode_one(unit: Unit) -> None:
             device = self.device if self.cuda else None
-            encoded = encode_unit(hosts[unit.index], segments_of(unit), device=device, pin=False)
+            try:
+                encoded = encode_unit(hosts[unit.index], segments_of(unit), device=device, verify=self.cuda)
+            except CodecMismatch as exc:
+                raise self._mismatch_error(unit, unit.tensors[exc.segment].names[0]) from exc
             if worth_compressing(encoded):
                 encoded_by_unit[unit.index] = encoded
 
@@ -97,8 +100,6 @@ class CompressedCopies:
         for unit in self.units:
             if unit.index in encoded_by_unit:
                 self._keep(unit, encoded_by_unit[unit.index], pin)
-                if self.cuda:
-                    self.check_decodes_exactly(unit, self.encoded[unit.index])
         if cache is not None:
             cache.write(self.encoded)
 
@@ -141,15 +142,12 @@ class CompressedCopies:
             encoded = dataclasses.replace(encoded, payload=encoded.payload.pin_memory())
         self.encoded[unit.index] = encoded
 
-    def check_decodes_exactly(self, unit: Unit, encoded: EncodedUnit) -> None:
-        """Refuse a new payload that does not decode to the weights: an encoder or decoder fault on this
-        device, turned into an error that names the way around it."""
-        mismatch = self._first_mismatch(unit, encoded)
-        if mismatch is not None:
-            raise FlexTensorError(
-                f"the compressed copy of {unit.name!r} does not decode to its weights ({mismatch}): "
-                "a codec fault on this device; pass compression='none' (--compression none)"
-            )
+    @staticmethod
+    def _mismatch_error(unit: Unit, tensor: str) -> FlexTensorError:
+        return FlexTensorError(
+            f"the compressed copy of {unit.name!r} does not decode to its weights ({tensor}): "
+            "a codec fault on this device; pass compression='none' (--compression none)"
+        )
 
     def _first_mismatch(self, unit: Unit, encoded: EncodedUnit) -> str | None:
         """Decode ``encoded`` on the device once and compare every tensor's bytes with the host copy; the
