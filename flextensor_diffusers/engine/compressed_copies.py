@@ -49,8 +49,8 @@ class CompressedCopies:
         With a ``cache`` whose file holds this model's payloads, they are read back instead of encoded,
         and each is decoded and compared with the weights before it is kept: one mismatch refuses the
         file (`payload_cache`). Otherwise units are encoded (on the GPU where there is one: `_encode_all`)
-        and the file is written. On a CUDA device every new payload is decoded once there and compared
-        with the weights too. Payloads are page-locked in place (``cudaHostRegister`` on their own
+        and the file is written. On a CUDA device the encoder decodes every new payload once there and
+        compares it with the weights too (``verify``). Payloads are page-locked in place (``cudaHostRegister`` on their own
         mapping, ~10x faster than ``pin_memory()``'s copy) and unregistered before they are dropped
         (`release`)."""
         self.release()
@@ -62,9 +62,9 @@ class CompressedCopies:
             torch.cuda.empty_cache()
 
     def _encode_all(self, hosts: dict[int, torch.Tensor], pin: bool, cache: PayloadCache | None) -> None:
-        """Encode every unit worth it, then keep the payloads (locked in place) and, on CUDA, check that each
-        decodes to its weights; write ``cache``. On the CPU one unit per thread; on CUDA one after the
-        other on the device.
+        """Encode every unit worth it (on CUDA each checked by the encoder: it decodes to its weights), then
+        keep the payloads (locked in place); write ``cache``. On the CPU one unit per thread; on CUDA one after
+        the other on the device.
 
         The device encoder writes a pageable payload (``pin=False``), which `_keep` locks in place, as for
         a host-encoded one. Letting the encoder lock it (so that its copies back run at link speed) made
@@ -97,9 +97,7 @@ class CompressedCopies:
                 f"compressing the weights on {self.device} failed ({first_line}): pass compression='none' "
                 f"(--compression none) to stream them raw{room if isinstance(exc, torch.OutOfMemoryError) else ''}"
             ) from exc
-        for unit in self.units:
-            if unit.index in encoded_by_unit:
-                self._keep(unit, encoded_by_unit[unit.index], pin)
+        self._keep({index: encoded_by_unit[index] for index in sorted(encoded_by_unit)}, pin)
         if cache is not None:
             cache.write(self.encoded)
 
@@ -111,8 +109,7 @@ class CompressedCopies:
         if not set(cached) <= set(by_index):
             cache.refuse("it names units this model does not have")
             return False
-        for index, encoded in cached.items():
-            self._keep(by_index[index], encoded, pin)
+        self._keep(cached, pin)
         mismatches: dict[str, str] = {}
 
         def check(unit: Unit) -> None:
@@ -133,14 +130,26 @@ class CompressedCopies:
             return False
         return True
 
-    def _keep(self, unit: Unit, encoded: EncodedUnit, pin: bool) -> None:
-        """Make ``encoded`` the unit's compressed copy, page-locked when ``pin`` (every payload arrives
-        pageable: the encoders are asked for one, and the cache reads into new buffers)."""
-        if pin and pin_in_place(encoded.payload):
-            self._registered.append(encoded.payload)
-        elif pin:
-            encoded = dataclasses.replace(encoded, payload=encoded.payload.pin_memory())
-        self.encoded[unit.index] = encoded
+    def _keep(self, encoded_by_unit: dict[int, EncodedUnit], pin: bool) -> None:
+        """Make each payload of ``encoded_by_unit`` its unit's compressed copy, page-locked when ``pin`` (every
+        payload arrives pageable: the encoders are asked for one, and the cache reads into new buffers), on
+        `PACK_THREADS` threads: ``cudaHostRegister`` releases the GIL."""
+        kept: dict[int, EncodedUnit] = {}
+
+        def keep(index: int) -> None:
+            encoded = encoded_by_unit[index]
+            if pin and pin_in_place(encoded.payload):
+                self._registered.append(encoded.payload)
+            elif pin:
+                encoded = dataclasses.replace(encoded, payload=encoded.payload.pin_memory())
+            kept[index] = encoded
+
+        if pin:
+            on_threads(keep, list(encoded_by_unit), "page-locking compressed weights")
+        else:
+            for index in encoded_by_unit:
+                keep(index)
+        self.encoded.update((index, kept[index]) for index in encoded_by_unit)  # in the units' order
 
     @staticmethod
     def _mismatch_error(unit: Unit, tensor: str) -> FlexTensorError:
