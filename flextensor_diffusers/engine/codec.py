@@ -112,11 +112,13 @@ class CodecError(ValueError):
 
 class CodecMismatch(CodecError):
     """A payload checked on the device (``encode_unit(..., verify=True)``) does not decode to its unit's bytes:
-    an encoder or decoder fault on that device. ``segment`` is the index of the first segment that differs."""
+    an encoder or decoder fault on that device. ``segment`` is the index of the first segment that differs;
+    ``unit`` the unit's index where the caller knows it."""
 
-    def __init__(self, segment: int) -> None:
+    def __init__(self, segment: int, unit: int | None = None) -> None:
         super().__init__(f"segment {segment} does not decode to its bytes; stream this unit uncompressed")
         self.segment = segment
+        self.unit = unit
 
 
 @dataclass(frozen=True)
@@ -487,6 +489,7 @@ def encode_unit(
     slice_bytes: int | None = None,
     pin: bool = False,
     verify: bool = False,
+    payload_on_device: bool = False,
 ) -> EncodedUnit:
     """Encode the segments of a unit's flat host buffer; see the module docstring for the format.
 
@@ -505,6 +508,9 @@ def encode_unit(
     ``verify`` (CUDA only) decodes the assembled payload on the device and compares every segment with
     ``flat``'s bytes there before it comes back, and raises `CodecMismatch` naming the first segment that
     differs: a check of encoder and decoder on this device at the cost of one decode, with no extra copy.
+
+    ``payload_on_device`` (CUDA only) returns the payload where it was assembled, for the caller to bring
+    back to host memory its own way (set-up overlaps that with the next unit's coding: `device_encoding`).
 
     ``pin`` (CUDA only) page-locks the payload in place with ``cudaHostRegister`` before the copy back, so
     it runs at link speed and the payload is ready for async loads; when that worked ``payload.is_pinned()``
@@ -532,7 +538,10 @@ def encode_unit(
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         source = flat.to(device, non_blocking=True)  # on the device: one transfer; on the host: ``flat`` itself
         classes = [_encode_class(source, by_width[w], w, chunk, device, slice_bytes) for w in (2, 4)]
-        return _assemble(source, segments, classes, by_width, verbatim, chunk, device, pin, verify)
+        encoded = _assemble(source, segments, classes, by_width, verbatim, chunk, device, verify)
+    if device.type != "cuda" or payload_on_device:
+        return encoded
+    return dataclasses.replace(encoded, payload=_download(encoded.payload, pin))
 
 
 def _assemble(
@@ -543,7 +552,6 @@ def _assemble(
     verbatim: list[Segment],
     chunk: int,
     device: torch.device,
-    pin: bool,
     verify: bool,
 ) -> EncodedUnit:
     """The payload of the coded ``classes`` and the ``verbatim`` segments of ``source`` (the unit's bytes where
@@ -623,12 +631,10 @@ def _assemble(
         n_pieces=len(pieces),
         coded_raw_nbytes=sum(s.nbytes for w in (2, 4) for s in by_width[w]),
     )
-    if device.type != "cuda":
-        return encoded
     del slices, classes
-    if verify:
+    if verify and device.type == "cuda":
         _verify_on_device(encoded, source)
-    return dataclasses.replace(encoded, payload=_download(payload, pin))
+    return encoded
 
 
 def _verify_on_device(encoded: EncodedUnit, source: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .codec import CodecMismatch, EncodedUnit, Segment, decode_into, encode_unit, worth_compressing
+from .device_encoding import DeviceEncoder, EncodeJob
 from .errors import FlexTensorError
 from .host_memory import pin_in_place, unpin_in_place
 from .payload_cache import PayloadCache
@@ -50,9 +51,9 @@ class CompressedCopies:
         and each is decoded and compared with the weights before it is kept: one mismatch refuses the
         file (`payload_cache`). Otherwise units are encoded (on the GPU where there is one: `_encode_all`)
         and the file is written. On a CUDA device the encoder decodes every new payload once there and
-        compares it with the weights too (``verify``). Payloads are page-locked in place (``cudaHostRegister`` on their own
-        mapping, ~10x faster than ``pin_memory()``'s copy) and unregistered before they are dropped
-        (`release`)."""
+        compares it with the weights too (``verify``). Payloads are page-locked in place
+        (``cudaHostRegister`` on their own mapping, ~10x faster than ``pin_memory()``'s copy) and
+        unregistered before they are dropped (`release`)."""
         self.release()
         self.pinned = pin
         hosts = {unit.index: self._host_of(unit) for unit in self.units}  # the gate is asked on this thread
@@ -62,44 +63,61 @@ class CompressedCopies:
             torch.cuda.empty_cache()
 
     def _encode_all(self, hosts: dict[int, torch.Tensor], pin: bool, cache: PayloadCache | None) -> None:
-        """Encode every unit worth it (on CUDA each checked by the encoder: it decodes to its weights), then
-        keep the payloads (locked in place); write ``cache``. On the CPU one unit per thread; on CUDA one after
-        the other on the device.
+        """Encode every unit worth it, keep the payloads (locked in place) and write ``cache``. On the CPU
+        one unit per thread; on CUDA one after the other on the device (`DeviceEncoder`: each payload
+        checked there, copies both ways overlapped with the coding, payloads locked as they arrive).
 
-        The device encoder writes a pageable payload (``pin=False``), which `_keep` locks in place, as for
-        a host-encoded one. Letting the encoder lock it (so that its copies back run at link speed) made
-        device allocations fail with "CUDA error: resource already mapped" on the H200, in some processes
-        and not in others (``benchmarks/results/diag_device_encode_h200.json``,
-        ``codec_device_encode_h200.log``); the cause is not known, so set-up does not ask for it."""
+        A failure leaves no payload kept nor locked, and becomes a one-line error naming
+        ``compression='none'``."""
         encoded_by_unit: dict[int, EncodedUnit] = {}
-
-        def encode_one(unit: Unit) -> None:
-            device = self.device if self.cuda else None
-            try:
-                encoded = encode_unit(hosts[unit.index], segments_of(unit), device=device, verify=self.cuda)
-            except CodecMismatch as exc:
-                raise self._mismatch_error(unit, unit.tensors[exc.segment].names[0]) from exc
-            if worth_compressing(encoded):
-                encoded_by_unit[unit.index] = encoded
-
+        locked: set[int] = set()
         try:
             if self.cuda:
-                for unit in tqdm(self.units, desc="compressing weights on the device", disable=None, leave=False):
-                    encode_one(unit)
+                self._encode_on_device(hosts, pin, encoded_by_unit, locked)
             else:
-                on_threads(encode_one, self.units, "compressing weights")
-        except FlexTensorError:
-            raise
-        except RuntimeError as exc:  # a CUDA fault, or the device out of memory
-            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            room = "; or leave ~1.2 GiB of the device free at set-up (the encoder's most)"
-            raise FlexTensorError(
-                f"compressing the weights on {self.device} failed ({first_line}): pass compression='none' "
-                f"(--compression none) to stream them raw{room if isinstance(exc, torch.OutOfMemoryError) else ''}"
-            ) from exc
-        self._keep({index: encoded_by_unit[index] for index in sorted(encoded_by_unit)}, pin)
+                on_threads(lambda unit: self._encode_on_host(unit, hosts, encoded_by_unit), self.units, "compressing")
+        except BaseException as exc:
+            self._registered = [encoded_by_unit[index].payload for index in locked]
+            self.release()
+            error = self._encoder_error(exc)
+            if error is exc:
+                raise
+            raise error from exc
+        self._keep({index: encoded_by_unit[index] for index in sorted(encoded_by_unit)}, pin, frozenset(locked))
         if cache is not None:
             cache.write(self.encoded)
+
+    @staticmethod
+    def _encode_on_host(unit: Unit, hosts: dict[int, torch.Tensor], encoded_by_unit: dict[int, EncodedUnit]) -> None:
+        encoded = encode_unit(hosts[unit.index], segments_of(unit))
+        if worth_compressing(encoded):
+            encoded_by_unit[unit.index] = encoded
+
+    def _encode_on_device(
+        self, hosts: dict[int, torch.Tensor], pin: bool, encoded_by_unit: dict[int, EncodedUnit], locked: set[int]
+    ) -> None:
+        jobs = [EncodeJob(unit.index, hosts[unit.index], segments_of(unit)) for unit in self.units]
+        encoder = DeviceEncoder(self.device, lock=pin, keep=worth_compressing)
+        desc = "compressing weights on the device"
+        for done in tqdm(encoder.encode(jobs), total=len(jobs), desc=desc, disable=None, leave=False):
+            encoded_by_unit[done.index] = done.encoded
+            if done.locked:
+                locked.add(done.index)
+
+    def _encoder_error(self, exc: BaseException) -> BaseException:
+        """What a failed encoding raises: a mismatch names the unit and tensor; a CUDA fault or an
+        out-of-memory error its first line; both name compression='none'. Others pass through."""
+        if isinstance(exc, CodecMismatch) and exc.unit is not None:
+            unit = next(u for u in self.units if u.index == exc.unit)
+            return self._mismatch_error(unit, unit.tensors[exc.segment].names[0])
+        if isinstance(exc, RuntimeError) and not isinstance(exc, FlexTensorError):
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            room = "; or leave ~3 GiB of the device free at set-up (the encoder's most)"
+            return FlexTensorError(
+                f"compressing the weights on {self.device} failed ({first_line}): pass compression='none' "
+                f"(--compression none) to stream them raw{room if isinstance(exc, torch.OutOfMemoryError) else ''}"
+            )
+        return exc
 
     def _keep_cached(self, cached: dict[int, EncodedUnit], pin: bool, cache: PayloadCache) -> bool:
         """Keep the payloads read from ``cache`` when every one decodes to its unit's weights; else keep none."""
@@ -130,15 +148,15 @@ class CompressedCopies:
             return False
         return True
 
-    def _keep(self, encoded_by_unit: dict[int, EncodedUnit], pin: bool) -> None:
-        """Make each payload of ``encoded_by_unit`` its unit's compressed copy, page-locked when ``pin`` (every
-        payload arrives pageable: the encoders are asked for one, and the cache reads into new buffers), on
-        `PACK_THREADS` threads: ``cudaHostRegister`` releases the GIL."""
+    def _keep(self, encoded_by_unit: dict[int, EncodedUnit], pin: bool, locked: frozenset[int] = frozenset()) -> None:
+        """Make each payload of ``encoded_by_unit`` its unit's compressed copy, page-locked when ``pin`` (those
+        of ``locked`` already are, in place; the others arrive pageable: the host encoder and the cache read
+        into new buffers), on `PACK_THREADS` threads: ``cudaHostRegister`` releases the GIL."""
         kept: dict[int, EncodedUnit] = {}
 
         def keep(index: int) -> None:
             encoded = encoded_by_unit[index]
-            if pin and pin_in_place(encoded.payload):
+            if index in locked or (pin and pin_in_place(encoded.payload)):
                 self._registered.append(encoded.payload)
             elif pin:
                 encoded = dataclasses.replace(encoded, payload=encoded.payload.pin_memory())

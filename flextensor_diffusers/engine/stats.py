@@ -36,7 +36,7 @@ class OffloadStats:
     measured_forwards: int = 0
     peak_allocated_bytes: int | None = None
     plan: dict[str, Any] | None = None
-    setup_ms: dict[str, float] = field(default_factory=dict)  # layout, pack, pin, hooks (compress)
+    setup_ms: dict[str, float] = field(default_factory=dict)  # layout, pack (with pinning), hooks (compress)
     payload_cache: str | None = None  # with compression_cache: what set-up did with the file, and its path
     #: Bytes a load of every unit moves (compressed copies where kept); equals the units' bytes without.
     transfer_unit_bytes: int = 0

@@ -1,0 +1,146 @@
+"""Encoding a model's units on the GPU at set-up, with the copies both ways hidden behind the coding.
+
+One unit's trip through the device encoder has four parts (measured for a 703 MB Wan2.2 block on the H200,
+``benchmarks/results/encode_profile_h200.json``): the raw bytes over the link (13 ms), coding and the
+on-device check (~37 ms), and the payload back to host memory. Copied straight into a new pageable buffer
+that last part took 127 ms (2.8 GB/s: the driver stages it, and every page of the new buffer faults on first
+touch); through a page-locked staging buffer it is a 9 ms transfer plus an 18 ms host copy, and the buffer
+then page-locks at 39 GB/s instead of 4.5 GB/s, its pages being present.
+
+`DeviceEncoder` runs the parts of successive units side by side: the next unit's raw bytes cross on a
+copy stream while the current one is coded, and a host thread moves the previous payload from its staging
+buffer into its own buffer and page-locks it there while the device codes the next. A unit then costs about
+its coding time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from .codec import CodecMismatch, EncodedUnit, Segment, encode_unit
+from .host_memory import host_buffer, pin_in_place
+
+#: Staging buffers the payloads come back through: one being filled by the device while the host empties the other.
+STAGING_BUFFERS = 2
+
+
+@dataclass(frozen=True)
+class HostPayload:
+    """A unit's encoding with its payload in a host buffer of its own; ``locked``: page-locked in place there
+    (the owner unregisters it before dropping it)."""
+
+    index: int
+    encoded: EncodedUnit
+    locked: bool
+
+
+@dataclass
+class _Staging:
+    """A page-locked buffer a payload comes back into, and the host copy out of it still in flight."""
+
+    buffer: torch.Tensor
+    emptied: Future[HostPayload] | None = None
+
+
+@dataclass(frozen=True)
+class EncodeJob:
+    """A unit to encode: its index, its raw host buffer (page-locked, so that it crosses asynchronously) and
+    the codec's view of it."""
+
+    index: int
+    flat: torch.Tensor
+    segments: list[Segment]
+
+
+class DeviceEncoder:
+    """Encodes units one after another on ``device``, each checked there (``verify``), and brings back to
+    host memory the payloads that ``keep`` accepts, pageable or page-locked in place (``lock``).
+
+    `encode` yields a `HostPayload` per kept unit, in order. An error of the encoder, or a check that fails
+    (`CodecMismatch`, with ``unit`` set to the unit's index), is raised there once the work in flight has
+    finished. The staging buffers go back to the system when it ends."""
+
+    def __init__(self, device: torch.device, lock: bool, keep: Callable[[EncodedUnit], bool]) -> None:
+        self.device = device
+        self.lock = lock
+        self.keep = keep
+        self._copy_stream = torch.cuda.Stream(device)
+        self._staging: list[_Staging] = []
+
+    def encode(self, jobs: list[EncodeJob]) -> Iterator[HostPayload]:
+        self._staging = [_Staging(torch.empty(0, dtype=torch.uint8)) for _ in range(STAGING_BUFFERS)]
+        pending: list[Future[HostPayload]] = []
+        brought = 0  # payloads sent back so far: they take the staging buffers in turn
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="payloads-back") as host_side:
+                try:
+                    upload = self._upload(jobs[0].flat) if jobs else None
+                    for position, job in enumerate(jobs):
+                        assert upload is not None
+                        source, arrived = upload
+                        compute = torch.cuda.current_stream(self.device)
+                        compute.wait_event(arrived)
+                        source.record_stream(compute)
+                        upload = self._upload(jobs[position + 1].flat) if position + 1 < len(jobs) else None
+                        encoded = self._encode(job, source)
+                        del source
+                        if self.keep(encoded):
+                            pending.append(self._bring_back(host_side, brought, job.index, encoded))
+                            brought += 1
+                        while pending and pending[0].done():
+                            yield pending.pop(0).result()
+                    while pending:
+                        yield pending.pop(0).result()
+                finally:
+                    for future in pending:  # in-flight host copies end before their buffers go
+                        future.cancel() or future.exception()
+        finally:
+            self._staging = []
+            torch.cuda.current_stream(self.device).synchronize()
+            if hasattr(torch._C, "_host_emptyCache"):  # the staging buffers' page-locked memory goes back
+                torch._C._host_emptyCache()
+
+    def _encode(self, job: EncodeJob, source: torch.Tensor) -> EncodedUnit:
+        try:
+            return encode_unit(source, job.segments, device=self.device, verify=True, payload_on_device=True)
+        except CodecMismatch as exc:
+            raise CodecMismatch(exc.segment, unit=job.index) from exc
+
+    def _upload(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """``flat`` copied to the device on the copy stream (after the work queued so far), and its arrival."""
+        compute = torch.cuda.current_stream(self.device)
+        self._copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self._copy_stream):
+            source = flat.to(self.device, non_blocking=True)
+            return source, self._copy_stream.record_event()
+
+    def _bring_back(
+        self, host_side: ThreadPoolExecutor, position: int, index: int, encoded: EncodedUnit
+    ) -> Future[HostPayload]:
+        """Copy ``encoded``'s device payload into a staging buffer (once the host emptied it), and hand the
+        rest to the host thread."""
+        staging = self._staging[position % STAGING_BUFFERS]
+        if staging.emptied is not None:
+            staging.emptied.result()  # its previous payload is out (raises that unit's error, if any)
+        nbytes = encoded.payload.numel()
+        if staging.buffer.numel() < nbytes:
+            staging.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        compute = torch.cuda.current_stream(self.device)
+        staging.buffer[:nbytes].copy_(encoded.payload, non_blocking=True)
+        copied = compute.record_event()
+        staged = staging.buffer[:nbytes]
+        staging.emptied = host_side.submit(self._empty, index, encoded, staged, copied.synchronize)
+        return staging.emptied
+
+    def _empty(self, index: int, encoded: EncodedUnit, staged: torch.Tensor, wait: Callable[[], None]) -> HostPayload:
+        """On the host thread: the payload from ``staged`` into its own buffer, page-locked there if asked."""
+        wait()
+        payload = host_buffer(staged.numel())
+        payload.copy_(staged)
+        locked = self.lock and bool(payload.numel()) and pin_in_place(payload)
+        return HostPayload(index, dataclasses.replace(encoded, payload=payload), locked)
