@@ -31,10 +31,10 @@ it runs on the host or, much faster, on a CUDA device (``device=``): per-chunk h
 over ``256 · chunk + symbol`` on the host, a Triton program per chunk on the device), a stable sort of each
 chunk's 256 counts, the size of each ``b`` from their cumulative sums, codes by a lookup in per-chunk code
 tables, escapes by a boolean index, and codes packed eight at a time into ``b`` bytes with shifts. On the
-H200, asking for a page-locked payload (``pin=True``) made device allocations of the process fail with "CUDA
-error: resource already mapped" in some processes and not in others, and a pageable payload (``pin=False``)
-ran wherever it was tried (``benchmarks/results/diag_device_encode_h200.json``); set-up asks for a pageable
-one.
+H200, an encoder that page-locked each new payload buffer before copying into it (its pages not yet present)
+made device allocations of the process fail with "CUDA error: resource already mapped" in some processes and
+not in others, and a pageable payload ran wherever it was tried
+(``benchmarks/results/diag_device_encode_h200.json``); buffers are now locked only once written.
 
 Payload layout (one flat ``uint8`` tensor, everything the device needs; sections aligned to 64 bytes):
 
@@ -512,10 +512,9 @@ def encode_unit(
     ``payload_on_device`` (CUDA only) returns the payload where it was assembled, for the caller to bring
     back to host memory its own way (set-up overlaps that with the next unit's coding: `device_encoding`).
 
-    ``pin`` (CUDA only) page-locks the payload in place with ``cudaHostRegister`` before the copy back, so
-    it runs at link speed and the payload is ready for async loads; when that worked ``payload.is_pinned()``
-    and the caller must ``cudaHostUnregister(payload.data_ptr())`` (``host_memory.unpin_in_place``) before
-    dropping it.
+    ``pin`` (CUDA only) page-locks the payload in place with ``cudaHostRegister`` once it has arrived, so
+    that it is ready for async loads; when that worked ``payload.is_pinned()`` and the caller must
+    ``cudaHostUnregister(payload.data_ptr())`` (``host_memory.unpin_in_place``) before dropping it.
     """
     if chunk <= 0 or chunk % 16:
         raise CodecError(f"chunk={chunk} must be a positive multiple of 16")
@@ -651,13 +650,13 @@ def _verify_on_device(encoded: EncodedUnit, source: torch.Tensor) -> None:
 
 
 def _download(payload: torch.Tensor, pin: bool) -> torch.Tensor:
-    """The device ``payload`` in a new host buffer (page-locked in place when ``pin`` and that works), once
-    the copy is complete."""
+    """The device ``payload`` in a new host buffer, then page-locked in place there when ``pin`` (and that
+    works): locked once its pages are present, as every buffer the package locks is (see the module
+    docstring for what locking a fresh one before the copy did on the H200)."""
     host = host_buffer(payload.numel())
-    pinned = bool(pin and payload.numel() and pin_in_place(host))
-    host.copy_(payload, non_blocking=pinned)
-    if pinned:
-        torch.cuda.current_stream(payload.device).synchronize()
+    host.copy_(payload)
+    if pin and payload.numel():
+        pin_in_place(host)
     return host
 
 

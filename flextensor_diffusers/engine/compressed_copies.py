@@ -9,6 +9,7 @@ it there once and comparing, on the CPU by comparing it with a fresh encoding.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -56,13 +57,12 @@ class CompressedCopies:
         unregistered before they are dropped (`release`)."""
         self.release()
         self.pinned = pin
-        hosts = {unit.index: self._host_of(unit) for unit in self.units}  # the gate is asked on this thread
         if cache is None or not self._keep_cached(cache.read(PACK_THREADS), pin, cache):
-            self._encode_all(hosts, pin, cache)
+            self._encode_all(pin, cache)
         if self.cuda:  # the checks' decode buffers go back to the device, not to the allocator's cache
             torch.cuda.empty_cache()
 
-    def _encode_all(self, hosts: dict[int, torch.Tensor], pin: bool, cache: PayloadCache | None) -> None:
+    def _encode_all(self, pin: bool, cache: PayloadCache | None) -> None:
         """Encode every unit worth it, keep the payloads (locked in place) and write ``cache``. On the CPU
         one unit per thread; on CUDA one after the other on the device (`DeviceEncoder`: each payload
         checked there, copies both ways overlapped with the coding, payloads locked as they arrive).
@@ -73,8 +73,9 @@ class CompressedCopies:
         locked: set[int] = set()
         try:
             if self.cuda:
-                self._encode_on_device(hosts, pin, encoded_by_unit, locked)
+                self._encode_on_device(pin, encoded_by_unit, locked)
             else:
+                hosts = {unit.index: self._host_of(unit) for unit in self.units}  # the gate asked on this thread
                 on_threads(lambda unit: self._encode_on_host(unit, hosts, encoded_by_unit), self.units, "compressing")
         except BaseException as exc:
             self._registered = [encoded_by_unit[index].payload for index in locked]
@@ -93,10 +94,10 @@ class CompressedCopies:
         if worth_compressing(encoded):
             encoded_by_unit[unit.index] = encoded
 
-    def _encode_on_device(
-        self, hosts: dict[int, torch.Tensor], pin: bool, encoded_by_unit: dict[int, EncodedUnit], locked: set[int]
-    ) -> None:
-        jobs = [EncodeJob(unit.index, hosts[unit.index], segments_of(unit)) for unit in self.units]
+    def _encode_on_device(self, pin: bool, encoded_by_unit: dict[int, EncodedUnit], locked: set[int]) -> None:
+        """Units in order through `DeviceEncoder`; each unit's host bytes are asked for (the gate waits
+        while it is packed) only when its turn comes."""
+        jobs = [EncodeJob(unit.index, functools.partial(self._host_of, unit), segments_of(unit)) for unit in self.units]
         encoder = DeviceEncoder(self.device, lock=pin, keep=worth_compressing)
         desc = "compressing weights on the device"
         for done in tqdm(encoder.encode(jobs), total=len(jobs), desc=desc, disable=None, leave=False):

@@ -49,7 +49,7 @@ from .compressed_copies import CompressedCopies
 from .errors import FlexTensorError, OffloadStateError
 from .host_memory import host_buffer, pin_in_place
 from .planner import Plan
-from .setup_threads import PACK_THREADS, on_threads
+from .setup_threads import PACK_THREADS, ThreadedWork
 from .shared_host import SharedHostMemory
 from .units import (
     ALIGNMENT,
@@ -89,6 +89,26 @@ def drop_cached_pages(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+class Packing:
+    """Units being packed on threads (`Residency.start_packing`): the residency's host gate meanwhile."""
+
+    def __init__(self, residency: Residency, work: ThreadedWork[Unit], positions: dict[int, int]) -> None:
+        self._residency = residency
+        self._work = work
+        self._positions = positions
+
+    def gate(self, unit: Unit) -> None:
+        self._work.wait_for(self._positions[unit.index])
+
+    def finish(self) -> float:
+        """Wait for every unit, lift the gate, raise the first failure; seconds since packing started."""
+        try:
+            return self._work.finish()
+        finally:
+            if self._residency.host_gate == self.gate:  # bound methods compare by instance
+                self._residency.host_gate = None
 
 
 @dataclass
@@ -160,17 +180,18 @@ class Residency:
 
     # ------------------------------------------------------------------------------------ set-up
 
-    def pack(self, times: SetupTimes, pin: bool, shared: SharedHostMemory | None, attaching: bool) -> None:
-        """Copy every unit and the base into flat host buffers (or attach to shared ones), each pinned
-        right after its copy when ``pin``.
+    def start_packing(self, pin: bool, shared: SharedHostMemory | None, attaching: bool) -> Packing:
+        """Start copying every unit and the base into flat host buffers (or attaching them to shared ones),
+        each pinned right after its copy when ``pin``; set-up goes on meanwhile, and `host_of` waits for
+        the unit it asks for (the device encoder codes the first blocks while the last are packed).
 
         One task per unit on `PACK_THREADS` threads (a copy into host memory is bound by one core's memory
         bandwidth; the copies and ``cudaHostRegister`` release the GIL). A unit is page-locked by the task
         that packed it, so one thread's registration overlaps the others' copies: on the H200, 28.1 GB in
         1.24 s this way against 1.78 s copying everything first (``setup_threads8_h200.json``,
-        ``setup_threads16_h200.json``); ``times.pack`` counts both. Host memory
-        grows by at most one unit per thread. A failure waits for the other threads, then raises: the
-        caller's teardown restores whatever was packed.
+        ``setup_threads16_h200.json``). Host memory grows by at most one unit per thread. A failure is
+        raised by `Packing.finish` once every task has ended: the caller's teardown restores whatever was
+        packed.
         """
 
         def pack_one(unit: Unit) -> None:
@@ -181,7 +202,10 @@ class Residency:
 
         units = [self.base, *self.units]
         verb = "attaching to shared weights" if attaching else "packing weights"
-        times.pack = 1e3 * on_threads(pack_one, units, f"{verb} and pinning them" if pin else verb)
+        work = ThreadedWork(pack_one, units, f"{verb} and pinning them" if pin else verb)
+        packing = Packing(self, work, {unit.index: position for position, unit in enumerate(units)})
+        self.host_gate = packing.gate
+        return packing
 
     @property
     def resident_weight_bytes(self) -> int:

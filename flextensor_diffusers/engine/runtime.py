@@ -177,17 +177,20 @@ class OffloadHandle:
             units = [self.residency.base, *self.units]
             shared.open(self.fingerprint["sha256"], {u.index: u.nbytes for u in units})
         pin = self.cuda and self.config.pin_memory
-        self.residency.pack(self.setup_times, pin=pin, shared=shared, attaching=self._attaching)
-        if self.config.compression == "lossless":
-            start = time.perf_counter()
-            self.payload_cache = self._payload_cache() if self.config.compression_cache else None
-            self.residency.compressed.make(pin, self.payload_cache)
-            self.setup_times.compress = 1e3 * (time.perf_counter() - start)
-            if self.config.raw_copies == "disk":
-                given = self.profiles.given.profile if self.profiles.given is not None else None
-                self._check_budget(self.budget_bytes, given)  # now with the staging room every load needs
-                self._raw_file = self._raw_file_path()
-                self.residency.spill(self._raw_file)
+        packing = self.residency.start_packing(pin=pin, shared=shared, attaching=self._attaching)
+        try:
+            if self.config.compression == "lossless":  # units are compressed as they are packed
+                start = time.perf_counter()
+                self.payload_cache = self._payload_cache() if self.config.compression_cache else None
+                self.residency.compressed.make(pin, self.payload_cache)
+                self.setup_times.compress = 1e3 * (time.perf_counter() - start)
+        finally:
+            self.setup_times.pack = 1e3 * packing.finish()
+        if self.config.compression == "lossless" and self.config.raw_copies == "disk":
+            given = self.profiles.given.profile if self.profiles.given is not None else None
+            self._check_budget(self.budget_bytes, given)  # now with the staging room every load needs
+            self._raw_file = self._raw_file_path()
+            self.residency.spill(self._raw_file)
         if shared is not None and shared.create:
             shared.publish(self.fingerprint["sha256"])
         hooking = time.perf_counter()

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Generic, TypeVar
 
 from tqdm.auto import tqdm
 
@@ -20,14 +20,34 @@ PACK_THREADS = max(1, min(8, os.cpu_count() or 1))
 Item = TypeVar("Item")
 
 
+class ThreadedWork(Generic[Item]):
+    """``work`` on every item on `PACK_THREADS` threads, started at once and running while the caller goes
+    on: `wait_for` one item's task, `finish` them all."""
+
+    def __init__(self, work: Callable[[Item], None], items: list[Item], desc: str) -> None:
+        self._started = time.perf_counter()
+        self._pool = ThreadPoolExecutor(PACK_THREADS)
+        self._bar = tqdm(total=len(items), desc=desc, disable=None, leave=False)
+        self._futures: list[Future[None]] = [self._pool.submit(work, item) for item in items]
+        for future in self._futures:
+            future.add_done_callback(lambda _: self._bar.update())
+
+    def wait_for(self, position: int) -> None:
+        """Return once the task of ``items[position]`` has ended; raise its error if it failed."""
+        self._futures[position].result()
+
+    def finish(self) -> float:
+        """Wait for every task, then raise the first failure (in item order); seconds since the start."""
+        wait(self._futures)
+        self._pool.shutdown()
+        self._bar.close()
+        seconds = time.perf_counter() - self._started
+        for future in self._futures:
+            future.result()
+        return seconds
+
+
 def on_threads(work: Callable[[Item], None], items: list[Item], desc: str) -> float:
     """Run ``work`` on every item on `PACK_THREADS` threads; seconds of wall time. Every started task
     finishes before the first failure is raised."""
-    start = time.perf_counter()
-    with ThreadPoolExecutor(PACK_THREADS) as pool, tqdm(total=len(items), desc=desc, disable=None, leave=False) as bar:
-        futures = [pool.submit(work, item) for item in items]
-        for _done in as_completed(futures):
-            bar.update()
-        for future in futures:
-            future.result()
-    return time.perf_counter() - start
+    return ThreadedWork(work, items, desc).finish()
