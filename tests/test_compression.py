@@ -12,7 +12,7 @@ from torch import nn
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import Phase, compressed_copies
-from flextensor_diffusers.engine.codec import CodecMismatch, encode_unit
+from flextensor_diffusers.engine.codec import DEVICE_SLICE_BYTES, CodecMismatch, encode_unit
 from flextensor_diffusers.engine.planner import Call, WorkloadProfile, plan_residency, simulate
 from flextensor_diffusers.models import build_pipeline
 
@@ -228,8 +228,9 @@ def test_compressed_streaming_on_a_gpu_is_bitwise_equal_and_decodes_on_its_own_s
     assert all(torch.equal(o, ref) for o in outs)
     assert all(u.pinned_in_place for u in handle.units)  # locked in place, not copied
     assert handle.residency.encoded and all(e.payload.is_pinned() for e in handle.residency.encoded.values())
-    block = handle.units[3]  # the device encoder's payload is the host encoder's, byte for byte
-    on_host = encode_unit(handle.residency.host_of(block), compressed_copies.segments_of(block))
+    block = handle.units[3]  # the device encoder's payload is the host encoder's (same slices), byte for byte
+    segments = compressed_copies.segments_of(block)
+    on_host = encode_unit(handle.residency.host_of(block), segments, slice_bytes=DEVICE_SLICE_BYTES)
     assert torch.equal(handle.residency.encoded[block.index].payload, on_host.payload)
     profile, plan = handle.profile, handle.plan
     why = (

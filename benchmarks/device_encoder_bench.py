@@ -1,0 +1,151 @@
+"""Where set-up's device encoder (`engine.device_encoding.DeviceEncoder`) spends its time, unit by unit.
+
+In ``peers_pipeline_17f_h200.json`` the 40-block Wan2.2 stack took 8.9 s to compress (~220 ms a block) where
+``encode_profile_h200.json`` measured ~50 ms of device work a block. This runs ``--units`` Wan2.2 blocks
+(one packed, page-locked block, encoded ``--units`` times) through `DeviceEncoder` and reports:
+
+* ``device_only_ms``: ``encode_unit(..., payload_on_device=True)`` per unit, nothing brought back;
+* ``pipeline_ms``: `DeviceEncoder.encode` per unit, and where its time went (``phases_ms``: the encoder's
+  calls on the main thread; the host thread's copy out of staging and its page-locking), summed over units;
+* ``pipeline_threaded_copy_ms``: the same with the host copy split over ``--copy-threads`` threads.
+
+    python benchmarks/device_encoder_bench.py --out benchmarks/results/device_encoder_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from codec_bench import pack, wan_block_tensors
+
+from flextensor_diffusers.engine import device_encoding
+from flextensor_diffusers.engine.codec import encode_unit, worth_compressing
+from flextensor_diffusers.engine.device_encoding import DeviceEncoder, EncodeJob
+from flextensor_diffusers.engine.host_memory import host_buffer, pin_in_place, unpin_in_place
+
+
+def timed_calls(spent: dict[str, float], owner: object, name: str, label: str) -> Callable[[], None]:
+    """Wrap ``owner.name`` so that its wall time adds to ``spent[label]``; returns the undo."""
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def inner(*args: object, **kwargs: object) -> object:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent[label] += (time.perf_counter() - start) * 1e3
+
+    setattr(owner, name, inner)
+    return lambda: setattr(owner, name, original)
+
+
+def run_pipeline(flat: torch.Tensor, segments: list, units: int) -> tuple[float, list[torch.Tensor]]:
+    jobs = [EncodeJob(i, lambda: flat, segments) for i in range(units)]
+    encoder = DeviceEncoder(torch.device("cuda"), lock=True, keep=worth_compressing)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    payloads = [done.encoded.payload for done in encoder.encode(jobs)]
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / units, payloads
+
+
+def threaded_copy(threads: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    pool = ThreadPoolExecutor(threads)
+
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        per_thread = -(-dst.numel() // threads)
+        step = -(-per_thread // 4096) * 4096
+        spans = [(a, min(a + step, dst.numel())) for a in range(0, dst.numel(), step)]
+        list(pool.map(lambda s: dst[s[0] : s[1]].copy_(src[s[0] : s[1]]), spans))
+
+    return copy
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--units", type=int, default=12)
+    parser.add_argument("--copy-threads", type=int, default=8)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.zeros(1, device="cuda")
+    source, segments = pack(wan_block_tensors(5120, 13824))
+    flat = host_buffer(source.numel())
+    flat.copy_(source)
+    if not pin_in_place(flat):
+        raise SystemExit("cudaHostRegister of the unit buffer failed")
+    result: dict = {"command": " ".join(sys.argv), "torch": torch.__version__, "units": args.units}
+    result["torch_threads"] = torch.get_num_threads()
+
+    encode_unit(flat, segments, device="cuda", verify=True, payload_on_device=True)  # compiles the kernels
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.units):
+        encode_unit(flat, segments, device="cuda", verify=True, payload_on_device=True)
+    torch.cuda.synchronize()
+    result["device_only_ms"] = round((time.perf_counter() - start) * 1e3 / args.units, 2)
+    print(f"device only {result['device_only_ms']} ms/unit", flush=True)
+
+    spent: dict[str, float] = defaultdict(float)
+    undo = [
+        timed_calls(spent, DeviceEncoder, "_encode", "main: encode_unit"),
+        timed_calls(spent, DeviceEncoder, "_upload", "main: upload next"),
+        timed_calls(spent, DeviceEncoder, "_bring_back", "main: staging copy (waits for a free buffer)"),
+        timed_calls(spent, DeviceEncoder, "_empty", "host thread: whole"),
+        timed_calls(spent, device_encoding, "host_buffer", "host_buffer (staging and payloads)"),
+        timed_calls(spent, device_encoding, "pin_in_place", "host thread: lock"),
+    ]
+    ms, payloads = run_pipeline(flat, segments, args.units)
+    for fn in undo:
+        fn()
+    result["pipeline_ms"] = round(ms, 2)
+    result["phases_ms"] = {k: round(v, 1) for k, v in spent.items()}
+    print(f"pipeline {result['pipeline_ms']} ms/unit: {result['phases_ms']}", flush=True)
+    for p in payloads:
+        unpin_in_place(p)
+    del payloads
+
+    copy = threaded_copy(args.copy_threads)
+
+    def empty(self, index, encoded, staged, wait):  # noqa: ANN001, ANN202 - DeviceEncoder._empty's signature
+        wait()
+        payload = host_buffer(staged.numel())
+        copy(payload, staged)
+        locked = self.lock and pin_in_place(payload)
+        return device_encoding.HostPayload(index, dataclasses.replace(encoded, payload=payload), locked)
+
+    saved = DeviceEncoder._empty
+    DeviceEncoder._empty = empty
+    try:
+        ms, payloads = run_pipeline(flat, segments, args.units)
+    finally:
+        DeviceEncoder._empty = saved
+    result["pipeline_threaded_copy_ms"] = round(ms, 2)
+    print(
+        f"pipeline with a {args.copy_threads}-thread host copy {result['pipeline_threaded_copy_ms']} ms/unit",
+        flush=True,
+    )
+    for p in payloads:
+        unpin_in_place(p)
+    unpin_in_place(flat)
+    print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
