@@ -7,7 +7,10 @@ In ``peers_pipeline_17f_h200.json`` the 40-block Wan2.2 stack took 8.9 s to comp
 * ``device_only_ms``: ``encode_unit(..., payload_on_device=True)`` per unit, nothing brought back;
 * ``pipeline_ms``: `DeviceEncoder.encode` per unit, and where its time went (``phases_ms``: the encoder's
   calls on the main thread; the host thread's copy out of staging and its page-locking), summed over units;
-* ``pipeline_threaded_copy_ms``: the same with the host copy split over ``--copy-threads`` threads.
+* ``pipeline_threaded_copy_ms``: the same with the host copy split over ``--copy-threads`` threads;
+* ``beside_packing``: ``--beside-units`` copies of the block packed and locked on set-up's threads, alone,
+  and with the encoder coding each as soon as it is packed, as set-up does (``pack_and_encode_s``), to set
+  against packing alone plus ``--beside-units`` × ``pipeline_ms``.
 
     python benchmarks/device_encoder_bench.py --out benchmarks/results/device_encoder_h200.json
 """
@@ -36,6 +39,7 @@ from flextensor_diffusers.engine import device_encoding
 from flextensor_diffusers.engine.codec import encode_unit, worth_compressing
 from flextensor_diffusers.engine.device_encoding import DeviceEncoder, EncodeJob
 from flextensor_diffusers.engine.host_memory import host_buffer, pin_in_place, unpin_in_place
+from flextensor_diffusers.engine.setup_threads import ThreadedWork
 
 
 def timed_calls(spent: dict[str, float], owner: object, name: str, label: str) -> Callable[[], None]:
@@ -76,10 +80,52 @@ def threaded_copy(threads: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
     return copy
 
 
+def beside_packing(source: torch.Tensor, segments: list, units: int) -> dict[str, float]:
+    """Set-up's shape: ``units`` copies of the block packed and locked on `PACK_THREADS` threads (one task
+    per unit, from pageable sources as a model's parameters are), alone, and with `DeviceEncoder` coding each
+    unit as soon as it is packed (what ``Runtime._set_up`` does with compression)."""
+    sources = [source.clone() for _ in range(units)]
+    packed: list[torch.Tensor | None] = [None] * units
+
+    def pack_one(i: int) -> None:
+        buffer = host_buffer(source.numel())
+        buffer.copy_(sources[i])
+        pin_in_place(buffer)
+        packed[i] = buffer
+
+    def unpack() -> None:
+        for i, buffer in enumerate(packed):
+            if buffer is not None:
+                unpin_in_place(buffer)
+            packed[i] = None
+
+    alone = ThreadedWork(pack_one, list(range(units)), "packing").finish()
+    unpack()
+    work = ThreadedWork(pack_one, list(range(units)), "packing")
+    start = time.perf_counter()
+
+    def packed_unit(i: int) -> torch.Tensor:
+        work.wait_for(i)
+        return packed[i]
+
+    jobs = [EncodeJob(i, functools.partial(packed_unit, i), segments) for i in range(units)]
+    encoder = DeviceEncoder(torch.device("cuda"), lock=True, keep=worth_compressing)
+    payloads = [done.encoded.payload for done in encoder.encode(jobs)]
+    torch.cuda.synchronize()
+    both = time.perf_counter() - start
+    packing = work.finish()
+    for payload in payloads:
+        unpin_in_place(payload)
+    unpack()
+    return {"units": units, "pack_alone_s": round(alone, 3), "pack_beside_encoder_s": round(packing, 3),
+            "pack_and_encode_s": round(both, 3)}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--units", type=int, default=12)
     parser.add_argument("--copy-threads", type=int, default=8)
+    parser.add_argument("--beside-units", type=int, default=20, help="units packed beside the encoder (0: skip)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.zeros(1, device="cuda")
@@ -141,6 +187,9 @@ def main() -> None:
     )
     for p in payloads:
         unpin_in_place(p)
+    if args.beside_units:
+        result["beside_packing"] = beside_packing(source, segments, args.beside_units)
+        print(f"beside packing: {result['beside_packing']}", flush=True)
     unpin_in_place(flat)
     print(json.dumps(result, indent=1))
     if args.out:
