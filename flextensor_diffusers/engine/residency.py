@@ -189,7 +189,8 @@ class Residency:
         bandwidth; the copies and ``cudaHostRegister`` release the GIL). A unit is page-locked by the task
         that packed it, so one thread's registration overlaps the others' copies: on the H200, 28.1 GB in
         1.24 s this way against 1.78 s copying everything first (``setup_threads8_h200.json``,
-        ``setup_threads16_h200.json``). Host memory grows by at most one unit per thread. A failure is
+        ``setup_threads16_h200.json``), though a model's set-up in ``peers.py`` packed the same bytes in
+        2.84 s (``peers_setup_pack_pin_17f_h200.json``). Host memory grows by at most one unit per thread. A failure is
         raised by `Packing.finish` once every task has ended: the caller's teardown restores whatever was
         packed.
         """
