@@ -97,6 +97,7 @@ class DeviceEncoder:
         self._staging: list[_Staging] = []
 
     def encode(self, jobs: list[EncodeJob]) -> Iterator[HostPayload]:
+        """Each kept unit's `HostPayload`, in the jobs' order, as soon as it is in host memory."""
         self._staging = [_Staging(torch.empty(0, dtype=torch.uint8)) for _ in range(STAGING_BUFFERS)]
         pending: list[Future[HostPayload]] = []
         brought = 0  # payloads sent back so far: they take the staging buffers in turn
@@ -120,9 +121,10 @@ class DeviceEncoder:
                             yield pending.pop(0).result()
                     while pending:
                         yield pending.pop(0).result()
-                finally:
-                    for future in pending:  # in-flight host copies end before their buffers go
-                        future.cancel() or future.exception()
+                finally:  # not all yielded (an error, or the caller stopped): in-flight host copies end, and
+                    for future in pending:  # the payloads they locked are unlocked before they are dropped
+                        if not future.cancel() and future.exception() is None and future.result().locked:
+                            unpin_in_place(future.result().encoded.payload)
         finally:
             torch.cuda.current_stream(self.device).synchronize()
             for staging in self._staging:
