@@ -2,8 +2,7 @@
 
 ``CompressedCopies`` encodes each unit with ``encode_unit(flat, ..., device="cuda", verify=True)`` from the
 unit's page-locked raw buffer. This script times that call end to end, then splits it: each stage of the
-coder with the device synchronised before and after (``stages_ms``, summed over the unit's slices; also the
-whole call with the histograms by ``bincount``, as before the Triton histogram kernel), the
+coder with the device synchronised before and after (``stages_ms``, summed over the unit's slices), the
 profiler's top operators by host time and by device time, and the host-side moves a payload can take
 (device→host into a fresh pageable buffer, into a pre-faulted one, into a page-locked staging buffer from
 torch's pinned allocator; a host copy from staging into a fresh buffer; ``cudaHostRegister`` of a fresh and of
@@ -34,7 +33,7 @@ from codec_bench import pack, wan_block_tensors
 from flextensor_diffusers.engine import codec
 from flextensor_diffusers.engine.host_memory import host_buffer, pin_in_place, unpin_in_place
 
-STAGES = ("_fetch", "_split_words", "_histograms", "_choose_codes", "_pack_all", "_verify_on_device", "_download")
+STAGES = ("_fetch", "_split_words", "_choose_codes", "_pack_all", "_verify_on_device", "_download")
 
 
 def timed(seconds: Callable[[], float], reps: int) -> float:
@@ -162,13 +161,6 @@ def main() -> None:
         "encode_s": round(timed(lambda: wall(encode), args.reps), 4),
     }
     results["encode_gbps"] = round(flat.numel() / results["encode_s"] / 1e9, 2)
-    triton_histograms = codec._histograms
-    codec._histograms = codec._histograms_bincount  # the device encoder before the histogram kernel
-    try:
-        encode()
-        results["encode_bincount_s"] = round(timed(lambda: wall(encode), args.reps), 4)
-    finally:
-        codec._histograms = triton_histograms
     print(f"encode {results['encode_s']} s = {results['encode_gbps']} GB/s", flush=True)
     results["stages_ms"] = stage_times(pinned, segments)
     print(f"stages {results['stages_ms']}", flush=True)

@@ -27,14 +27,14 @@ Segments of other dtypes (int64 buffers, …), of misaligned placement, or too s
 metadata are stored raw and copied verbatim by the same kernel.
 
 The encoder (:func:`encode_unit`) is made of torch ops vectorised over the chunks of a slice of the unit, so
-it runs on the host or, much faster, on a CUDA device (``device=``): per-chunk histograms (one ``bincount``
-over ``256 · chunk + symbol`` on the host, a Triton program per chunk on the device), a stable sort of each
-chunk's 256 counts, the size of each ``b`` from their cumulative sums, codes by a lookup in per-chunk code
-tables, escapes by a boolean index, and codes packed eight at a time into ``b`` bytes with shifts. On the
-H200, an encoder that page-locked each new payload buffer before copying into it (its pages not yet present)
-made device allocations of the process fail with "CUDA error: resource already mapped" in some processes and
-not in others, and a pageable payload ran wherever it was tried
-(``benchmarks/results/diag_device_encode_h200.json``); buffers are now locked only once written.
+it runs on the host or, much faster, on a CUDA device (``device=``): per-chunk histograms by one
+``bincount`` over ``256 · chunk + symbol``, a stable sort of each chunk's 256 counts, the size of each
+``b`` from their cumulative sums, codes by a lookup in per-chunk code tables, escapes by a boolean index,
+and codes packed eight at a time into ``b`` bytes with shifts. On the H200, an encoder that page-locked each
+new payload buffer before copying into it (its pages not yet present) made device allocations of the process
+fail with "CUDA error: resource already mapped" in some processes and not in others, and a pageable payload
+ran wherever it was tried (``benchmarks/results/diag_device_encode_h200.json``); buffers are now locked only
+once written.
 
 Payload layout (one flat ``uint8`` tensor, everything the device needs; sections aligned to 64 bytes):
 
@@ -87,8 +87,6 @@ DEFAULT_CHUNK = 16384
 DEFAULT_MIN_ELEMENTS = 256
 #: Elements a decode program handles per step (the in-chunk escape prefix sum runs over this many).
 DEFAULT_BLOCK = 2048
-#: Elements a histogram program counts per step (a power of two).
-HISTOGRAM_BLOCK = 2048
 #: Bytes a verbatim-copy program moves per step.
 COPY_BLOCK = 4096
 #: Bytes per verbatim-copy program.
@@ -298,25 +296,6 @@ def _split_words(raw: torch.Tensor, width: int, chunk: int) -> tuple[torch.Tenso
     return keyed, rest
 
 
-def _histograms_bincount(keyed: torch.Tensor) -> torch.Tensor:
-    """``int64[k, 256]``: how often each symbol occurs in each row of ``keyed`` (``256 · row + symbol``), by one
-    ``bincount`` over the keys. The reference, and the host's way; on a GPU every chunk's few distinct
-    exponents make its elements' atomic adds collide on the same few counters."""
-    k = keyed.shape[0]
-    return torch.bincount(keyed.view(-1), minlength=256 * k).view(k, 256)
-
-
-def _histograms(keyed: torch.Tensor) -> torch.Tensor:
-    """`_histograms_bincount`'s counts; on CUDA (or under Triton's interpreter) by one Triton program per chunk
-    that counts in its own registers and shared memory, so no two chunks touch the same counter."""
-    if triton is None or not (keyed.is_cuda or _interpreting()):
-        return _histograms_bincount(keyed)
-    k, chunk = keyed.shape
-    hist = torch.empty(k, 256, dtype=torch.int32, device=keyed.device)
-    _histogram_kernel[(k,)](keyed, hist, CHUNK=chunk, BLOCK=min(HISTOGRAM_BLOCK, chunk & -chunk))
-    return hist.long()
-
-
 def _choose_codes(
     keyed: torch.Tensor, n: np.ndarray, chunk: int
 ) -> tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -328,7 +307,7 @@ def _choose_codes(
     """
     dev, (k, _) = keyed.device, keyed.shape
     n_dev = torch.from_numpy(n).to(dev, non_blocking=True)
-    hist = _histograms(keyed)
+    hist = torch.bincount(keyed.view(-1), minlength=256 * k).view(k, 256)
     hist[:, 0] -= chunk - n_dev  # not the padding
     counts, order = torch.sort(hist, dim=1, descending=True, stable=True)
     del hist
@@ -665,16 +644,6 @@ def _download(payload: torch.Tensor, pin: bool) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 
 if triton is not None:
-
-    @triton.jit
-    def _histogram_kernel(keyed, hist, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-        """Row ``r`` of ``keyed`` (``int32[k, CHUNK]``, ``256 · r + symbol``) counted into ``hist[r, :256]``."""
-        row = tl.program_id(0)
-        base = keyed + row.to(tl.int64) * CHUNK
-        counts = tl.zeros([256], dtype=tl.int32)
-        for start in range(0, CHUNK, BLOCK):
-            counts += tl.histogram(tl.load(base + start + tl.arange(0, BLOCK)) & 0xFF, 256)
-        tl.store(hist + row * 256 + tl.arange(0, 256), counts)
 
     @triton.jit
     def _decode_block(
