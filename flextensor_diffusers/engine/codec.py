@@ -533,7 +533,7 @@ def _assemble(
     verify: bool,
 ) -> EncodedUnit:
     """The payload of the coded ``classes`` and the ``verbatim`` segments of ``source`` (the unit's bytes where
-    they were coded), laid out as the module docstring says: in host memory, through the device on CUDA."""
+    they were coded), laid out as the module docstring says, on ``device``; checked there when ``verify``."""
     slices = [s for c in classes for s in c]
 
     pieces = [
