@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
@@ -274,12 +275,11 @@ def test_failure_during_set_up_leaves_model_as_it_was(monkeypatch: pytest.Monkey
 
     model, _ = make()
     before = snapshot(model)
-    calls = {"n": 0}
+    calls = itertools.count(1)  # packing runs on threads: next() counts each call once
     real = runtime.pack_unit
 
     def failing(unit, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 4:
+        if next(calls) == 4:
             raise MemoryError("simulated: host memory exhausted while packing")
         real(unit, **kwargs)
 

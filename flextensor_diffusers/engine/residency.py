@@ -103,7 +103,7 @@ class Packing:
         self._work.wait_for(self._positions[unit.index])
 
     def finish(self) -> float:
-        """Wait for every unit, lift the gate, raise the first failure; seconds since packing started."""
+        """Wait for every unit, lift the gate, raise the first failure; seconds the packing took."""
         try:
             return self._work.finish()
         finally:
@@ -114,7 +114,7 @@ class Packing:
 @dataclass
 class SetupTimes:
     """Where set-up time went (ms): unit layout, copies into the flat buffers and their page-locking
-    (`Residency.pack` does both per unit), hooks, compression."""
+    (`Residency.start_packing` does both per unit; with compression they overlap ``compress``), hooks."""
 
     layout: float = 0.0
     pack: float = 0.0
@@ -190,9 +190,9 @@ class Residency:
         that packed it, so one thread's registration overlaps the others' copies: on the H200, 28.1 GB in
         1.24 s this way against 1.78 s copying everything first (``setup_threads8_h200.json``,
         ``setup_threads16_h200.json``), though a model's set-up in ``peers.py`` packed the same bytes in
-        2.84 s (``peers_setup_pack_pin_17f_h200.json``). Host memory grows by at most one unit per thread. A failure is
-        raised by `Packing.finish` once every task has ended: the caller's teardown restores whatever was
-        packed.
+        2.84 s (``peers_setup_pack_pin_17f_h200.json``). Host memory grows by at most one unit per thread.
+        A failure is raised by `Packing.finish` once every task has ended: the caller's teardown restores
+        whatever was packed.
         """
 
         def pack_one(unit: Unit) -> None:

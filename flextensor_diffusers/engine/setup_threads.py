@@ -28,23 +28,28 @@ class ThreadedWork(Generic[Item]):
         self._started = time.perf_counter()
         self._pool = ThreadPoolExecutor(PACK_THREADS)
         self._bar = tqdm(total=len(items), desc=desc, disable=None, leave=False)
+        self._ended = self._started  # when the last task to end so far ended
         self._futures: list[Future[None]] = [self._pool.submit(work, item) for item in items]
         for future in self._futures:
-            future.add_done_callback(lambda _: self._bar.update())
+            future.add_done_callback(self._one_ended)
+
+    def _one_ended(self, _: Future[None]) -> None:
+        self._ended = time.perf_counter()
+        self._bar.update()
 
     def wait_for(self, position: int) -> None:
         """Return once the task of ``items[position]`` has ended; raise its error if it failed."""
         self._futures[position].result()
 
     def finish(self) -> float:
-        """Wait for every task, then raise the first failure (in item order); seconds since the start."""
+        """Wait for every task, then raise the first failure (in item order); seconds from the start until
+        the last task ended (not until this call)."""
         wait(self._futures)
         self._pool.shutdown()
         self._bar.close()
-        seconds = time.perf_counter() - self._started
         for future in self._futures:
             future.result()
-        return seconds
+        return self._ended - self._started
 
 
 def on_threads(work: Callable[[Item], None], items: list[Item], desc: str) -> float:
