@@ -33,7 +33,7 @@ from codec_bench import pack, wan_block_tensors
 from flextensor_diffusers.engine import codec
 from flextensor_diffusers.engine.host_memory import host_buffer, pin_in_place, unpin_in_place
 
-STAGES = ("_fetch", "_split_words", "_choose_codes", "_pack_all", "_verify_on_device", "_download")
+STAGES = ("_fetch", "_split_words", "_choose_codes", "_pack_all", "check_decodes", "_download")
 
 
 def timed(seconds: Callable[[], float], reps: int) -> float:

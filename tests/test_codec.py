@@ -337,19 +337,19 @@ def test_triton_kernel_exact_under_interpreter() -> None:
 
 
 def test_the_device_check_names_the_first_segment_that_does_not_decode() -> None:
-    """``verify``'s check (run here on the CPU with the reference decoder): a good payload passes; one with
-    a flipped byte in the second tensor's rest planes is refused naming that segment."""
+    """``verify``'s check, `check_decodes` (run here on the CPU with the reference decoder): a good payload
+    passes; one with a flipped byte in the second tensor's rest planes is refused naming that segment."""
     tensors = [torch.arange(40, dtype=torch.int64), awkward(torch.bfloat16, 5000), awkward(torch.bfloat16, 300)]
     flat, segments = pack(tensors)
     encoded = encode_unit(flat, segments, chunk=1024)
-    codec._verify_on_device(encoded, flat)
+    codec.check_decodes(encoded, flat)
     rows = encoded.payload[: encoded.n_rows * 64].view(torch.int64).reshape(-1, 8)
     first_chunk = rows[0].tolist()  # a chunk of segment 1: its rest plane at raw_off
     assert first_chunk[0] == segments[1].offset
     broken = encoded.payload.clone()
     broken[first_chunk[2] + 3] ^= 0x01
     with pytest.raises(CodecMismatch, match="segment 1 does not decode") as caught:
-        codec._verify_on_device(dataclasses.replace(encoded, payload=broken), flat)
+        codec.check_decodes(dataclasses.replace(encoded, payload=broken), flat)
     assert caught.value.segment == 1
 
 

@@ -611,13 +611,13 @@ def _assemble(
     )
     del slices, classes
     if verify and device.type == "cuda":
-        _verify_on_device(encoded, source)
+        check_decodes(encoded, source)
     return encoded
 
 
-def _verify_on_device(encoded: EncodedUnit, source: torch.Tensor) -> None:
-    """Decode ``encoded`` (its payload on the device) and compare each segment with ``source``'s bytes there;
-    one synchronisation. Raises `CodecMismatch` for the first segment that differs."""
+def check_decodes(encoded: EncodedUnit, source: torch.Tensor) -> None:
+    """Decode ``encoded`` where its payload lies and compare each segment with ``source``'s bytes (on the same
+    device): one decode, one synchronisation. Raises `CodecMismatch` for the first segment that differs."""
     out = torch.empty(encoded.raw_nbytes, dtype=torch.uint8, device=source.device)
     decode_into(encoded, encoded.payload, out)
     spans = [(i, slice(s.offset, s.offset + s.nbytes)) for i, s in enumerate(encoded.segments) if s.nbytes]

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
-from .codec import CodecMismatch, EncodedUnit, Segment, decode_into, encode_unit, worth_compressing
+from .codec import CodecMismatch, EncodedUnit, Segment, check_decodes, encode_unit, worth_compressing
 from .device_encoding import DeviceEncoder, EncodeJob
 from .errors import FlexTensorError
 from .host_memory import pin_in_place, unpin_in_place
@@ -181,22 +181,21 @@ class CompressedCopies:
         """Decode ``encoded`` on the device once and compare every tensor's bytes with the host copy; the
         name of the first tensor that differs, None when all are exact.
 
-        A wrong payload would make every later load silently compute with wrong weights; this costs
-        about two copies of the unit and one decode at set-up (~25 ms for a 700 MB block on PCIe Gen5).
-        The CPU decoder is a slow reference (a few MB/s), so on the CPU the payload is compared with a
-        fresh encoding of the weights instead (the encoder is deterministic): as exact, at encoding speed."""
+        A wrong payload would make every later load silently compute with wrong weights; this costs one
+        copy of the unit and of its payload, one decode and one synchronisation at set-up (`check_decodes`,
+        the encoder's own check). The CPU decoder is a slow reference (a few MB/s), so on the CPU the payload
+        is compared with a fresh encoding of the weights instead (the encoder is deterministic): as exact, at
+        encoding speed."""
         host = self._host_of(unit)
         if not self.cuda:
             fresh = encode_unit(host, list(encoded.segments), chunk=encoded.chunk)
             same = dataclasses.replace(fresh, payload=encoded.payload) == encoded
             return None if same and torch.equal(fresh.payload, encoded.payload) else "its payload differs"
-        payload = encoded.payload.to(self.device, non_blocking=True)
-        out = torch.empty(encoded.raw_nbytes, dtype=torch.uint8, device=self.device)
-        decode_into(encoded, payload, out)
-        for packed in unit.tensors:
-            span = slice(packed.offset, packed.offset + packed.nbytes)
-            if not torch.equal(out[span], host[span].to(self.device, non_blocking=True)):
-                return packed.names[0]
+        on_device = dataclasses.replace(encoded, payload=encoded.payload.to(self.device, non_blocking=True))
+        try:
+            check_decodes(on_device, host.to(self.device, non_blocking=True))
+        except CodecMismatch as exc:
+            return unit.tensors[exc.segment].names[0]
         return None
 
     def release(self) -> None:
