@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from .codec import CodecMismatch, EncodedUnit, Segment, check_decodes, encode_unit, worth_compressing
 from .device_encoding import DeviceEncoder, EncodeJob
 from .errors import FlexTensorError
-from .host_memory import pin_in_place, unpin_in_place
+from .host_memory import page_locked, unpin_in_place
 from .payload_cache import PayloadCache
 from .setup_threads import PACK_THREADS, on_threads
 from .units import Unit
@@ -157,10 +157,12 @@ class CompressedCopies:
 
         def keep(index: int) -> None:
             encoded = encoded_by_unit[index]
-            if index in locked or (pin and pin_in_place(encoded.payload)):
+            in_place = index in locked
+            if pin and not in_place:
+                payload, in_place = page_locked(encoded.payload)
+                encoded = dataclasses.replace(encoded, payload=payload)
+            if in_place:
                 self._registered.append(encoded.payload)
-            elif pin:
-                encoded = dataclasses.replace(encoded, payload=encoded.payload.pin_memory())
             kept[index] = encoded
 
         if pin:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .codec import CodecMismatch, EncodedUnit, Segment, encode_unit
-from .host_memory import host_buffer, pin_in_place, unpin_in_place
+from .host_memory import host_buffer, page_locked, pin_in_place, unpin_in_place
 
 #: Staging buffers the payloads come back through: one being filled by the device while the host empties the other.
 STAGING_BUFFERS = 2
@@ -60,9 +60,7 @@ class _Staging:
         self.release()
         self.buffer = host_buffer(nbytes + nbytes // 8)  # some room for a larger unit later
         self.buffer.fill_(0)
-        self.locked = pin_in_place(self.buffer)
-        if not self.locked:
-            self.buffer = self.buffer.pin_memory()
+        self.buffer, self.locked = page_locked(self.buffer)
 
     def release(self) -> None:
         """Unlock the buffer (the device is done with it: the caller synchronised)."""

@@ -65,6 +65,14 @@ def pin_in_place(buffer: torch.Tensor) -> bool:
     return False
 
 
+def page_locked(buffer: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``buffer`` page-locked: itself, locked in place (True: the owner calls `unpin_in_place` before dropping
+    it), where `pin_in_place` works, else a pinned copy from torch's allocator (False)."""
+    if pin_in_place(buffer):
+        return buffer, True
+    return buffer.pin_memory(), False
+
+
 def unpin_in_place(buffer: torch.Tensor) -> None:
     """Undo `pin_in_place` (before the buffer is dropped: a freed range left registered fails a later one)."""
     err = torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())

@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 from .codec import EncodedUnit, decode_into
 from .compressed_copies import CompressedCopies
 from .errors import FlexTensorError, OffloadStateError
-from .host_memory import host_buffer, pin_in_place
+from .host_memory import host_buffer, page_locked
 from .planner import Plan
 from .setup_threads import PACK_THREADS, ThreadedWork
 from .shared_host import SharedHostMemory
@@ -589,9 +589,7 @@ class Residency:
                 buffer[packed.offset : end].copy_(host[packed.offset : end])  # type: ignore[index]
         else:
             buffer.copy_(host)
-        in_place = pin and pin_in_place(buffer)
-        if pin and not in_place:
-            buffer = buffer.pin_memory()
+        buffer, in_place = page_locked(buffer) if pin else (buffer, False)
         return dataclasses.replace(unit, host=buffer, pinned_in_place=in_place)
 
     def read_back(
