@@ -81,6 +81,26 @@ def pack(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[Segment]]:
     return flat, segments
 
 
+def locked_copy(flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` copied into a host buffer of the package's own and locked in place there, as set-up holds a
+    unit; the caller unlocks it (`unpin_in_place`). Raises when CUDA cannot lock it: a benchmark of
+    page-locked input must not time a pageable one."""
+    locked = host_buffer(flat.numel())
+    locked.copy_(flat)
+    if not pin_in_place(locked):
+        raise RuntimeError("cudaHostRegister of the unit buffer failed")
+    return locked
+
+
+def save(results: dict, out: Path | None) -> None:
+    """Print ``results`` and write them to ``out`` as JSON when given."""
+    text = json.dumps(results, indent=2)
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+
+
 def trained_files(explicit: list[str], trained_dir: str | None) -> Iterator[Path]:
     yield from (Path(p) for p in explicit)
     roots = [Path(trained_dir)] if trained_dir else []
@@ -161,10 +181,7 @@ def device_encode_report(
     fails every later CUDA allocation of the process does. Each variant: a warm-up call, then the median of
     ``reps`` calls; the first failure is recorded and ends the report. The kernel profile is of the set-up
     variant."""
-    pinned_flat = host_buffer(flat.numel())
-    pinned_flat.copy_(flat)
-    if not pin_in_place(pinned_flat):
-        raise RuntimeError("cudaHostRegister of the unit buffer failed")
+    pinned_flat = locked_copy(flat)
     variants = {
         "pinned_in_pageable_out": (pinned_flat, False),
         "pageable_in_pageable_out": (flat, False),
@@ -343,10 +360,7 @@ def main() -> None:
             report["device_encode"] = device_encode_report(flat, segments, args.chunk, device, reps, encoded)
         results["units"].append(report)
         del flat, encoded
-    print(json.dumps(results, indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    save(results, args.out)
 
 
 if __name__ == "__main__":

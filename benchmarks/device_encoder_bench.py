@@ -7,10 +7,12 @@ In ``peers_pipeline_17f_h200.json`` the 40-block Wan2.2 stack took 8.9 s to comp
 * ``device_only_ms``: ``encode_unit(..., payload_on_device=True)`` per unit, nothing brought back;
 * ``pipeline_ms``: `DeviceEncoder.encode` per unit, and where its time went (``phases_ms``: the encoder's
   calls on the main thread; the host thread's copy out of staging and its page-locking), summed over units;
-* ``pipeline_threaded_copy_ms``: the same with the host copy split over ``--copy-threads`` threads;
 * ``beside_packing``: ``--beside-units`` copies of the block packed and locked on set-up's threads, alone,
   and with the encoder coding each as soon as it is packed, as set-up does (``pack_and_encode_s``), to set
   against packing alone plus ``--beside-units`` × ``pipeline_ms``.
+
+At 41acb43 it also timed the host copy split over 8 threads: 83.6 ms a unit against 82.3 ms
+(``device_encoder_h200.json``); that variant, a copy of `DeviceEncoder._empty`, is gone.
 
     python benchmarks/device_encoder_bench.py --out benchmarks/results/device_encoder_h200.json
 """
@@ -18,14 +20,11 @@ In ``peers_pipeline_17f_h200.json`` the 40-block Wan2.2 stack took 8.9 s to comp
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
-import json
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -33,12 +32,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from codec_bench import pack, wan_block_tensors
+from codec_bench import locked_copy, pack, save, wan_block_tensors
 
 from flextensor_diffusers.engine import device_encoding
 from flextensor_diffusers.engine.codec import encode_unit, worth_compressing
 from flextensor_diffusers.engine.device_encoding import DeviceEncoder, EncodeJob
-from flextensor_diffusers.engine.host_memory import host_buffer, pin_in_place, unpin_in_place
+from flextensor_diffusers.engine.host_memory import unpin_in_place
 from flextensor_diffusers.engine.setup_threads import ThreadedWork
 
 
@@ -68,18 +67,6 @@ def run_pipeline(flat: torch.Tensor, segments: list, units: int) -> tuple[float,
     return (time.perf_counter() - start) * 1e3 / units, payloads
 
 
-def threaded_copy(threads: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    pool = ThreadPoolExecutor(threads)
-
-    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-        per_thread = -(-dst.numel() // threads)
-        step = -(-per_thread // 4096) * 4096
-        spans = [(a, min(a + step, dst.numel())) for a in range(0, dst.numel(), step)]
-        list(pool.map(lambda s: dst[s[0] : s[1]].copy_(src[s[0] : s[1]]), spans))
-
-    return copy
-
-
 def beside_packing(source: torch.Tensor, segments: list, units: int) -> dict[str, float]:
     """Set-up's shape: ``units`` copies of the block packed and locked on `PACK_THREADS` threads (one task
     per unit, from pageable sources as a model's parameters are), alone, and with `DeviceEncoder` coding each
@@ -88,10 +75,7 @@ def beside_packing(source: torch.Tensor, segments: list, units: int) -> dict[str
     packed: list[torch.Tensor | None] = [None] * units
 
     def pack_one(i: int) -> None:
-        buffer = host_buffer(source.numel())
-        buffer.copy_(sources[i])
-        pin_in_place(buffer)
-        packed[i] = buffer
+        packed[i] = locked_copy(sources[i])
 
     def unpack() -> None:
         for i, buffer in enumerate(packed):
@@ -124,16 +108,12 @@ def beside_packing(source: torch.Tensor, segments: list, units: int) -> dict[str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--units", type=int, default=12)
-    parser.add_argument("--copy-threads", type=int, default=8)
     parser.add_argument("--beside-units", type=int, default=20, help="units packed beside the encoder (0: skip)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.zeros(1, device="cuda")
     source, segments = pack(wan_block_tensors(5120, 13824))
-    flat = host_buffer(source.numel())
-    flat.copy_(source)
-    if not pin_in_place(flat):
-        raise SystemExit("cudaHostRegister of the unit buffer failed")
+    flat = locked_copy(source)
     result: dict = {"command": " ".join(sys.argv), "torch": torch.__version__, "units": args.units}
     result["torch_threads"] = torch.get_num_threads()
 
@@ -164,36 +144,11 @@ def main() -> None:
     for p in payloads:
         unpin_in_place(p)
     del payloads
-
-    copy = threaded_copy(args.copy_threads)
-
-    def empty(self, index, encoded, staged, wait):  # noqa: ANN001, ANN202 - DeviceEncoder._empty's signature
-        wait()
-        payload = host_buffer(staged.numel())
-        copy(payload, staged)
-        locked = self.lock and pin_in_place(payload)
-        return device_encoding.HostPayload(index, dataclasses.replace(encoded, payload=payload), locked)
-
-    saved = DeviceEncoder._empty
-    DeviceEncoder._empty = empty
-    try:
-        ms, payloads = run_pipeline(flat, segments, args.units)
-    finally:
-        DeviceEncoder._empty = saved
-    result["pipeline_threaded_copy_ms"] = round(ms, 2)
-    print(
-        f"pipeline with a {args.copy_threads}-thread host copy {result['pipeline_threaded_copy_ms']} ms/unit",
-        flush=True,
-    )
-    for p in payloads:
-        unpin_in_place(p)
     if args.beside_units:
         result["beside_packing"] = beside_packing(source, segments, args.beside_units)
         print(f"beside packing: {result['beside_packing']}", flush=True)
     unpin_in_place(flat)
-    print(json.dumps(result, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    save(result, args.out)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from codec_bench import pack, wan_block_tensors
+from codec_bench import locked_copy, pack, save, wan_block_tensors
 
 from flextensor_diffusers.engine import codec
 from flextensor_diffusers.engine.host_memory import host_buffer, pin_in_place, unpin_in_place
@@ -146,10 +145,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.zeros(1, device="cuda")
     flat, segments = pack(wan_block_tensors(5120, 13824))
-    pinned = host_buffer(flat.numel())
-    pinned.copy_(flat)
-    if not pin_in_place(pinned):
-        raise SystemExit("cudaHostRegister of the unit buffer failed")
+    pinned = locked_copy(flat)
     encode = lambda: codec.encode_unit(pinned, segments, device="cuda", verify=True)  # noqa: E731
     encoded = encode()  # warm-up
     results: dict = {
@@ -168,9 +164,7 @@ def main() -> None:
     results["host_moves"] = host_moves(encoded.stored_nbytes, args.reps)
     print(f"host moves {results['host_moves']}", flush=True)
     unpin_in_place(pinned)
-    print(json.dumps(results, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    save(results, args.out)
 
 
 if __name__ == "__main__":
