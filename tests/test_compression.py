@@ -122,12 +122,17 @@ def test_the_payload_cache_is_read_back_and_refused_when_the_weights_changed(tmp
             compression_cache=True,
             cache_dir=tmp_path,
         )
-        with torch.inference_mode():
-            assert all(torch.equal(model(x.to(device)).cpu(), ref) for _ in range(4))
-        assert handle.plan.compressed  # the payloads (read or encoded) are what the loads decode
-        status = handle.stats().payload_cache
-        handle.remove()
-        return status
+        try:
+            with torch.inference_mode():
+                assert all(torch.equal(model(x.to(device)).cpu(), ref) for _ in range(4))
+            # Kept compressed: the payloads (read or encoded). On the CPU the loads decode them; on the H200 the
+            # plan loads units this small raw (a decode costs more than the bytes it saves), so there the
+            # payloads read back are proven by the set-up's check alone.
+            assert handle.residency.encoded.keys() == set(range(len(handle.units)))
+            assert handle.plan.compressed or device == "cuda"
+            return handle.stats().payload_cache
+        finally:
+            handle.remove()
 
     assert run(*make(torch.bfloat16)).startswith("written: ")
     files = list(tmp_path.glob("*.payloads"))

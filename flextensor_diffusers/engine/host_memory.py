@@ -12,6 +12,14 @@ read back from disk) comes from `host_buffer`: an anonymous mapping of its own, 
   freed while still registered fails the next registration over it. A mapping of its own starts on a page
   boundary and owns every page it spans.
 
+**A lock that cannot outlive its pages.** A range left registered after its pages are unmapped is the worst
+fault this module can cause: the driver keeps the old pages locked under that address, a new mapping placed there
+cannot be registered (error 712), and copies from it may read the old pages, so a model computes with wrong
+weights and says nothing. (On the H200 a test that failed before ``remove()`` left such ranges behind, and two
+later tests computed garbage.) So a buffer from `host_buffer` owns its mapping through a `_Mapping`, which
+unregisters the buffer before the mapping is unmapped, whoever drops it last and whenever: an owner that forgets
+`unpin_in_place`, a handle garbage-collected without ``remove()``, an exception during set-up.
+
 A failed CUDA runtime call leaves its error in the runtime's per-thread "last error", where the next kernel
 launch check of PyTorch finds it and raises for an unrelated operation. `pin_in_place` and
 `unpin_in_place` take that error back at once (`_take_cuda_error`), so a buffer that cannot be locked only
@@ -21,8 +29,10 @@ stays pageable.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import mmap
+import weakref
 
 import torch
 
@@ -34,9 +44,34 @@ HUGE_PAGE = 2 << 20
 HUGE_PAGE_MIN_BYTES = 32 << 20
 
 
+class _Mapping:
+    """An anonymous mapping and the one range of it that may be page-locked: the tensor views of `host_buffer`
+    keep it alive (through the ctypes array they were made from), and it unregisters that range before the
+    mapping it holds is unmapped (`__del__` runs while ``region`` is still mapped)."""
+
+    __slots__ = ("__weakref__", "locked_at", "region")
+
+    def __init__(self, region: mmap.mmap) -> None:
+        self.region = region
+        self.locked_at: int | None = None  # the address `pin_in_place` registered, until unregistered
+
+    def unlock(self) -> None:
+        address, self.locked_at = self.locked_at, None
+        if address is not None:
+            _unregister(address)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit the CUDA runtime may be gone already
+            self.unlock()
+
+
+#: The mapping of each live `host_buffer`, by the buffer's address (entries leave with their mapping).
+_mappings: weakref.WeakValueDictionary[int, _Mapping] = weakref.WeakValueDictionary()
+
+
 def host_buffer(nbytes: int) -> torch.Tensor:
     """A new uninitialised uint8 CPU tensor of ``nbytes`` on an anonymous mapping of its own (see the module
-    docstring); the mapping is unmapped when the last view of the tensor is gone."""
+    docstring); the mapping is unlocked and unmapped when the last view of the tensor is gone."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     huge = nbytes >= HUGE_PAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE")
@@ -45,20 +80,32 @@ def host_buffer(nbytes: int) -> torch.Tensor:
     if huge:
         with contextlib.suppress(OSError):  # a kernel without transparent huge pages: 4 KiB pages, still correct
             region.madvise(mmap.MADV_HUGEPAGE)
-    whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps ``region`` alive as long as a view is
+    mapping = _Mapping(region)
+    pages = (ctypes.c_uint8 * len(region)).from_buffer(region)
+    pages.mapping = mapping  # type: ignore[attr-defined]  # the views' last reference to the mapping
+    whole = torch.frombuffer(pages, dtype=torch.uint8)  # keeps ``pages`` alive as long as a view is
     start = -whole.data_ptr() % HUGE_PAGE if huge else 0
-    return whole[start : start + nbytes]
+    buffer = whole[start : start + nbytes]
+    _mappings[buffer.data_ptr()] = mapping
+    return buffer
 
 
 def pin_in_place(buffer: torch.Tensor) -> bool:
     """Page-lock ``buffer`` without copying it (``cudaHostRegister``); False when that fails or is unavailable
-    (the buffer then stays pageable, and no CUDA error is left behind)."""
+    (the buffer then stays pageable, and no CUDA error is left behind). A buffer from `host_buffer` is
+    unlocked when its mapping goes, if `unpin_in_place` has not done it before; any other buffer's owner
+    must call `unpin_in_place` before its pages go."""
+    mapping = _mappings.get(buffer.data_ptr())
+    if mapping is not None and mapping.locked_at is not None:
+        return False  # locked already
     try:
         err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
     except (AttributeError, RuntimeError) as exc:  # pragma: no cover - depends on the CUDA build
         logger.debug("cudaHostRegister unavailable: %s", exc)
         return False
     if _code(err) == 0:
+        if mapping is not None:
+            mapping.locked_at = buffer.data_ptr()
         return True
     logger.warning("cudaHostRegister of %d bytes failed (error %d): they stay pageable", buffer.numel(), _code(err))
     _take_cuda_error()
@@ -74,8 +121,16 @@ def page_locked(buffer: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def unpin_in_place(buffer: torch.Tensor) -> None:
-    """Undo `pin_in_place` (before the buffer is dropped: a freed range left registered fails a later one)."""
-    err = torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+    """Undo `pin_in_place` now (its owner knows no copy still reads the buffer)."""
+    mapping = _mappings.get(buffer.data_ptr())
+    if mapping is not None:
+        mapping.unlock()
+    else:
+        _unregister(buffer.data_ptr())
+
+
+def _unregister(address: int) -> None:
+    err = torch.cuda.cudart().cudaHostUnregister(address)
     if _code(err) != 0:
         logger.warning("cudaHostUnregister failed (error %d)", _code(err))
         _take_cuda_error()
