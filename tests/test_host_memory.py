@@ -20,6 +20,7 @@ from flextensor_diffusers.engine.host_memory import (
     HUGE_PAGE_MIN_BYTES,
     host_buffer,
     pin_in_place,
+    shared_file_buffer,
     unpin_in_place,
 )
 
@@ -62,10 +63,11 @@ def mapped(address: int) -> bool:
     return False
 
 
-def test_a_locked_buffer_is_unlocked_before_its_pages_go_whoever_drops_it(monkeypatch) -> None:
+@pytest.mark.parametrize("kind", ["anonymous", "shared file"])
+def test_a_locked_buffer_is_unlocked_before_its_pages_go_whoever_drops_it(monkeypatch, tmp_path, kind: str) -> None:
     """A lock left on unmapped pages makes later copies read the old pages (wrong weights, no error): a buffer
-    dropped while locked is unregistered once, while still mapped; one unpinned first is not unregistered
-    again; a second lock of a locked buffer is refused without a call."""
+    (a host copy, or shared weights in a file) dropped while locked is unregistered once, while still mapped;
+    one unpinned first is not unregistered again; a second lock of a locked buffer is refused without a call."""
     calls: list[tuple[str, int, bool]] = []
 
     def register(address: int, nbytes: int, flags: int) -> int:
@@ -78,7 +80,11 @@ def test_a_locked_buffer_is_unlocked_before_its_pages_go_whoever_drops_it(monkey
 
     runtime = SimpleNamespace(cudaHostRegister=register, cudaHostUnregister=unregister)
     monkeypatch.setattr(host_memory.torch.cuda, "cudart", lambda: runtime)
-    dropped, view = host_buffer(10_000), None
+
+    def new(nbytes: int) -> torch.Tensor:
+        return host_buffer(nbytes) if kind == "anonymous" else shared_file_buffer(tmp_path / f"{nbytes}.bin", nbytes)
+
+    dropped, view = new(10_000), None
     assert pin_in_place(dropped) and not pin_in_place(dropped)
     address, view = dropped.data_ptr(), dropped[100:]
     del dropped
@@ -87,7 +93,7 @@ def test_a_locked_buffer_is_unlocked_before_its_pages_go_whoever_drops_it(monkey
     gc.collect()
     assert calls == [("register", address, True), ("unregister", address, True)]
     calls.clear()
-    unpinned = host_buffer(HUGE_PAGE_MIN_BYTES)
+    unpinned = new(HUGE_PAGE_MIN_BYTES)
     assert pin_in_place(unpinned)
     unpin_in_place(unpinned)
     del unpinned

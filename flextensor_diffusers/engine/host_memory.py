@@ -32,6 +32,7 @@ import contextlib
 import ctypes
 import logging
 import mmap
+import os
 import weakref
 
 import torch
@@ -80,11 +81,33 @@ def host_buffer(nbytes: int) -> torch.Tensor:
     if huge:
         with contextlib.suppress(OSError):  # a kernel without transparent huge pages: 4 KiB pages, still correct
             region.madvise(mmap.MADV_HUGEPAGE)
+    return _owned_view(region, nbytes, HUGE_PAGE if huge else 1)
+
+
+def shared_file_buffer(path: str | os.PathLike[str], nbytes: int) -> torch.Tensor:
+    """The first ``nbytes`` of the file at ``path`` (created, or extended with zeros, when shorter) as a uint8
+    CPU tensor on a shared mapping of it, owned like `host_buffer`'s: writes reach the file and every
+    process that maps it, and a lock on it is undone before it is unmapped."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size < nbytes:
+            os.ftruncate(fd, nbytes)
+        region = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+    return _owned_view(region, nbytes, 1)
+
+
+def _owned_view(region: mmap.mmap, nbytes: int, alignment: int) -> torch.Tensor:
+    """``nbytes`` of ``region`` from its first ``alignment``-aligned address, as a tensor whose views keep a
+    `_Mapping` of the region alive, registered in `_mappings` under the tensor's address."""
     mapping = _Mapping(region)
     pages = (ctypes.c_uint8 * len(region)).from_buffer(region)
     pages.mapping = mapping  # type: ignore[attr-defined]  # the views' last reference to the mapping
     whole = torch.frombuffer(pages, dtype=torch.uint8)  # keeps ``pages`` alive as long as a view is
-    start = -whole.data_ptr() % HUGE_PAGE if huge else 0
+    start = -whole.data_ptr() % alignment
     buffer = whole[start : start + nbytes]
     _mappings[buffer.data_ptr()] = mapping
     return buffer

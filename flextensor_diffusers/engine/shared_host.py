@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .errors import FlexTensorError
+from .host_memory import shared_file_buffer
 
 MANIFEST = "manifest.json"
 
@@ -76,7 +77,7 @@ class SharedHostMemory:
         path = self.dir / f"unit{index + 1}.bin"
         if not self.create and path.stat().st_size != self._sizes[index]:
             raise FlexTensorError(f"{path} is not {self._sizes[index]} bytes: the shared weights are incomplete")
-        return torch.from_file(str(path), shared=True, size=self._sizes[index], dtype=torch.uint8)
+        return shared_file_buffer(path, self._sizes[index])  # a lock on it cannot outlive the mapping
 
     def publish(self, fingerprint: str) -> None:
         """Creator: every unit is filled; followers may attach."""
