@@ -677,6 +677,19 @@ def test_part_of_the_next_expert_is_read_ahead_and_the_rest_after_the_switch(wid
     assert torch.equal(wan_latents(pipe), reference)
 
 
+def test_the_next_generation_is_read_ahead_past_a_component_that_does_not_run(wide, tmp_path) -> None:
+    """After the low-noise expert the declared order names the VAE, which a latents generation does not run:
+    the read ahead goes on past it along the expected order, so the next generation's first component (the
+    text encoder here, the high-noise expert when prompts come as embeddings) is read ahead too, and every
+    generation after the first starts from RAM. Outputs bitwise equal to native."""
+    folder, reference = wide
+    pipe, _ = enabled(folder, tmp_path, part=0.5)
+    assert all(torch.equal(wan_latents(pipe), reference) for _ in range(3))
+    first = [s for s in tier_of(pipe).report()["switches"] if s["component"] == "text_encoder"]
+    assert len(first) == 3 and all(s["prefetched"] and s["complete"] for s in first[1:]), first
+    pipe.disable_flextensor_offload()
+
+
 def test_a_switch_computes_while_its_last_units_are_read(saved, tmp_path, monkeypatch) -> None:
     """With no room to read the low-noise expert ahead, it still starts at once: a deterministic slow
     reader (0.1 s a unit, one at a time) and slow first calls of its blocks (0.1 s) show its first block

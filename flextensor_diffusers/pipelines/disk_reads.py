@@ -107,6 +107,11 @@ class ReadJob:
             self.allowed = nbytes
             self._cond.notify_all()
 
+    def allow_more(self, room: int) -> None:
+        """Let the read go ``room`` bytes past the units it may read whole now (a read ahead topped up)."""
+        count = self.units_within(self.allowed)
+        self.allow((self.ends[count - 1] if count else 0) + max(room, 0))
+
     def stop(self) -> None:
         """Read no further unit (those in flight finish; what they read is freed)."""
         with self._cond:

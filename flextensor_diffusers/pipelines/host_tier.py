@@ -27,13 +27,15 @@ blocked there (plus `bring_in`'s own) is the switch's exposed disk time, ``wait_
 time is ``read_s``. A read that fails is raised at the next gate as a one-line error, with the
 component left on disk as it was (read again when it next runs).
 
-Reading ahead: while a component runs, the one expected next (the order seen last time, else the
-pipeline's declared ``model_cpu_offload_seq``) is read on the same thread when it waits on disk, as
-far as the budget allows next to the active one (others, neither active nor next, may move out): all
-of it when it fits, else its first units, then the read pauses. When it becomes active, the one
-before moves out (free for components that wait in their weight files) and the read goes on from
-where it paused. A wrong guess is stopped between units and its buffers freed; an edit of the
-component since the read began makes its bytes stale: they are dropped and it is read again.
+Reading ahead: while a component runs, the ones expected after it (the order seen last time, else the
+pipeline's declared ``model_cpu_offload_seq``, wrapping around to the next generation) that wait on disk are
+read on the same thread, in that order, as far as the budget allows next to the active one (others, neither
+active nor expected before, may move out): all of the first one when it fits, else its first units, then the
+read pauses; what room is left goes to the next ones (past a small VAE that a latents generation does not even
+run, to the next generation's first expert). When one becomes active, the one before moves out (free for
+components that wait in their weight files) and its read goes on from where it paused. A wrong guess is stopped
+between units and its buffers freed; an edit of the component since the read began makes its bytes stale: they
+are dropped and it is read again.
 
 The host budget bounds the process's anonymous and page-locked memory (RssAnon + RssShmem), not only
 the host copies: what the process holds besides them comes off the top (`host_budget.HostOverhead`),
@@ -157,7 +159,7 @@ class Fill:
 
 @dataclass
 class ReadAhead:
-    """The read ahead of the component expected next, paused when the budget holds no more of it."""
+    """The read ahead of a component expected soon, paused when the budget holds no more of it."""
 
     job: ReadJob
 
@@ -176,6 +178,16 @@ class ComponentOrder:
         if self._last is not None and self._last != name:
             self.seen_after[self._last] = name
         self._last = name
+
+    def expected_chain(self, name: str, candidates: Collection[str]) -> list[str]:
+        """The components expected after ``name``, in order, each once, until ``name`` would come again
+        (Wan2.2 without a VAE decode: after the low-noise expert, the high-noise one of the next generation)."""
+        chain: list[str] = []
+        after = self.expected_after(name, candidates)
+        while after is not None and after != name and after not in chain:
+            chain.append(after)
+            after = self.expected_after(after, candidates)
+        return chain
 
     def expected_after(self, name: str, candidates: Collection[str]) -> str | None:
         seen = self.seen_after.get(name)
@@ -210,7 +222,8 @@ class HostTier:
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _reader: Reader = field(default_factory=Reader, repr=False)
     _fill: Fill | None = field(default=None, repr=False)  # the active component's units still arriving
-    _ahead: ReadAhead | None = field(default=None, repr=False)  # the next component's read ahead
+    #: Read aheads of the components expected next, in the order expected (the reader runs them in that order).
+    _ahead: dict[str, ReadAhead] = field(default_factory=dict, repr=False)
     _seen: ComponentOrder = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -225,7 +238,7 @@ class HostTier:
     def ram_bytes(self) -> int:
         """Host RAM of the host copies now, and what the reads under way may hold (reserved ahead)."""
         with self._lock:
-            jobs = [r.job for r in (self._fill, self._ahead) if r is not None]
+            jobs = [r.job for r in self._readings()]
             return sum(h.residency.host_ram_bytes for h in self.handles.values()) + sum(j.reserved_bytes for j in jobs)
 
     # ------------------------------------------------------------------------------------ set-up
@@ -256,7 +269,7 @@ class HostTier:
         """Before ``handle`` becomes active (the one before is released): the previous component's read
         back completed, a wrong read ahead given up; when ``handle`` waits on disk, its read back starts,
         or goes on from its read ahead, and it becomes active at once (its units arrive through the
-        gate). Then the read ahead of the component expected next starts."""
+        gate). Then the read aheads of the components expected next start or go on (`_read_ahead_after`)."""
         started = time.perf_counter()
         with self._lock:
             name = next(n for n, h in self.handles.items() if h is handle)
@@ -266,9 +279,10 @@ class HostTier:
             if self._fill is not None and self._fill.job.component == name:
                 return  # activated again while its units arrive: the gate still serves them
             self._finish_fill()
-            if self._ahead is not None and (self._ahead.job.component != name or handle.residency.spilled_to is None):
-                self._give_up_ahead()  # guessed wrong: stopped between units, its buffers freed
-            switch = self._start_fill(name) if handle.residency.spilled_to is not None else None
+            switch = None
+            if handle.residency.spilled_to is not None:
+                self._give_up_ahead_of(name)
+                switch = self._start_fill(name)
             self._note_peak()
             self._read_ahead_after(name)
             if switch is not None:  # all of it kept the component from computing
@@ -306,7 +320,7 @@ class HostTier:
         ahead, unless that is stale) and its gate set; no byte is waited for here."""
         residency = self.handles[name].residency
         source = self.sources.get(name)
-        ahead, self._ahead = self._ahead, None
+        ahead = self._ahead.pop(name, None)
         try:
             if source is not None:
                 source.check()  # a changed file is refused before anything moves
@@ -318,6 +332,8 @@ class HostTier:
         if job is not None and self._stale(job, source):
             self._reader.give_up(job)
             job = None
+        if job is None:  # a new job runs after those queued: none may pause before it
+            self._give_up_ahead()
         fresh = job is None
         if job is None:
             job = self._new_job(name)
@@ -425,44 +441,72 @@ class HostTier:
         logger.info("host tier: the read of %s from disk was given up; it stays on disk", fill.job.component)
 
     def _give_up_ahead(self) -> None:
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            self._reader.give_up(ahead.job)
-            logger.debug("host tier: the read ahead of %s was given up", ahead.job.component)
+        for name in list(self._ahead):
+            self._reader.give_up(self._ahead.pop(name).job)
+            logger.debug("host tier: the read ahead of %s was given up", name)
+
+    def _give_up_ahead_of(self, name: str | None) -> None:
+        """``name`` becomes active: the read aheads queued before its own were wrong guesses (and one paused
+        for room would hold the reader up); all are when it has none (its read is queued after them)."""
+        if name not in self._ahead:
+            self._give_up_ahead()
+            return
+        for other in list(self._ahead):
+            if other == name:
+                return
+            self._reader.give_up(self._ahead.pop(other).job)
+            logger.debug("host tier: the read ahead of %s was given up", other)
 
     def _read_ahead_after(self, active: str) -> None:
-        """Start reading the component expected after ``active`` when it waits on disk, unedited since:
-        all of it when the budget holds it next to ``active`` (others may move out), else its first units."""
-        assert self._ahead is None
-        name = self._seen.expected_after(active, self.handles)
-        if name is None or name == active:
-            return
+        """Read the components expected after ``active`` that wait on disk, unedited since, in the order
+        expected, as far as the budget allows next to ``active``: the first one all of it when it fits (others
+        may move out, but none expected before it), then the next ones in what room is left (the small VAE,
+        then the next generation's first expert). Read aheads kept from before are topped up; a new one is
+        only queued behind them when they are the chain's first components in order."""
+        chain = self._seen.expected_chain(active, self.handles)
+        wanted = [name for name in chain if self._may_read_ahead(name)]
+        if list(self._ahead) != wanted[: len(self._ahead)]:
+            self._give_up_ahead()  # out of order: a paused one would hold a later one up
+        for position, name in enumerate(wanted):
+            residency = self.handles[name].residency
+            ahead = self._ahead.get(name)
+            if position == 0:  # never moves out one expected before it
+                missing = residency.packed_bytes - (ahead.job.reserved_bytes if ahead is not None else 0)
+                try:
+                    self._make_room({active, *chain[: chain.index(name) + 1]}, missing)
+                except FlexTensorError as exc:  # reading ahead is optional: the component is read when it runs
+                    logger.warning("host tier: no read ahead of %s: %s", name, exc)
+            room = self.weights_budget - self.ram_bytes()
+            if ahead is not None:
+                ahead.job.allow_more(room)
+                continue
+            job = self._new_job(name)
+            if room <= 0 or job.units_within(room) == 0:
+                return
+            job.allow(room)
+            self._ahead[name] = ReadAhead(job)
+            self._reader.start(job)
+            self._note_peak()
+            logger.debug(
+                "host tier: reading %s ahead while %s runs (%s of %s)",
+                name,
+                active,
+                format_bytes(min(room, residency.packed_bytes)),
+                format_bytes(residency.packed_bytes),
+            )
+
+    def _may_read_ahead(self, name: str) -> bool:
+        """``name`` waits on disk, not active, unedited since it moved out, and its files unchanged."""
         handle = self.handles[name]
         residency = handle.residency
         if residency.spilled_to is None or handle.active or not residency.spill_is_current:
-            return
+            return False
         source = self.sources.get(name)
-        if source is not None and source.changed_file() is not None:
-            return  # refused when it is needed
-        try:
-            self._make_room({active, name}, residency.packed_bytes)
-        except FlexTensorError as exc:  # reading ahead is optional: the component is read when it runs
-            logger.warning("host tier: no read ahead of %s: %s", name, exc)
-        job = self._new_job(name)
-        room = self.weights_budget - self.ram_bytes()
-        if job.units_within(room) == 0:
-            return
-        job.allow(room)
-        self._ahead = ReadAhead(job)
-        self._reader.start(job)
-        self._note_peak()
-        logger.debug(
-            "host tier: reading %s ahead while %s runs (%s of %s)",
-            name,
-            active,
-            format_bytes(min(room, residency.packed_bytes)),
-            format_bytes(residency.packed_bytes),
-        )
+        return source is None or source.changed_file() is None  # a changed one is refused when it is needed
+
+    def _readings(self) -> list[Fill | ReadAhead]:
+        """The reads under way: the active component's read back, then the read aheads in order."""
+        return [r for r in [self._fill, *self._ahead.values()] if r is not None]
 
     # ------------------------------------------------------------------------------------ room
 
@@ -552,7 +596,7 @@ class HostTier:
                 "read_ahead_bytes": sum(s.read_ahead_bytes for s in self.switches),
                 "disk_read_gbps": round(nbytes / read_s / 1e9, 3) if read_s > 0 else None,
                 "switches": [s.as_dict() for s in self.switches],
-                "reading": [self._reading(r) for r in (self._fill, self._ahead) if r is not None],
+                "reading": [self._reading(r) for r in self._readings()],
                 "cache_folder": str(self.folder),
                 "components": components,
             }
