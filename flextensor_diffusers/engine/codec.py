@@ -266,21 +266,6 @@ class _Slice:
 _WORD = {2: torch.int16, 4: torch.int32}
 
 
-def _host_to(device: torch.device, host: np.ndarray) -> torch.Tensor:
-    """A small host array on ``device`` without stopping its stream: CUDA makes a copy from pageable memory
-    wait for all the work queued before it, one from page-locked memory does not (torch's host allocator keeps
-    the page-locked staging until the copy is done). Each such wait leaves the device idle while the next
-    kernels are launched, and the encoder made ~8 of them per slice."""
-    tensor = torch.from_numpy(host)
-    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
-
-
-def _select(values: torch.Tensor, mask: torch.Tensor, count: int) -> torch.Tensor:
-    """``values[mask]`` (row-major) when ``count`` elements of ``mask`` are set: no wait for the device to
-    count them, as boolean indexing does."""
-    return values.reshape(-1)[torch.nonzero_static(mask.reshape(-1), size=count)[:, 0]]
-
-
 def _fetch(flat: torch.Tensor, rows: _Rows, width: int, chunk: int, device: torch.device) -> torch.Tensor:
     """The words of ``rows`` on ``device`` as a ``uint8[k · chunk · width]`` matrix of rows padded with zeros
     (one copy per part; a view of ``flat`` when that is the same)."""
@@ -321,7 +306,7 @@ def _choose_codes(
     every other symbol the escape code ``2^b − 1``; ``b = 8`` codes symbols as they are.
     """
     dev, (k, _) = keyed.device, keyed.shape
-    n_dev = _host_to(dev, n)
+    n_dev = torch.from_numpy(n).to(dev, non_blocking=True)
     hist = torch.bincount(keyed.view(-1), minlength=256 * k).view(k, 256)
     hist[:, 0] -= chunk - n_dev  # not the padding
     counts, order = torch.sort(hist, dim=1, descending=True, stable=True)
@@ -347,13 +332,13 @@ def _choose_codes(
     del code_of
     tails = np.flatnonzero(n < chunk)
     if len(tails):  # padding codes 0: they fill the high bits of a chunk's last code byte and never escape
-        tail_dev = _host_to(dev, tails)
+        tail_dev = torch.from_numpy(tails).to(dev)
         code[tail_dev] *= torch.arange(chunk, device=dev)[None, :] < n_dev[tail_dev, None]
     if esc_count.any():
         is_esc = code == esc_code.clamp(max=255).to(torch.uint8)[:, None]
         if (bits == 8).any():  # b = 8 never escapes
             is_esc &= (bits_dev < 8)[:, None]
-        escaped = (_select(keyed, is_esc, int(esc_count.sum())) & 0xFF).to(torch.uint8)  # chunk by chunk
+        escaped = (keyed[is_esc] & 0xFF).to(torch.uint8)  # row-major: chunk by chunk, in element order
     else:
         escaped = torch.zeros(0, dtype=torch.uint8, device=dev)
     return bits, esc_count, tables, code, escaped
@@ -385,11 +370,11 @@ def _pack_all(code: torch.Tensor, n: np.ndarray, bits: np.ndarray) -> tuple[torc
     codes, pos = [], 0
     for b in np.unique(bits).tolist():
         idx = np.flatnonzero(bits == b)
-        packed = _pack_codes(code if len(idx) == k else code[_host_to(dev, idx)], b)
+        packed = _pack_codes(code if len(idx) == k else code[torch.from_numpy(idx).to(dev)], b)
         nbytes = code_nbytes[idx]
         if (nbytes < packed.shape[1]).any():  # short chunks: keep their first code_nbytes bytes
-            keep = torch.arange(packed.shape[1], device=dev)[None, :] < _host_to(dev, nbytes)[:, None]
-            codes.append(_select(packed, keep, int(nbytes.sum())))
+            keep = torch.arange(packed.shape[1], device=dev)[None, :] < torch.from_numpy(nbytes).to(dev)[:, None]
+            codes.append(packed[keep])
         else:
             codes.append(packed.reshape(-1))
         code_off[idx] = pos + _exclusive_cumsum(nbytes)
@@ -606,7 +591,7 @@ def _assemble(
         row += 1
     for seg in verbatim:
         put(verbatim_off[seg], source[seg.offset : seg.offset + seg.nbytes])
-    put(0, _host_to(device, all_rows.reshape(-1).view(np.uint8)))
+    put(0, torch.from_numpy(all_rows.reshape(-1).view(np.uint8)))
     # Zero what lies between the sections (alignment, the code window's pad byte): payloads are deterministic.
     end = 0
     for start, stop in [*sorted(written), (total, total)]:
