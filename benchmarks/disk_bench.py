@@ -1,5 +1,5 @@
 """How fast this machine's disk reads a large file, cold, by several methods: is the host tier's 1.76 GB/s
-(``benchmarks/results/host_tier_h200.json``: buffered ``preadv``, 8 threads) the disk's limit or the method's?
+(``benchmarks/results/host_tier_05890d0_h200.json``: buffered ``preadv``, 8 threads) the disk's limit or the method's?
 
 Issue 15's 40-step overhead is set by how long a switch waits for the next expert from disk, so the read
 method matters as much as the plan. Each method reads the whole file once after the page cache is dropped
