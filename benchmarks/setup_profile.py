@@ -11,7 +11,12 @@ its own it took 136 ms a unit. This runs the package's own set-up (``ft.offload`
 * ``after packing``: packing finished before the encoder starts (no packing thread copies or page-locks
   while the encoder's main thread issues its ~1200 CUDA calls a unit);
 * ``switch 0.1 ms``: as is, with Python's thread switch interval at 0.1 ms instead of 5 ms (the encoder's
-  main thread waits for the GIL behind the packing and payload threads after each CUDA call).
+  main thread waits for the GIL behind the packing and payload threads after each CUDA call);
+* ``raw, sources kept``: no compression, and each weight's original storage is kept alive until set-up has
+  returned (freed outside the timing). Packing frees each original as it is copied, and returning ~28 GB of
+  4 KiB pages to the system (``munmap``, under the process's memory-map lock, which the other threads' page
+  faults on their new buffers also need) may be what makes the package's packing 2.3-2.8 s where
+  ``setup_bench.py`` copies and locks the same bytes, sources kept, in 1.24 s.
 
 Per variant: wall time, ``setup_ms``, and the encoder's main-thread calls (`DeviceEncoder._encode`, the
 next unit's upload, which waits while that unit is packed, the staging copy) summed over units.
@@ -41,10 +46,11 @@ from codec_bench import save
 from device_encoder_bench import timed_calls
 
 import flextensor_diffusers as ft
+from flextensor_diffusers.engine import residency as residency_module
 from flextensor_diffusers.engine.device_encoding import DeviceEncoder
 from flextensor_diffusers.engine.residency import Residency
 
-VARIANTS = ("raw", "as is", "after packing", "switch 0.1 ms")
+VARIANTS = ("raw", "as is", "after packing", "switch 0.1 ms", "raw, sources kept")
 #: "as is" again last: a variant that gains only by running later (memory touched before) shows up.
 DEFAULT = [*VARIANTS, "as is"]
 
@@ -68,6 +74,22 @@ def packing_first() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def sources_kept(kept: list[torch.Tensor]) -> Iterator[None]:
+    """Packing appends each tensor's original data to ``kept`` before it is replaced by its view."""
+    original = residency_module.pack_unit
+
+    def pack_unit(unit: object, *args: object, **kwargs: object) -> None:
+        kept.extend(packed.tensor.data for packed in unit.tensors)  # type: ignore[attr-defined]
+        original(unit, *args, **kwargs)
+
+    residency_module.pack_unit = pack_unit
+    try:
+        yield
+    finally:
+        residency_module.pack_unit = original
+
+
+@contextlib.contextmanager
 def switch_interval(seconds: float) -> Iterator[None]:
     before = sys.getswitchinterval()
     sys.setswitchinterval(seconds)
@@ -85,14 +107,17 @@ def run(model: torch.nn.Module, variant: str, budget: int, device: str) -> dict:
         timed_calls(spent, DeviceEncoder, "_bring_back", "main: staging copy (waits for a free buffer)"),
         timed_calls(spent, DeviceEncoder, "_empty", "host thread: whole"),
     ]
-    scope = {"after packing": packing_first, "switch 0.1 ms": lambda: switch_interval(1e-4)}.get(
-        variant, contextlib.nullcontext
-    )
+    kept: list[torch.Tensor] = []
+    scope = {
+        "after packing": packing_first,
+        "switch 0.1 ms": lambda: switch_interval(1e-4),
+        "raw, sources kept": lambda: sources_kept(kept),
+    }.get(variant, contextlib.nullcontext)
     config = ft.OffloadConfig(
         include_patterns=["blocks.*"],
         gpu_budget=budget,
         device=device,
-        compression="none" if variant == "raw" else "lossless",
+        compression="none" if variant.startswith("raw") else "lossless",
     )
     try:
         with scope():
@@ -102,6 +127,7 @@ def run(model: torch.nn.Module, variant: str, budget: int, device: str) -> dict:
     finally:
         for fn in undo:
             fn()
+    kept.clear()
     row = {
         "variant": variant,
         "setup_s": round(seconds, 3),
