@@ -384,3 +384,39 @@ def test_profile_dir_keeps_one_profile_per_workload(tmp_path) -> None:
     run(model, x, "cpu", 1)
     assert handle.counters["discovery"] == 0 and handle.counters["profiling"] == 0 and handle.counters["plans"] == 2
     handle.remove()
+
+
+@pytest.mark.parametrize("compression", ["none", "lossless"])
+@pytest.mark.parametrize("forward", [1, 2, 4], ids=["discovery", "profiling", "steady"])
+def test_a_forward_interrupted_inside_a_block_leaves_later_forwards_native(
+    device: str, forward: int, compression: str
+) -> None:
+    """Ctrl-C (or any exception) inside a streamed block, in each phase: it reaches the caller as it is, and
+    every later forward is bitwise equal to native; removing the offload restores the weights exactly."""
+    model, x = make(torch.bfloat16)
+    ref = native(model, x, device)
+    before = snapshot(model)
+    calls = itertools.count(1)
+
+    def interrupt(module: torch.nn.Module, args: tuple) -> None:
+        if next(calls) == forward:
+            raise KeyboardInterrupt
+
+    model.blocks[3].register_forward_pre_hook(interrupt)
+    budget = 7_680 + int(2.5 * 20992) + 2048 + (64 * 1024 if device == "cuda" else 0)
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=budget, device=device, compression=compression)
+    try:
+        outs = []
+        for _ in range(7):
+            try:
+                outs += run(model, x, device, 1)
+            except KeyboardInterrupt:
+                outs.append(None)
+        assert [o is None for o in outs] == [n + 1 == forward for n in range(7)]
+        assert all(torch.equal(o, ref) for o in outs if o is not None)
+        assert handle.phase is Phase.STEADY
+    finally:
+        handle.remove()
+    model._forward_pre_hooks.clear()
+    model.blocks[3]._forward_pre_hooks.clear()
+    assert_same(before, model)

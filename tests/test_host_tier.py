@@ -718,6 +718,34 @@ def test_a_switch_computes_while_its_last_units_are_read(saved, tmp_path, monkey
     pipe.disable_flextensor_offload()
 
 
+def test_a_generation_interrupted_while_an_expert_arrives_leaves_the_next_ones_native(
+    saved, tmp_path, monkeypatch
+) -> None:
+    """Ctrl-C inside the low-noise expert's second block while its later units are still read from disk
+    (slowly, one at a time): the interrupt reaches the caller, the next generations are bitwise equal to
+    native, and disabling restores the pipeline."""
+    folder, reference = saved
+    pipe, _ = enabled(folder, tmp_path)
+    one_read_at_a_time(monkeypatch)
+    events: list[tuple[str, int]] = []
+    unit_reads(monkeypatch, "transformer_2", 0.05, events)
+    fired: list[int] = []
+
+    def interrupt(module, args):
+        if not fired:
+            fired.append(len(reads_of(events)))
+            raise KeyboardInterrupt
+
+    hook = pipe.transformer_2.blocks[1].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        wan_latents(pipe)
+    hook.remove()
+    assert fired and fired[0] < 5, (fired, events)  # interrupted before the base and four blocks all arrived
+    assert all(torch.equal(wan_latents(pipe), reference) for _ in range(2))
+    pipe.disable_flextensor_offload()
+    assert torch.equal(wan_latents(pipe), reference)
+
+
 def test_an_edit_of_an_expert_read_in_part_ahead_reaches_outputs(saved, tmp_path) -> None:
     """``load_state_dict`` into the low-noise expert while part of it is read ahead (from a step callback of
     the high-noise stage): that read is stale, so it is dropped and the expert read again with the edit;
