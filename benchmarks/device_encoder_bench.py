@@ -57,6 +57,17 @@ def timed_calls(spent: dict[str, float], owner: object, name: str, label: str) -
     return lambda: setattr(owner, name, original)
 
 
+def time_the_encoder(spent: dict[str, float]) -> list[Callable[[], None]]:
+    """Time `DeviceEncoder`'s calls on the main thread and its host thread's whole task into ``spent``
+    (ms, summed); returns the undos."""
+    return [
+        timed_calls(spent, DeviceEncoder, "_encode", "main: encode_unit"),
+        timed_calls(spent, DeviceEncoder, "_upload", "main: upload next (waits while that unit is packed)"),
+        timed_calls(spent, DeviceEncoder, "_bring_back", "main: staging copy (waits for a free buffer)"),
+        timed_calls(spent, DeviceEncoder, "_empty", "host thread: whole"),
+    ]
+
+
 def run_pipeline(flat: torch.Tensor, segments: list, units: int) -> tuple[float, list[torch.Tensor]]:
     jobs = [EncodeJob(i, lambda: flat, segments) for i in range(units)]
     encoder = DeviceEncoder(torch.device("cuda"), lock=True, keep=worth_compressing)
@@ -128,10 +139,7 @@ def main() -> None:
 
     spent: dict[str, float] = defaultdict(float)
     undo = [
-        timed_calls(spent, DeviceEncoder, "_encode", "main: encode_unit"),
-        timed_calls(spent, DeviceEncoder, "_upload", "main: upload next"),
-        timed_calls(spent, DeviceEncoder, "_bring_back", "main: staging copy (waits for a free buffer)"),
-        timed_calls(spent, DeviceEncoder, "_empty", "host thread: whole"),
+        *time_the_encoder(spent),
         timed_calls(spent, device_encoding, "host_buffer", "host_buffer (staging and payloads)"),
         timed_calls(spent, device_encoding, "pin_in_place", "host thread: lock"),
     ]

@@ -43,11 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import engine_bench as eb
 from codec_bench import save
-from device_encoder_bench import timed_calls
+from device_encoder_bench import time_the_encoder
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import residency as residency_module
-from flextensor_diffusers.engine.device_encoding import DeviceEncoder
 from flextensor_diffusers.engine.residency import Residency
 
 VARIANTS = ("raw", "as is", "after packing", "switch 0.1 ms", "raw, sources kept")
@@ -101,12 +100,7 @@ def switch_interval(seconds: float) -> Iterator[None]:
 
 def run(model: torch.nn.Module, variant: str, budget: int, device: str) -> dict:
     spent: dict[str, float] = defaultdict(float)
-    undo = [
-        timed_calls(spent, DeviceEncoder, "_encode", "main: encode_unit"),
-        timed_calls(spent, DeviceEncoder, "_upload", "main: next unit's upload (waits while it is packed)"),
-        timed_calls(spent, DeviceEncoder, "_bring_back", "main: staging copy (waits for a free buffer)"),
-        timed_calls(spent, DeviceEncoder, "_empty", "host thread: whole"),
-    ]
+    undo = time_the_encoder(spent)
     kept: list[torch.Tensor] = []
     scope = {
         "after packing": packing_first,
