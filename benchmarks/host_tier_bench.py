@@ -993,6 +993,9 @@ def summarise(result: dict[str, Any], pinned: dict[str, Any] | None, tiered: dic
         extra = {k: v for k, v in ((tiered or {}).get("tier_report") or {}).items() if "switch" in k or "wait" in k}
         if extra:
             result["tier_switch_fields"] = extra  # whatever the tier reports about switches (read defensively)
+        forecasts = ((tiered or {}).get("tier_report") or {}).get("forecasts")
+        if forecasts:  # the tier's own forecast of each switch, to set against switch_exposed_s
+            result["switch_forecast"] = forecasts
     if p and t and p["step_s"] and len(p["step_s"]) == len(t["step_s"]):
         exposed = [round(t["step_s"][i] - p["step_s"][i], 4) for i in t["switch_steps"]]
         result["switch_exposed_s"] = exposed

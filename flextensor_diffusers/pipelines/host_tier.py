@@ -78,6 +78,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HostTier",
+    "SwitchForecast",
     "format_host_tier",
     "kept_in_ram_bytes",
     "offload_order",
@@ -144,6 +145,60 @@ class Switch:
             "wait_s": round(self.wait_s, 4),
             "gbps": self.gbps,
             "complete": self.complete,
+        }
+
+
+@dataclass(frozen=True)
+class SwitchForecast:
+    """What a switch to ``component`` is expected to keep it waiting, from the disk bandwidth measured so far
+    and the component's planned forward time. ``after`` is the last component before it that does not fit in
+    RAM next to it (the low-noise expert before the next generation's high-noise one): while ``after`` runs,
+    only what the budget leaves next to it is read ahead. Reading also goes on while the smaller components
+    between them run (a VAE, a text encoder); that is left out, so for such a switch this is an upper bound.
+
+    Its units arrive in the order its first forward needs them, so that forward computes while the bytes not
+    read ahead arrive; a second forward of the same step (CFG's) needs them all in RAM already. So the wait is
+    about (bytes not read ahead) / (disk bandwidth) less one forward, and it vanishes once the read ahead
+    covers all but one forward's worth of reading: ``hidden_from_host_budget`` is the host budget from which
+    it does (what the read ahead may use next to ``after``, plus what the budget keeps for the process)."""
+
+    component: str
+    after: str
+    nbytes: int
+    read_ahead_bytes: int  # the most the budget lets be read while ``after`` runs
+    disk_gbps: float
+    forward_s: float
+    wait_s: float
+    hidden_from_host_budget: int
+
+    @classmethod
+    def of(
+        cls,
+        component: str,
+        after: str,
+        nbytes: int,
+        after_bytes: int,
+        tier: HostTier,
+        disk_gbps: float,
+        forward_s: float,
+    ) -> SwitchForecast:
+        """``nbytes``, ``after_bytes``: the two components' host copies; ``tier``: its budget and share."""
+        ahead = min(nbytes, max(0, tier.weights_budget - after_bytes))
+        per_forward = int(disk_gbps * 1e9 * forward_s)  # bytes read while one forward computes
+        wait = max(0.0, (nbytes - ahead) / (disk_gbps * 1e9) - forward_s)
+        hidden_from = tier.overhead.nbytes + after_bytes + max(0, nbytes - per_forward)
+        return cls(component, after, nbytes, ahead, disk_gbps, forward_s, wait, hidden_from)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "component": self.component,
+            "after": self.after,
+            "nbytes": self.nbytes,
+            "read_ahead_bytes": self.read_ahead_bytes,
+            "disk_gbps": round(self.disk_gbps, 3),
+            "forward_s": round(self.forward_s, 4),
+            "wait_s": round(self.wait_s, 3),
+            "hidden_from_host_budget": self.hidden_from_host_budget,
         }
 
 
@@ -563,7 +618,8 @@ class HostTier:
     def report(self) -> dict[str, Any]:
         """Budget and where it went (the process's own memory at enable, the reserve, the host copies'
         share), RAM, per component its bytes, where it is, where it waits and its reads; per switch the
-        read, the wait, what was read ahead and the read's bandwidth; disk read bandwidth."""
+        read, the wait, what was read ahead and the read's bandwidth; disk read bandwidth; the forecast
+        of each switch that reads from disk (`forecasts`)."""
         with self._lock:
             if self._fill is not None:
                 self._fill.switch.read_s = self._fill.job.read_s
@@ -597,9 +653,35 @@ class HostTier:
                 "disk_read_gbps": round(nbytes / read_s / 1e9, 3) if read_s > 0 else None,
                 "switches": [s.as_dict() for s in self.switches],
                 "reading": [self._reading(r) for r in self._readings()],
+                "forecasts": [f.as_dict() for f in self.forecasts()],
                 "cache_folder": str(self.folder),
                 "components": components,
             }
+
+    def forecasts(self) -> list[SwitchForecast]:
+        """A `SwitchForecast` per switch seen so far whose two components do not fit in RAM together (so the
+        second waits on disk), once reads have measured the disk and the component has a plan."""
+        with self._lock:
+            done = [s for s in self.switches if s.complete and s.read_s > 0]
+            if not done:
+                return []
+            gbps = sum(s.nbytes for s in done) / sum(s.read_s for s in done) / 1e9
+            before_of = {after: name for name, after in self._seen.seen_after.items()}
+            forecasts = []
+            for name, handle in self.handles.items():
+                nbytes = handle.residency.packed_bytes
+                after, passed = before_of.get(name), {name}
+                while after is not None and after not in passed and self._bytes(after) + nbytes <= self.weights_budget:
+                    passed.add(after)  # small enough to run next to it: the read ahead goes on meanwhile
+                    after = before_of.get(after)
+                if after is None or after in passed or handle.plan is None:
+                    continue
+                forward_s = handle.plan.predicted_ms / 1e3
+                forecasts.append(SwitchForecast.of(name, after, nbytes, self._bytes(after), self, gbps, forward_s))
+            return forecasts
+
+    def _bytes(self, name: str) -> int:
+        return self.handles[name].residency.packed_bytes
 
     def _reading(self, reading: Fill | ReadAhead) -> dict[str, Any]:
         """A read under way: the component, whether it is active, and bytes read, allowed and in all."""
@@ -690,4 +772,15 @@ def format_host_tier(tier: dict[str, Any]) -> list[str]:
         pairs = enumerate(zip(row, widths, strict=True))
         cells = [cell.ljust(w) if i in (0, 2, 3) else cell.rjust(w) for i, (cell, w) in pairs]
         lines.append("  ".join(cells).rstrip())
+    for f in tier.get("forecasts", []):
+        hidden = (
+            "hidden at this budget"
+            if f["wait_s"] == 0
+            else f"hidden from a host budget of {format_bytes(f['hidden_from_host_budget'])}"
+        )
+        lines.append(
+            f"forecast: {f['after']} -> {f['component']}: {format_bytes(f['read_ahead_bytes'])} of "
+            f"{format_bytes(f['nbytes'])} read ahead, ~{f['wait_s']:.3g} s waited at {f['disk_gbps']:.2f} GB/s "
+            f"(one forward of {f['forward_s']:.2f} s overlaps the rest); {hidden}"
+        )
     return lines
