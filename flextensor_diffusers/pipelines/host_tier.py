@@ -387,10 +387,9 @@ class HostTier:
         if job is not None and self._stale(job, source):
             self._reader.give_up(job)
             job = None
-        if job is None:  # a new job runs after those queued: none may pause before it
-            self._give_up_ahead()
         fresh = job is None
-        if job is None:
+        if fresh:  # a new job runs after those queued: none may pause before it
+            self._give_up_ahead()
             job = self._new_job(name)
         switch = Switch(name, residency.packed_bytes, read_ahead_bytes=job.read_bytes)
         fill = Fill(job, switch, source)
@@ -497,10 +496,9 @@ class HostTier:
 
     def _give_up_ahead(self) -> None:
         for name in list(self._ahead):
-            self._reader.give_up(self._ahead.pop(name).job)
-            logger.debug("host tier: the read ahead of %s was given up", name)
+            self._give_up_read_ahead(name)
 
-    def _give_up_ahead_of(self, name: str | None) -> None:
+    def _give_up_ahead_of(self, name: str) -> None:
         """``name`` becomes active: the read aheads queued before its own were wrong guesses (and one paused
         for room would hold the reader up); all are when it has none (its read is queued after them)."""
         if name not in self._ahead:
@@ -509,8 +507,11 @@ class HostTier:
         for other in list(self._ahead):
             if other == name:
                 return
-            self._reader.give_up(self._ahead.pop(other).job)
-            logger.debug("host tier: the read ahead of %s was given up", other)
+            self._give_up_read_ahead(other)
+
+    def _give_up_read_ahead(self, name: str) -> None:
+        self._reader.give_up(self._ahead.pop(name).job)
+        logger.debug("host tier: the read ahead of %s was given up", name)
 
     def _read_ahead_after(self, active: str) -> None:
         """Read the components expected after ``active`` that wait on disk, unedited since, in the order
