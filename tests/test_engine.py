@@ -402,7 +402,7 @@ def test_a_forward_interrupted_inside_a_block_leaves_later_forwards_native(
         if next(calls) == forward:
             raise KeyboardInterrupt
 
-    model.blocks[3].register_forward_pre_hook(interrupt)
+    hook = model.blocks[3].register_forward_pre_hook(interrupt)
     budget = 7_680 + int(2.5 * 20992) + 2048 + (64 * 1024 if device == "cuda" else 0)
     handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=budget, device=device, compression=compression)
     try:
@@ -417,6 +417,5 @@ def test_a_forward_interrupted_inside_a_block_leaves_later_forwards_native(
         assert handle.phase is Phase.STEADY
     finally:
         handle.remove()
-    model._forward_pre_hooks.clear()
-    model.blocks[3]._forward_pre_hooks.clear()
+        hook.remove()
     assert_same(before, model)
