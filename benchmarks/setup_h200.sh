@@ -1,26 +1,25 @@
-# Set-up on the H200 (issues 15 and 16) in one device call of under 10 minutes, run from the repository root
-# of a checkout on the device after `source benchmarks/device_setup.sh`:
+# The next device call (issues 15 and 16), under 10 minutes, run from the repository root of a checkout on the
+# device after `source benchmarks/device_setup.sh`:
 #
 #     bash benchmarks/setup_h200.sh
 #
-# 1. pretouch_memory.py: how much slower the machine's first touch of memory is (a lazily backed VM charges
-#    a set-up that allocates new host memory, as ours does and flextensor's does not), and touches it once;
-# 2. device_encoder_bench.py: the device encoder alone and beside packing (set-up's shape), to tell whether
-#    compressing while packing (Runtime._set_up) wins over packing first;
-# 3. peers.py at 17 frames, 2.8 GB: native, flextensor (its warm-up takes ~60 s: a long timeout), ours raw
-#    and compressed, set-up figures of one run.
+# 1. the GPU tests: among them, since the last GPU run, forwards interrupted inside a block on CUDA;
+# 2. setup_profile.py: whether freeing each weight's original as it is packed is what makes the package's
+#    packing slower than setup_bench.py's (raw against "raw, sources kept", twice each, in one process);
+# 3. host_tier_bench.py: the full Wan2.2 pipeline under a 32 GiB host budget, with the tier's own forecast of
+#    each switch (`switch_forecast`) next to what the switch exposed (`switch_exposed_s`).
 # Results go to $OUT; commit them under benchmarks/results/ with this file's commit.
 set -u
 out=${OUT:?set OUT to the folder results go to}
 started=$(date +%s)
 elapsed() { echo $(($(date +%s) - started)); }
-timeout 120 python3 benchmarks/pretouch_memory.py --out "$out/pretouch_h200.json" > "$out/pretouch_h200.log" 2>&1
-echo "pretouch $(elapsed) s: $(grep -E 'touch_gbps' "$out/pretouch_h200.log" | tr -d ' \n')"
-timeout 120 python3 benchmarks/device_encoder_bench.py --units 12 --beside-units 20 \
-  --out "$out/device_encoder_beside_h200.json" > "$out/device_encoder_beside_h200.log" 2>&1
-echo "device encoder $(elapsed) s"
+timeout 100 python3 -m pytest -q -m gpu tests/ > "$out/gpu_tests_h200.log" 2>&1
+echo "tests $(elapsed) s: $(tail -1 "$out/gpu_tests_h200.log")"
+timeout 100 python3 benchmarks/setup_profile.py --variants raw "raw, sources kept" raw "raw, sources kept" \
+  --out "$out/setup_profile_sources_h200.json" > "$out/setup_profile_sources_h200.log" 2>&1
+echo "setup profile $(elapsed) s"
 left=$((570 - $(elapsed)))
-timeout "$left" python3 benchmarks/peers.py --workload 17f_480x272 --methods native flextensor \
-  flextensor_diffusers flextensor_diffusers_lossless --budgets 2800000000 --flextensor-budget 2800000000 \
-  --timeout 200 --deadline $((left - 15)) --out "$out/peers_setup_h200.json" > "$out/peers_setup_h200.log" 2>&1
-echo "peers $(elapsed) s"
+timeout "$left" python3 benchmarks/host_tier_bench.py --out "$out/host_tier_h200.json" \
+  --peers-json benchmarks/results/peers_pretouched_17f_h200.json --time-limit $((left - 10)) \
+  > "$out/host_tier_h200.log" 2>&1
+echo "host tier $(elapsed) s"
