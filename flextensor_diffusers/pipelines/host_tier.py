@@ -54,6 +54,7 @@ a hub id (only local folders are looked up).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -190,16 +191,12 @@ class SwitchForecast:
         return cls(component, after, nbytes, ahead, disk_gbps, forward_s, wait, hidden_from)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "component": self.component,
-            "after": self.after,
-            "nbytes": self.nbytes,
-            "read_ahead_bytes": self.read_ahead_bytes,
+        rounded = {
             "disk_gbps": round(self.disk_gbps, 3),
             "forward_s": round(self.forward_s, 4),
             "wait_s": round(self.wait_s, 3),
-            "hidden_from_host_budget": self.hidden_from_host_budget,
         }
+        return {**dataclasses.asdict(self), **rounded}
 
 
 @dataclass
