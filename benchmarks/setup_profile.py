@@ -2,8 +2,8 @@
 
 ``peers_pretouched_17f_h200.json`` (c164c25): compressed set-up 7.07 s against 2.34 s raw (the issue asks
 for at most 2x), ``compress`` 6.97 s, while the device encoder alone takes 88.6 ms a unit
-(``device_encoder_beside_h200.json``: 3.5 s for 40 units) and beside a packing that registers nothing of
-its own it took 136 ms a unit. This runs the package's own set-up (``ft.offload`` with
+(``device_encoder_beside_h200.json``: 3.5 s for 40 units) and beside packing (copies and page-locking on
+set-up's threads) 136 ms a unit. This runs the package's own set-up (``ft.offload`` with
 ``compression="lossless"``) on the same model, built as `peers.py` builds it, once per variant:
 
 * ``raw``: no compression (the reference the target divides by);
