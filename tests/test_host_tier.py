@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import threading
@@ -18,7 +19,7 @@ import flextensor_diffusers as ft
 from flextensor_diffusers.engine import format_bytes
 from flextensor_diffusers.engine.residency import Residency
 from flextensor_diffusers.models import build_pipeline
-from flextensor_diffusers.pipelines import disk_reads, host_budget
+from flextensor_diffusers.pipelines import disk_reads, host_budget, host_tier
 from flextensor_diffusers.pipelines.host_tier import SwitchForecast
 from flextensor_diffusers.pipelines.weight_files import WeightSource, read_entries
 
@@ -729,6 +730,24 @@ def test_the_report_forecasts_each_switch_from_disk(saved, tmp_path) -> None:
         else:
             assert f["hidden_from_host_budget"] <= host_budget_bytes + 2**20, f
     assert "forecast: transformer -> transformer_2:" in pipe.flextensor_report(as_text=True)
+    pipe.disable_flextensor_offload()
+
+
+def test_a_slow_switch_warns_once_with_the_host_budget_that_would_hide_it(saved, tmp_path, monkeypatch, caplog):
+    """No room ahead and a slow disk (0.5 s a unit, one at a time): the low-noise expert's switch keeps it
+    waiting over `SLOW_SWITCH_S`; once it has a plan to forecast with, one warning names the larger host
+    budget that would hide the wait, and later generations do not repeat it. Outputs bitwise equal."""
+    folder, reference = saved
+    pipe, host_budget_bytes = enabled(folder, tmp_path)
+    one_read_at_a_time(monkeypatch)
+    unit_reads(monkeypatch, "transformer_2", 0.5)
+    with caplog.at_level(logging.WARNING, logger=host_tier.__name__):
+        assert all(torch.equal(wan_latents(pipe), reference) for _ in range(3))
+    warnings = [r.getMessage() for r in caplog.records if "would hide that" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("host tier: transformer_2 waited"), warnings
+    forecast = next(f for f in tier_of(pipe).report()["forecasts"] if f["component"] == "transformer_2")
+    assert forecast["hidden_from_host_budget"] > host_budget_bytes
+    assert format_bytes(forecast["hidden_from_host_budget"]) in warnings[0]
     pipe.disable_flextensor_offload()
 
 

@@ -89,6 +89,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 WEIGHTS_FILES, CACHE_FILE = "weights files", "cache file"
+#: A switch that kept its component waiting this long for disk reads is worth a warning (once per component)
+#: naming the host budget that would hide it: the user may have the RAM, and otherwise knows why steps stall.
+SLOW_SWITCH_S = 2.0
 
 
 def kept_in_ram_bytes(name: str, module: nn.Module, root: Path | None) -> int:
@@ -277,6 +280,7 @@ class HostTier:
     #: Read aheads of the components expected next, in the order expected (the reader runs them in that order).
     _ahead: dict[str, ReadAhead] = field(default_factory=dict, repr=False)
     _seen: ComponentOrder = field(init=False, repr=False)
+    _warned_slow: set[str] = field(default_factory=set, repr=False)  # components a slow switch was warned of
 
     def __post_init__(self) -> None:
         self._seen = ComponentOrder(self.order)
@@ -462,6 +466,25 @@ class HostTier:
             switch.read_s,
             format_bytes(switch.read_ahead_bytes),
             switch.wait_s,
+        )
+        if switch.wait_s >= SLOW_SWITCH_S and job.component not in self._warned_slow:
+            self._warn_slow(job.component, switch)
+
+    def _warn_slow(self, name: str, switch: Switch) -> None:
+        """Once per component: a switch waited long for disk, and the host budget its forecast says would hide it."""
+        forecast = next((f for f in self.forecasts() if f.component == name), None)
+        if forecast is None or forecast.hidden_from_host_budget <= self.budget:
+            return  # no plan yet to forecast with, or a wait this budget should not see again
+        self._warned_slow.add(name)
+        logger.warning(
+            "host tier: %s waited %.1f s for its weights from disk (%.2f GB/s, %s of %s read ahead); a host budget "
+            "of %s would hide that (flextensor_report() forecasts each switch)",
+            name,
+            switch.wait_s,
+            forecast.disk_gbps,
+            format_bytes(switch.read_ahead_bytes),
+            format_bytes(switch.nbytes),
+            format_bytes(forecast.hidden_from_host_budget),
         )
 
     def _finish_fill(self) -> None:
