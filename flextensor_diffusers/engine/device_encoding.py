@@ -10,9 +10,10 @@ then page-locks at 39 GB/s instead of 4.5 GB/s, its pages being present.
 `DeviceEncoder` runs the parts of successive units side by side: the next unit's raw bytes cross on a
 copy stream while the current one is coded, and a host thread moves the previous payload from its staging
 buffer into its own buffer and page-locks it there while the device codes the next. On its own that took
-82.3 ms a block, of which 56.1 ms device work (``benchmarks/results/device_encoder_h200.json``); beside
-set-up's packing the 40 blocks of the Wan2.2 stack took 8.9 s (``peers_pipeline_17f_h200.json``), for a
-reason not yet measured.
+82.3 ms a block, of which 56.1 ms device work (``benchmarks/results/device_encoder_h200.json``). In the
+package's set-up its calls take 94 ms a block once packing is over and 135 ms beside it
+(``setup_profile_h200.json``); neither coding after packing, a shorter thread switch interval nor fewer device
+synchronisations changed that, and what does is not yet measured.
 """
 
 from __future__ import annotations

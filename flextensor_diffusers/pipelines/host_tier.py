@@ -521,9 +521,6 @@ class HostTier:
     def _give_up_ahead_of(self, name: str) -> None:
         """``name`` becomes active: the read aheads queued before its own were wrong guesses (and one paused
         for room would hold the reader up); all are when it has none (its read is queued after them)."""
-        if name not in self._ahead:
-            self._give_up_ahead()
-            return
         for other in list(self._ahead):
             if other == name:
                 return
