@@ -366,6 +366,7 @@ def test_a_pipeline_loaded_from_a_folder_waits_in_its_own_files(wide, tmp_path) 
     cache = tmp_path / "cache"
     gpu, host = smallest_budgets(pipe, cache)
     pipe.enable_flextensor_offload(budget=gpu, device="cpu", host_budget=host + 2**20, cache_dir=cache)
+    read_aheads_begin_before_forwards_end(pipe)
     report = tier_of(pipe).report()
     assert {c["source"] for c in report["components"].values()} == {"weights files"}
     outs = [wan_latents(pipe) for _ in range(3)]
