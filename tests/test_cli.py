@@ -101,6 +101,14 @@ TINY = ["--random-weights", "tiny", "--device", "cpu", "-q"]
         (["--height", "30"], "error: --height 30: Wan2.2 needs a multiple of 16: pass --height 16"),
         (["--width", "832"], "error: --width 832 is more than the transformer of tiny random weights can place"),
         (["--frames", "129"], "error: --frames 129 is more than the transformer of tiny random weights can place"),
+        (
+            ["--host-budget", "8GiB", "--compression", "lossless"],
+            "error: --host-budget cannot be combined with --compression lossless yet: drop one of them",
+        ),
+        (
+            ["--host-budget", "8GiB", "--gpus", "2"],
+            "error: --host-budget cannot be combined with --gpus 2 yet (the ranks share one host copy",
+        ),
         (["--compile", "full"], "error: --compile full compiles each denoiser whole, which offloading cannot stream"),
         (["--output", f"{__file__}/x.mp4"], f"error: --output {__file__}/x.mp4: {__file__} is not a writable folder"),
     ],

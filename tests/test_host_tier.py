@@ -243,7 +243,7 @@ def test_the_recipe_names_the_host_budget_flag(tmp_path, capsys) -> None:
 
 def test_a_host_budget_with_compression_is_refused_for_now(tmp_path) -> None:
     pipe = build_pipeline("wan22_t2v", "tiny")
-    with pytest.raises(ft.FlexTensorError, match="cannot be combined"):
+    with pytest.raises(ft.FlexTensorError, match="host_budget cannot be combined with compression='lossless' yet"):
         pipe.enable_flextensor_offload(
             budget="1GiB", device="cpu", host_budget="1GiB", cache_dir=tmp_path, compression="lossless"
         )

@@ -280,9 +280,15 @@ def enable(
     packed = _check_setup_budgets(available, includes, budget_bytes)
     tier = None
     if host_budget is not None:
-        if shared_host is not None or config.get("compression", "none") != "none":
+        if shared_host is not None:
             raise FlexTensorError(
-                "host_budget cannot be combined with shared_host or compression yet: pass one of them"
+                "host_budget cannot be combined with shared_host yet (the processes' one shared host copy is all in "
+                "RAM): drop one of them"
+            )
+        if config.get("compression", "none") != "none":
+            raise FlexTensorError(
+                f"host_budget cannot be combined with compression={config['compression']!r} yet: drop one of them "
+                "(compression alone keeps fewer bytes in RAM; host_budget alone keeps some on disk)"
             )
         host_bytes = resolve_host_budget(host_budget)
         root = pipeline_folder(pipeline)

@@ -255,6 +255,16 @@ def common_values(ns: argparse.Namespace, recipe: str, defaults: dict[str, SizeD
         raise OptionsError(
             "--raw-copies disk keeps only compressed copies in RAM, and there are none: add --compression lossless"
         )
+    if ns.host_budget is not None and ns.compression != "none":
+        raise OptionsError(
+            f"--host-budget cannot be combined with --compression {ns.compression} yet: drop one of them "
+            "(--compression alone keeps fewer bytes in RAM; --host-budget alone keeps some on disk)"
+        )
+    if ns.host_budget is not None and ns.gpus > 1 and not ns.no_offload:
+        raise OptionsError(
+            f"--host-budget cannot be combined with --gpus {ns.gpus} yet (the ranks share one host copy of the "
+            "weights, all in RAM): drop --host-budget, or run on one GPU"
+        )
     if getattr(ns, "compression_cache", False) and ns.compression == "none":
         raise OptionsError(
             "--compression-cache caches compressed copies, and there are none: add --compression lossless"
