@@ -103,3 +103,22 @@ def assert_same(before: dict, model: nn.Module) -> None:
         assert torch.equal(
             data2.view(torch.uint8) if data2.dim() else data2, data.view(torch.uint8) if data.dim() else data
         ), name
+
+
+def set_host_overhead(monkeypatch, own: int, reserve: int) -> None:
+    """The process's own memory measures ``own`` bytes and the host budget's reserve is ``reserve`` bytes
+    (module-level names, as `HostOverhead.measure` reads them): a tiny model's host budget is planned in
+    its host copies' bytes with both at 0, since hundreds of MB of Python and torch would dwarf it."""
+    from flextensor_diffusers.pipelines import host_budget
+
+    monkeypatch.setattr(host_budget, "process_own_bytes", lambda modules: own)
+    monkeypatch.setattr(host_budget, "HOST_RESERVE_BYTES", reserve)
+
+
+def enable_with_one_component_in_ram(pipe, budget: int, cache) -> None:
+    """Offload with a host budget of the largest component (set `set_host_overhead` to 0 first): Wan2.2's
+    experts take turns in RAM, the other waiting in a cache file in ``cache``."""
+    pipe.enable_flextensor_offload(budget=budget, device="cpu")
+    largest = max(h.residency.packed_bytes for h in pipe._flextensor.handles.values())
+    pipe.disable_flextensor_offload()
+    pipe.enable_flextensor_offload(budget=budget, device="cpu", host_budget=largest + 1, cache_dir=cache)

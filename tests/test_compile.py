@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import assert_same, snapshot, wan_latents
+from models import assert_same, enable_with_one_component_in_ram, set_host_overhead, snapshot, wan_latents
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.models import build_pipeline
@@ -82,6 +82,25 @@ def test_blocks_compiled_natively_for_two_shapes_stream_without_recompiling() ->
             assert torch.equal(generate(pipe, **shape), ref)
     assert graphs() == before
     pipe.disable_flextensor_offload()
+
+
+def test_regional_compile_with_one_expert_on_disk_is_bitwise_equal_and_does_not_recompile(
+    native_regional, tmp_path, monkeypatch
+) -> None:
+    """A host budget of one expert: each switch reads the other expert back from its cache file into new
+    host buffers. The compiled blocks run on them as natively compiled, and no switch recompiles them."""
+    set_host_overhead(monkeypatch, own=0, reserve=0)
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    compile_pipeline(pipe, "regional")
+    enable_with_one_component_in_ram(pipe, BUDGET, tmp_path)
+    outs = [generate(pipe) for _ in range(2)]
+    warm = graphs()
+    outs.append(generate(pipe))
+    assert graphs() == warm, "recompiled after warm-up"
+    assert all(torch.equal(out, native_regional) for out in outs)
+    assert len(pipe.flextensor_report()["host_tier"]["disk_reads_s"]) >= 3  # the experts took turns in RAM
+    pipe.disable_flextensor_offload()
+    assert torch.equal(generate(pipe), native_regional)
 
 
 def test_compiling_after_profiling_profiles_again() -> None:

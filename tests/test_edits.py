@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import Stack, snapshot, wan_latents
+from models import Stack, enable_with_one_component_in_ram, set_host_overhead, snapshot, wan_latents
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.models import build_pipeline
@@ -110,3 +110,30 @@ def test_a_parameter_swapped_behind_the_handle_is_refused_at_the_next_activation
     model.blocks[0].out.weight = torch.nn.Parameter(torch.zeros_like(model.blocks[0].out.weight))
     with pytest.raises(ft.OffloadStateError, match=r"blocks\.0\.out\.weight.*editing\(\)"):
         forward(model, x)
+
+
+def test_lora_fused_while_its_expert_waits_on_disk_is_kept(tmp_path, monkeypatch) -> None:
+    """A host budget of one expert: the LoRA'd low-noise expert waits on disk when the high-noise one runs.
+    Fusing it there (and unfusing, and fusing again) reaches what it computes with, as natively, over
+    the next generations and after disable."""
+    set_host_overhead(monkeypatch, own=0, reserve=0)
+    native = with_lora(build_pipeline("wan22_t2v", "tiny"))
+    native.transformer_2.fuse_lora()
+    fused = generate(native)
+    native.transformer_2.unfuse_lora()
+    native.transformer_2.fuse_lora()
+    refused_fused = generate(native)
+
+    pipe = with_lora(build_pipeline("wan22_t2v", "tiny"))
+    enable_with_one_component_in_ram(pipe, BUDGET, tmp_path)
+    generate(pipe)
+    pipe._flextensor.handles["transformer"].activate()  # the low-noise expert moves out to disk
+    assert "transformer_2" in pipe._flextensor.host_tier.report()["on_disk"]
+    pipe.transformer_2.fuse_lora()
+    assert all(torch.equal(generate(pipe), fused) for _ in range(2))
+    pipe.transformer_2.unfuse_lora()
+    pipe._flextensor.handles["transformer"].activate()
+    pipe.transformer_2.fuse_lora()
+    assert torch.equal(generate(pipe), refused_fused)
+    pipe.disable_flextensor_offload()
+    assert torch.equal(generate(pipe), refused_fused)

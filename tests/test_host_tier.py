@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from models import assert_same, snapshot, wan_latents
+from models import assert_same, enable_with_one_component_in_ram, set_host_overhead, snapshot, wan_latents
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import format_bytes
@@ -33,13 +33,7 @@ def host_copies_only(monkeypatch):
     """Host budgets here are planned in the host copies' bytes: the process's own memory (hundreds of MB of
     Python and torch, moving between calls) and the 1 GiB reserve would dwarf a tiny model, so both are
     nothing unless a test sets them (module-level names, as `HostOverhead.measure` reads them)."""
-    set_overhead(monkeypatch, own=0, reserve=0)
-
-
-def set_overhead(monkeypatch, own: int, reserve: int) -> None:
-    """The process's own memory measures ``own`` bytes, and the reserve is ``reserve`` bytes."""
-    monkeypatch.setattr(host_budget, "process_own_bytes", lambda modules: own)
-    monkeypatch.setattr(host_budget, "HOST_RESERVE_BYTES", reserve)
+    set_host_overhead(monkeypatch, own=0, reserve=0)
 
 
 def packed_sizes(pipe) -> dict[str, int]:
@@ -81,10 +75,7 @@ def test_a_host_budget_under_the_weights_keeps_outputs_bitwise_equal(reference, 
 def test_an_edit_while_on_disk_reaches_the_file(tmp_path) -> None:
     """A state dict loaded into a component whose host copies wait on disk is what it computes with."""
     pipe = build_pipeline("wan22_t2v", "tiny")
-    pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
-    host_budget = max(packed_sizes(pipe).values()) + 1
-    pipe.disable_flextensor_offload()
-    pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget=host_budget, cache_dir=tmp_path)
+    enable_with_one_component_in_ram(pipe, BUDGET, tmp_path)
     wan_latents(pipe)
     on_disk = [n for n in pipe._flextensor.host_tier.report()["on_disk"] if n.startswith("transformer")]
     assert on_disk
@@ -123,7 +114,7 @@ def test_the_smallest_host_budget_includes_the_process_own_memory_and_the_reserv
         pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget=1, cache_dir=tmp_path)
     need = bare.value.required_bytes
     own, reserve = 5_000_000, 1_000_000
-    set_overhead(monkeypatch, own, reserve)
+    set_host_overhead(monkeypatch, own, reserve)
     with pytest.raises(ft.HostBudgetError) as raised:
         pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget=1, cache_dir=tmp_path)
     smallest = need + own + reserve
@@ -161,7 +152,7 @@ def test_the_process_own_memory_leaves_less_room_for_host_copies(saved, tmp_path
     pipe.disable_flextensor_offload()
 
     own, reserve = sizes["transformer"], 10_000
-    set_overhead(monkeypatch, own, reserve)
+    set_host_overhead(monkeypatch, own, reserve)
     pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget=host_budget, cache_dir=tmp_path)
     tier = tier_of(pipe)
     assert tier.weights_budget == host_budget - own - reserve
@@ -396,7 +387,7 @@ def measure_anonymous_memory(folder: str, out: str, part: float = 0.0) -> None:
     pipe = load(Path(folder))
     cache = Path(out).parent / "cache"
     with pytest.MonkeyPatch.context() as patch:
-        set_overhead(patch, own=0, reserve=0)
+        set_host_overhead(patch, own=0, reserve=0)
         gpu, need = smallest_budgets(pipe, cache)  # what the host copies need, alone
     host_budget.HOST_RESERVE_BYTES = ANON_SLACK  # what a tiny generation allocates, not a GPU process's libraries
     modules = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
