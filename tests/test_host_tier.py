@@ -72,6 +72,22 @@ def test_a_host_budget_under_the_weights_keeps_outputs_bitwise_equal(reference, 
     assert torch.equal(wan_latents(pipe), reference)
 
 
+def test_shapes_changed_between_generations_with_one_expert_on_disk_stay_native(tmp_path) -> None:
+    """Generations at two shapes, alternating, with the experts taking turns in RAM: each shape profiles
+    and plans on its own, and every output is bitwise equal to native at that shape."""
+    shapes = [dict(height=32, width=32), dict(height=48, width=32, num_frames=5)]
+    native = build_pipeline("wan22_t2v", "tiny")
+    expected = [wan_latents(native, **shape) for shape in shapes]
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    enable_with_one_component_in_ram(pipe, BUDGET, tmp_path)
+    for _ in range(2):
+        for shape, reference in zip(shapes, expected, strict=True):
+            assert torch.equal(wan_latents(pipe, **shape), reference)
+    assert len(pipe.flextensor_report()["host_tier"]["disk_reads_s"]) >= 4
+    assert pipe._flextensor.handles["transformer"].counters["plans"] >= 2  # a plan per shape
+    pipe.disable_flextensor_offload()
+
+
 def test_an_edit_while_on_disk_reaches_the_file(tmp_path) -> None:
     """A state dict loaded into a component whose host copies wait on disk is what it computes with."""
     pipe = build_pipeline("wan22_t2v", "tiny")
