@@ -438,3 +438,23 @@ def test_a_payload_cache_that_cannot_be_written_leaves_no_file_and_costs_only_th
     assert handle.stats().payload_cache.startswith("not written: [Errno 28] No space left on device")
     assert not list(tmp_path.iterdir())
     handle.remove()
+
+
+def test_ctrl_c_while_the_payload_cache_is_written_leaves_no_file_and_the_model_as_it_was(
+    tmp_path, monkeypatch
+) -> None:
+    """Ctrl-C while set-up writes the payload cache (seconds for a large model): it reaches the caller, the
+    model is as it was, and no half-written file stays in the cache folder."""
+    from flextensor_diffusers.engine import payload_cache
+
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(payload_cache.os, "replace", interrupted)
+    model, _ = make(torch.bfloat16)
+    before = snapshot(model)
+    config = ft.OffloadConfig(["blocks.*"], device="cpu", compression="lossless", compression_cache=True)
+    with pytest.raises(KeyboardInterrupt):
+        ft.offload(model, dataclasses.replace(config, cache_dir=tmp_path))
+    assert not list(tmp_path.iterdir())
+    assert_same(before, model)

@@ -236,6 +236,53 @@ def test_a_full_disk_while_moving_a_component_out_is_a_clear_error(tmp_path, mon
     assert torch.equal(wan_latents(pipe), reference)
 
 
+def test_ctrl_c_while_a_cache_file_is_written_leaves_the_model_and_the_cache_folder_as_they_were(
+    reference, tmp_path, monkeypatch
+) -> None:
+    """Ctrl-C while set-up writes a component's cache file (seconds for an expert): the interrupt reaches
+    the caller, the pipeline is as it was (every tensor, bit for bit, same objects), the half-written file
+    is gone, and enabling again works."""
+    from flextensor_diffusers.engine import residency
+
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    before = {name: snapshot(getattr(pipe, name)) for name in ("text_encoder", "transformer", "transformer_2")}
+    real_open = open
+
+    class InterruptedWrite:
+        def __init__(self, file) -> None:
+            self.file = file
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.file.close()
+
+        def seek(self, offset: int) -> None:
+            self.file.seek(offset)
+
+        def write(self, data) -> None:
+            self.file.write(data)
+            raise KeyboardInterrupt
+
+    def interrupted(path, mode="r", *args, **kwargs):
+        file = real_open(path, mode, *args, **kwargs)
+        return InterruptedWrite(file) if "w" in mode and str(path).endswith(".tmp") else file
+
+    monkeypatch.setattr(residency, "open", interrupted, raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        enable_with_one_component_in_ram(pipe, BUDGET, tmp_path)
+    assert getattr(pipe, "_flextensor", None) is None
+    assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
+    for name, snap in before.items():
+        assert_same(snap, getattr(pipe, name))
+    monkeypatch.undo()
+    set_host_overhead(monkeypatch, own=0, reserve=0)
+    enable_with_one_component_in_ram(pipe, BUDGET, tmp_path)
+    assert all(torch.equal(wan_latents(pipe), reference) for _ in range(2))
+    pipe.disable_flextensor_offload()
+
+
 def test_the_recipe_names_the_host_budget_flag(tmp_path, capsys) -> None:
     from flextensor_diffusers.recipes import wan22_t2v
 

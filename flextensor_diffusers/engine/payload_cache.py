@@ -180,4 +180,7 @@ class PayloadCache:
             self.status = f"not written: {exc}"
             logger.warning("payload cache %s not written (%s): the next run encodes again", self.path, exc)
             return
+        except BaseException:  # Ctrl-C while writing (seconds for a large model): no partial file stays behind
+            tmp.unlink(missing_ok=True)
+            raise
         self.status = f"{self.status}; written again" if self.status.startswith("refused") else "written"

@@ -535,6 +535,9 @@ class Residency:
                     raise FlexTensorError(
                         f"could not write the weight cache {path} ({exc}): free space there or choose another cache_dir"
                     ) from exc
+                except BaseException:  # Ctrl-C while writing (seconds for an expert): no partial file stays behind
+                    tmp.unlink(missing_ok=True)
+                    raise
             mapped = torch.from_file(str(path), shared=True, size=max(offsets[-1], 1), dtype=torch.uint8)
             hosts = [mapped[offset : offset + unit.nbytes] for unit, offset in zip(units, offsets, strict=False)]
         if self.cuda:  # copies issued before release may still be reading the buffers about to be freed
