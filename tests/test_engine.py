@@ -419,3 +419,42 @@ def test_a_forward_interrupted_inside_a_block_leaves_later_forwards_native(
         handle.remove()
         hook.remove()
     assert_same(before, model)
+
+
+def test_ctrl_c_while_set_up_waits_for_the_packing_threads_leaves_every_tensor_in_its_own_storage(
+    monkeypatch,
+) -> None:
+    """Ctrl-C reaches set-up while it waits for the threads that pack units (slow here, two at a time): the
+    interrupt reaches the caller, and no thread packs a unit after set-up has put every tensor back, each in
+    a storage of its own as before, bit for bit."""
+    import threading
+    import time
+
+    from flextensor_diffusers.engine import residency, setup_threads
+
+    model, x = make(depth=8)
+    ref = native(model, x, "cpu")
+    before = snapshot(model)
+    real_pack, real_wait = residency.pack_unit, setup_threads.wait
+    packing = threading.Event()
+
+    def slow_pack(unit, *args, **kwargs) -> None:
+        packing.set()
+        time.sleep(0.1)
+        real_pack(unit, *args, **kwargs)
+
+    def interrupted_wait(futures, *args, **kwargs):
+        packing.wait()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(setup_threads, "PACK_THREADS", 2)
+    monkeypatch.setattr(residency, "pack_unit", slow_pack)
+    monkeypatch.setattr(setup_threads, "wait", interrupted_wait)
+    with pytest.raises(KeyboardInterrupt):
+        ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**9, device="cpu")
+    monkeypatch.setattr(setup_threads, "wait", real_wait)
+    time.sleep(1.0)  # any thread still running would pack its unit meanwhile
+    assert_same(before, model)
+    shared = [n for n, t in model.named_parameters() if t.untyped_storage().nbytes() != t.numel() * t.element_size()]
+    assert not shared, shared  # views of a unit's flat buffer: packed after set-up gave up
+    assert torch.equal(native(model, x, "cpu"), ref)

@@ -43,8 +43,15 @@ class ThreadedWork(Generic[Item]):
 
     def finish(self) -> float:
         """Wait for every task, then raise the first failure (in item order); seconds from the start until
-        the last task ended (not until this call)."""
-        wait(self._futures)
+        the last task ended (not until this call). Interrupted while waiting (Ctrl-C), it cancels the tasks
+        not started and waits for those running before it lets the interrupt go on: the caller's clean-up
+        then sees every item as it stays (no task left to pack a unit after set-up put the tensors back)."""
+        try:
+            wait(self._futures)
+        except BaseException:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._bar.close()
+            raise
         self._pool.shutdown()
         self._bar.close()
         for future in self._futures:
