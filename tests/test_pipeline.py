@@ -172,3 +172,47 @@ def test_pipeline_on_cuda_is_bitwise_native(pipe) -> None:
     assert report["peak_allocated_bytes"] is not None and report["components"]["transformer"]["phase"] == "steady"
     pipe.disable_flextensor_offload()
     assert all(p.device.type == "cpu" for p in pipe.transformer.parameters())
+
+
+@pytest.mark.parametrize("host_tier", [False, True], ids=["all-in-ram", "one-expert-on-disk"])
+def test_ctrl_c_during_disable_keeps_outputs_native_and_disable_finishes_later(
+    host_tier: bool, tmp_path, monkeypatch
+) -> None:
+    """Ctrl-C while `disable_flextensor_offload` puts the weights back (in the second expert, say): the
+    interrupt reaches the caller as it is, the pipeline still computes bitwise as natively (the units not
+    restored yet stream on demand), and calling disable again finishes the job, every tensor as before."""
+    from models import enable_with_one_component_in_ram, set_host_overhead
+
+    from flextensor_diffusers.engine import residency
+
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    reference = latents(pipe)
+    before = {name: snapshot(m) for name, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+    if host_tier:
+        set_host_overhead(monkeypatch, own=0, reserve=0)
+        enable_with_one_component_in_ram(pipe, BUDGET, tmp_path)
+    else:
+        pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
+    latents(pipe)
+    real_restore = residency.restore_unit
+    second_expert = set(pipe.transformer_2.modules())
+    interrupted = []
+
+    def interrupted_restore(unit) -> None:
+        if unit.module in second_expert and not interrupted:  # the second expert's first unit, once
+            interrupted.append(unit.name)
+            raise KeyboardInterrupt
+        real_restore(unit)
+
+    monkeypatch.setattr(residency, "restore_unit", interrupted_restore)
+    with pytest.raises(KeyboardInterrupt):
+        pipe.disable_flextensor_offload()
+    monkeypatch.setattr(residency, "restore_unit", real_restore)
+    assert interrupted and pipe._flextensor is not None
+    assert all(torch.equal(latents(pipe), reference) for _ in range(2))
+    pipe.disable_flextensor_offload()
+    assert pipe._flextensor is None
+    for name, snap in before.items():
+        assert_same(snap, getattr(pipe, name))
+    assert torch.equal(latents(pipe), reference)
+    assert not any(tmp_path.iterdir())

@@ -713,7 +713,7 @@ class Residency:
                     continue
                 try:
                     restore_unit(unit)
-                except BaseException as exc:
+                except Exception as exc:  # Ctrl-C goes on as it is: the user asked to stop, not a fault to explain
                     raise OffloadStateError(
                         f"could not restore {unit.name!r} ({exc}); the rest still streams on demand. "
                         "Free memory and call remove() again"
