@@ -6,7 +6,14 @@ import json
 
 import pytest
 import torch
-from models import TINY_WAN_ARGV, assert_same, snapshot, wan_latents
+from models import (
+    TINY_WAN_ARGV,
+    assert_same,
+    enable_with_one_component_in_ram,
+    set_host_overhead,
+    snapshot,
+    wan_latents,
+)
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.models import build_pipeline
@@ -181,8 +188,6 @@ def test_ctrl_c_during_disable_keeps_outputs_native_and_disable_finishes_later(
     """Ctrl-C while `disable_flextensor_offload` puts the weights back (in the second expert, say): the
     interrupt reaches the caller as it is, the pipeline still computes bitwise as natively (the units not
     restored yet stream on demand), and calling disable again finishes the job, every tensor as before."""
-    from models import enable_with_one_component_in_ram, set_host_overhead
-
     from flextensor_diffusers.engine import residency
 
     pipe = build_pipeline("wan22_t2v", "tiny")
