@@ -48,12 +48,9 @@ class ThreadedWork(Generic[Item]):
         then sees every item as it stays (no task left to pack a unit after set-up put the tensors back)."""
         try:
             wait(self._futures)
-        except BaseException:
+        finally:  # after a whole wait every task has ended, and there is nothing left to cancel
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._bar.close()
-            raise
-        self._pool.shutdown()
-        self._bar.close()
         for future in self._futures:
             future.result()
         return self._ended - self._started
