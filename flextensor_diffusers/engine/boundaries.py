@@ -42,11 +42,14 @@ _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 @dataclass(frozen=True)
 class Crossing:
-    """What runs when a call crosses a boundary; every callable is hidden from dynamo."""
+    """What runs when a call crosses a boundary; every callable is hidden from dynamo.
+
+    ``exit`` is given the call's output; ``fail`` the exception it raised, and may return another one to
+    raise in its place (one that names the fix)."""
 
     enter: Callable[[tuple, dict], None]
-    exit: Callable[[], None]
-    fail: Callable[[], None]
+    exit: Callable[[Any], None]
+    fail: Callable[[BaseException], BaseException | None]
     compiled: Callable[[], None] | None = None  # a unit was compiled: its compute times change
 
 
@@ -119,10 +122,12 @@ def _cross(crossing: Crossing | None, inner: Callable[..., Any], args: tuple, kw
     crossing.enter(args, kwargs)
     try:
         output = inner(*args, **kwargs)
-    except BaseException:
-        crossing.fail()
+    except BaseException as exc:
+        instead = crossing.fail(exc)
+        if instead is not None and instead is not exc:
+            raise instead from exc
         raise
-    crossing.exit()
+    crossing.exit(output)
     return output
 
 

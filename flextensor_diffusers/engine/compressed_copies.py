@@ -200,6 +200,21 @@ class CompressedCopies:
             return unit.tensors[exc.segment].names[0]
         return None
 
+    def refresh(self, unit: Unit) -> None:
+        """Encode ``unit`` again from its host bytes, which an edit changed; on the host, so that no device
+        memory beyond the budget is taken mid-run. It stays uncompressed when that no longer pays."""
+        old = self.encoded.pop(unit.index, None)
+        if old is None:
+            return
+        if any(payload is old.payload for payload in self._registered):
+            if self.cuda:  # a copy issued before may still read it
+                torch.cuda.synchronize(self.device)
+            unpin_in_place(old.payload)
+            self._registered = [p for p in self._registered if p is not old.payload]
+        encoded = encode_unit(self._host_of(unit), segments_of(unit))
+        if worth_compressing(encoded):
+            self._keep({unit.index: encoded}, self.pinned)
+
     def release(self) -> None:
         """Drop the compressed copies, unregistering those pinned in place (once no copy reads them)."""
         if self._registered and self.cuda:

@@ -105,16 +105,19 @@ def room_on_device(device: torch.device) -> int:
     return min(free, cap - torch.cuda.memory_reserved(device))
 
 
-def resolve_budget(budget: int | str, device: torch.device, already_on_device: int = 0) -> int:
-    """The budget in bytes: parsed, or for ``"auto"`` the room on the device (plus what the model
-    already holds there, which offloading gives back) less `AUTO_BUDGET_MARGIN_BYTES`.
+def resolve_budget(budget: int | str, device: torch.device) -> int:
+    """The budget in bytes: parsed, or for ``"auto"`` what the process may hold on the device at its peak —
+    what it has allocated there now (the model's own tensors included, which offloading gives back) plus the
+    room left — less `AUTO_BUDGET_MARGIN_BYTES`. A budget bounds the process's whole peak of allocated device
+    memory, inputs and other models included.
 
     The one place a budget is resolved; a pipeline resolves it once and hands every component the bytes.
     """
     if not is_auto(budget):
         return parse_bytes(budget)
     room = room_on_device(device)
-    resolved = room + already_on_device - AUTO_BUDGET_MARGIN_BYTES
+    held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    resolved = room + held - AUTO_BUDGET_MARGIN_BYTES
     if resolved <= 0:
         raise BudgetError(
             f"budget='auto' found only {format_bytes(max(room, 0))} free for this process on {device}: "

@@ -21,6 +21,14 @@ from dataclasses import dataclass, field
 from .config import format_bytes
 from .errors import BudgetError
 
+#: The CUDA caching allocator rounds every block up to this many bytes, and its peak counts the rounded sizes.
+CUDA_ALLOCATION_GRANULE = 512
+
+
+def allocated(nbytes: int, granule: int) -> int:
+    """What a buffer of ``nbytes`` adds to an allocator's count: its size rounded up to ``granule``."""
+    return -(-nbytes // granule) * granule
+
 
 @dataclass(frozen=True)
 class Call:
@@ -40,7 +48,7 @@ class WorkloadProfile:
     calls: list[Call]
     tail_ms: float  # compute after the last unit call
     bandwidth_bytes_per_ms: float  # host→device
-    activation_peak_bytes: int  # peak allocated during a forward, beyond own weights and what preceded offload
+    activation_peak_bytes: int  # peak allocated by the process during a forward, less the handle's own copies
     resident_bytes: int  # weights that are not in any unit (always on the device)
     #: Bytes a load of each unit moves over the link when it differs from ``unit_bytes`` (a unit kept
     #: compressed in host memory and decoded on the device); None: every load moves the raw bytes.
@@ -48,6 +56,13 @@ class WorkloadProfile:
     #: Measured decode time of each compressed unit (0 for the others); None: not measured (decodes
     #: are then taken as free, e.g. on the CPU).
     decode_ms: list[float] | None = None
+    #: The allocator's block granule: every device buffer counts as its size rounded up to it (512 for the
+    #: CUDA caching allocator, whose peak counts rounded blocks; 1 where sizes count as they are).
+    allocation_granule: int = 1
+
+    def allocated(self, nbytes: int) -> int:
+        """What a device buffer of ``nbytes`` adds to the allocator's count."""
+        return allocated(nbytes, self.allocation_granule)
 
     def transfer(self, unit: int) -> int:
         return self.transfer_bytes[unit] if self.transfer_bytes is not None else self.unit_bytes[unit]
@@ -242,12 +257,15 @@ def lower_bound(profile: WorkloadProfile, resident: frozenset[int], num_slots: i
 
 
 def memory_needed(profile: WorkloadProfile, resident: frozenset[int], num_slots: int, margin: float) -> int:
+    """The peak the plan allocates: every device buffer as the allocator counts it, and the activations (all
+    the process holds besides the handle's copies) with their margin."""
     streamed = [u for u in range(len(profile.unit_bytes)) if u not in resident]
-    slot = max(profile.unit_bytes[u] for u in streamed) + profile.staging_bytes(streamed) if streamed else 0
+    staging, size = profile.staging_bytes(streamed), profile.allocated
+    slot = size(max(profile.unit_bytes[u] for u in streamed)) + size(staging) if streamed else 0
     slots = num_slots * slot
-    residents = sum(profile.unit_bytes[u] for u in resident)
+    residents = sum(size(profile.unit_bytes[u]) for u in resident)
     activations = int(profile.activation_peak_bytes * (1 + margin))
-    return profile.resident_bytes + residents + slots + activations
+    return size(profile.resident_bytes) + residents + slots + activations
 
 
 def smallest_budget(
@@ -256,13 +274,14 @@ def smallest_budget(
     activation_peak_bytes: int = 0,
     margin: float = 0.0,
     staging_bytes: int = 0,
+    granule: int = 1,
 ) -> int:
     """The least budget streaming can run in: weights outside units + 2 slots of the largest unit
     (one computing, one loading; each with room for a compressed load) + the activation peak with its
-    margin. The one place this rule lives: at set-up activations are not known yet (0); after profiling
-    they are."""
-    slots = 2 * (max(unit_bytes) + staging_bytes) if unit_bytes else 0
-    return resident_bytes + slots + int(activation_peak_bytes * (1 + margin))
+    margin, each buffer as the allocator counts it (``granule``). The one place this rule lives: at set-up
+    activations are not known yet (0); after profiling they are."""
+    slots = 2 * (allocated(max(unit_bytes), granule) + allocated(staging_bytes, granule)) if unit_bytes else 0
+    return allocated(resident_bytes, granule) + slots + int(activation_peak_bytes * (1 + margin))
 
 
 def check_budget(
@@ -272,9 +291,10 @@ def check_budget(
     activation_peak_bytes: int = 0,
     margin: float = 0.0,
     staging_bytes: int = 0,
+    granule: int = 1,
 ) -> None:
     """Raise `BudgetError` (with ``required_bytes``) when ``budget`` is under `smallest_budget`."""
-    need = smallest_budget(resident_bytes, unit_bytes, activation_peak_bytes, margin, staging_bytes)
+    need = smallest_budget(resident_bytes, unit_bytes, activation_peak_bytes, margin, staging_bytes, granule)
     if budget >= need:
         return
     parts = f"weights outside units {format_bytes(resident_bytes)}"
@@ -283,7 +303,10 @@ def check_budget(
         if staging_bytes:
             parts += f", each with {format_bytes(staging_bytes)} of room for a compressed load"
     if activation_peak_bytes:
-        parts += f" + activation peak {format_bytes(activation_peak_bytes)} (+{margin:.0%})"
+        parts += (
+            f" + activation peak {format_bytes(activation_peak_bytes)} (+{margin:.0%}; everything else the process "
+            "holds on the device while it runs)"
+        )
     raise BudgetError(
         f"gpu_budget {format_bytes(budget)} is smaller than the least this needs: {format_bytes(need)} ({parts}). "
         f"Pass gpu_budget >= {need}, stream smaller units (finer include_patterns), or shrink the workload "
@@ -346,7 +369,15 @@ def _plan_one(profile: WorkloadProfile, budget: int, max_slots: int, margin: flo
     if memory_needed(profile, everything, 0, margin) <= budget:
         return _make_plan(profile, everything, 0, budget, margin)
     staging = profile.staging_bytes(list(range(n)))
-    check_budget(budget, profile.resident_bytes, profile.unit_bytes, profile.activation_peak_bytes, margin, staging)
+    check_budget(
+        budget,
+        profile.resident_bytes,
+        profile.unit_bytes,
+        profile.activation_peak_bytes,
+        margin,
+        staging,
+        profile.allocation_granule,
+    )
     best: tuple[float, int, frozenset[int], int] | None = None
     for slots in range(2, max_slots + 1):
         if memory_needed(profile, frozenset(), slots, margin) > budget:

@@ -97,18 +97,18 @@ class Profiler:
         self._marks: list[CallMark] = []
         self._open: OpenCall | None = None
         self._forward_start: Any = None
-        self._alloc_at_start = 0
+        self._own_bytes = 0
 
-    def start_forward(self, profiling: bool, outside_bytes: int = 0) -> None:
-        """``outside_bytes``: device memory that is not this forward's to count, the handle's own
-        weights and what the process held before offloading began. Everything else allocated at the
-        peak counts as activations, including tensors already alive when the forward starts (a
-        pipeline's latents and prompt embeddings): the budget has to hold them too."""
+    def start_forward(self, profiling: bool, own_bytes: int = 0) -> None:
+        """``own_bytes``: the device memory the handle holds (its weights' copies). Everything else the
+        process has allocated at the peak counts as this workload's *activations*: its temporaries, and
+        tensors alive when it starts (the caller's inputs, a pipeline's latents and prompt embeddings, other
+        models, library workspaces). The budget bounds the process's whole peak, so it has to hold them all."""
         self.observed, self._marks, self._open = [], [], None
         if profiling:
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
-                self._alloc_at_start = outside_bytes
+                self._own_bytes = own_bytes
             self._forward_start = self.clock.mark()
 
     def abandon(self) -> None:
@@ -136,7 +136,7 @@ class Profiler:
         end = self.clock.mark()
         if self.cuda:
             torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device) - self._alloc_at_start
+            peak = torch.cuda.max_memory_allocated(self.device) - self._own_bytes
         else:
             peak = 0  # the CPU allocator keeps no peak; planning on the CPU ignores activations
         calls, load_ms, load_bytes, decode_ms = [], 0.0, 0, {}

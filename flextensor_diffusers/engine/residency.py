@@ -44,11 +44,12 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .binding import Binding
 from .codec import EncodedUnit, decode_into
 from .compressed_copies import CompressedCopies
 from .errors import FlexTensorError, OffloadStateError
 from .host_memory import host_buffer, page_locked
-from .planner import Plan
+from .planner import CUDA_ALLOCATION_GRANULE, Plan, allocated
 from .setup_threads import PACK_THREADS, ThreadedWork
 from .shared_host import SharedHostMemory
 from .units import (
@@ -177,6 +178,8 @@ class Residency:
         self.host_gate: Callable[[Unit], None] | None = None
         #: Positions (0: the base, then 1 + unit index) already taken back into RAM during a spill.
         self._taken: set[int] = set()
+        #: Where each unit's tensors point (their own device copy, or their host copy) and the edits made there.
+        self.binding = Binding(self._positions(), device, self.host_of, self._edited)
 
     # ------------------------------------------------------------------------------------ set-up
 
@@ -210,8 +213,16 @@ class Residency:
 
     @property
     def resident_weight_bytes(self) -> int:
-        """Weights on the device whenever the model is active, whatever the plan: base and loose."""
-        return self.base.nbytes + sum(t.numel() * t.element_size() for t, _ in self.loose)
+        """Weights on the device whenever the model is active, whatever the plan: base and loose, each as the
+        allocator counts it (`planner.allocated`)."""
+        granule = self.allocation_granule
+        loose = sum(allocated(t.numel() * t.element_size(), granule) for t, _ in self.loose)
+        return allocated(self.base.nbytes, granule) + loose
+
+    @property
+    def allocation_granule(self) -> int:
+        """What the device's allocator rounds every buffer up to (and counts): 512 bytes on CUDA."""
+        return CUDA_ALLOCATION_GRANULE if self.cuda else 1
 
     # ------------------------------------------------------------------------------------ activity
 
@@ -220,10 +231,11 @@ class Residency:
         if self.active:
             return
         self.check_tensors_are_ours()
+        self.binding.sweep()  # edits made while inactive reach the copies made below
         with torch.no_grad(), torch.inference_mode(False):
             buffer = torch.empty(self.base.nbytes, dtype=torch.uint8, device=self.device)
             buffer.copy_(self.host_of(self.base), non_blocking=True)
-            self.base.bind(buffer)
+            self.binding.to_device(self.base, buffer)
             self.copies.base = buffer
             self.foreign = self._find_foreign()
             for t, _ in [*self.loose, *self.foreign]:
@@ -238,7 +250,7 @@ class Residency:
         with torch.no_grad(), torch.inference_mode(False):
             self.unbind_units()
             if self.base.host is not None:
-                self.base.bind(self.base.host)
+                self.binding.to_host(self.base)
             for t, origin in [*self.loose, *self.foreign]:
                 t.data = t.data.to(origin)
         self.copies.base = None
@@ -278,12 +290,14 @@ class Residency:
     # ------------------------------------------------------------------------------------ layout
 
     def unbind_units(self) -> None:
-        """Point the units at their host copies and drop their slots and resident copies."""
+        """Point the units at their host copies (edits made in device copies copied back first) and drop
+        their slots and resident copies."""
         for unit in self.units:
             if unit.host is not None:  # during a failed set-up, not every unit is packed yet
-                unit.bind(unit.host)
+                self.binding.to_host(unit)
         self.copies.resident, self.copies.slots, self.copies.staging = {}, [], []
         self.dst = [None] * len(self.units)
+        self.slot_owner = []
 
     def lay_out(self, plan: Plan | None) -> None:
         """Device buffers for the units: per the plan, or one shared profiling slot before a plan exists."""
@@ -299,7 +313,6 @@ class Residency:
                 self.decoding = frozenset(self.encoded)
                 self._allocate_staging(1)
                 for unit in packed:
-                    unit.bind(slot)
                     self.dst[unit.index] = slot[: unit.nbytes]
             else:
                 self.copies.slots = [
@@ -311,11 +324,10 @@ class Residency:
                     unit = self.units[index]
                     buffer = torch.empty(unit.nbytes, dtype=torch.uint8, device=self.device)
                     self._fill_resident(index, buffer)
-                    unit.bind(buffer)
+                    self.binding.to_device(unit, buffer)
                     self.copies.resident[index] = buffer
                 for index, slot in enumerate(plan.slot_of):
                     if slot is not None:
-                        self.units[index].bind(self.copies.slots[slot])
                         self.dst[index] = self.copies.slots[slot][: self.units[index].nbytes]
                 self.slot_of = list(plan.slot_of)
         self.slot_owner = [None] * len(self.copies.slots)
@@ -342,6 +354,20 @@ class Residency:
 
     # ------------------------------------------------------------------------------------ loading
 
+    def bind_for_call(self, index: int) -> None:
+        """Point a streamed unit that is about to be called at its slot (its load was issued: on demand, or
+        by the schedule, whose event the compute stream waited for). An edit of its host copy since the load
+        was issued makes the load stale: it is loaded again, now, on the compute stream."""
+        slot = self.slot_of[index]
+        if slot is None:  # resident: it views its resident copy already
+            return
+        unit, buffer = self.units[index], self.copies.slots[slot]
+        if self.binding.on_device(unit) is buffer:
+            return
+        self.binding.check(unit)  # an edit on the host since the load drops this slot's ownership
+        self.load_now(index)
+        self.binding.to_device(unit, buffer)
+
     def load_now(self, index: int, on_staged: Callable[[], None] | None = None) -> bool:
         """On-demand load on the compute stream (ordered after whatever last read the slot).
         ``on_staged`` runs between a compressed load's copy and its decode (the profiler's mark)."""
@@ -362,7 +388,9 @@ class Residency:
 
     def stage(self, index: int, slot: int) -> bool:
         """Enqueue the copy part of a load on the current stream: the raw bytes into the slot, or the
-        compressed payload into the slot's staging buffer. True when a decode must follow."""
+        compressed payload into the slot's staging buffer. True when a decode must follow. The slot's
+        previous occupant is pointed back at its host copy first (`Binding`)."""
+        self.evict(slot)
         if index not in self.decoding:
             unit = self.units[index]
             if self.host_gate is not None:  # units still arriving from disk: its final bytes first
@@ -372,6 +400,21 @@ class Residency:
         encoded = self.encoded[index]
         self.copies.staging[slot][: encoded.payload.numel()].copy_(encoded.payload, non_blocking=True)
         return True
+
+    def make_room_for(self, index: int) -> None:
+        """`evict` the unit in ``index``'s slot, unless it is ``index`` itself."""
+        slot = self.slot_of[index]
+        if slot is not None and self.slot_owner and self.slot_owner[slot] != index:
+            self.evict(slot)
+
+    def evict(self, slot: int | None) -> None:
+        """The unit whose tensors view ``slot`` views its host copy from now on (its edits copied back). Done
+        before a load is timed or issued, so that the load's time is the copy's alone."""
+        if slot is None or not self.slot_owner:
+            return
+        owner = self.slot_owner[slot]
+        if owner is not None and self.binding.on_device(self.units[owner]) is self.copies.slots[slot]:
+            self.binding.to_host(self.units[owner])
 
     def decode_staged(self, index: int, slot: int) -> None:
         """Enqueue the decode of ``index``'s staged payload into its slot on the current stream."""
@@ -423,6 +466,24 @@ class Residency:
                 self._adopt_replaced()
             if self.encoded:  # the compressed copies must say what the edited host copies say
                 self.compressed.make(self.compressed.pinned)
+            self.binding.record()  # every copy was made again from the edited host copies
+
+    def _edited(self, unit: Unit, on_device: bool) -> None:
+        """An in-place edit of ``unit`` was found (`Binding`); its host copy holds it now (copied back when it
+        was made in a device copy). What was copied from the host copy before is stale: the spill file, the
+        compressed copy and, for an edit made on the host, a slot loaded with the unit ahead of its call."""
+        self._file_current = False
+        if unit.index < 0:
+            return
+        logger.info("%s was edited in place outside editing(); its copies follow", unit.name)
+        if unit.index in self.encoded:
+            self.compressed.refresh(unit)
+            payload = self.encoded.get(unit.index)
+            room = self.copies.staging[0].numel() if self.copies.staging else 0
+            if unit.index in self.decoding and (payload is None or payload.payload.numel() > room):
+                self.decoding = self.decoding - {unit.index}  # loads it raw until the next layout
+        if not on_device:
+            self.slot_owner = [None if owner == unit.index else owner for owner in self.slot_owner]
 
     def _adopt_replaced(self) -> None:
         refused: list[str] = []
@@ -482,13 +543,6 @@ class Residency:
             for unit in self._positions():
                 self.host_of(unit)
 
-    def _bound_to(self, unit: Unit, host: object) -> bool:
-        """The unit's tensors are views of ``host`` (its host copy), not of a device buffer."""
-        packed = next((p for p in unit.tensors if p.nbytes), None)
-        if packed is None:  # nothing to compare: only an inactive model points at host copies
-            return not self.active
-        return packed.tensor.data_ptr() == packed.view_of(host).data_ptr()  # type: ignore[arg-type]
-
     # ------------------------------------------------------------------------------------ spill and fill
 
     def _file_offsets(self) -> list[int]:
@@ -516,6 +570,7 @@ class Residency:
             return
         if self.active:
             raise OffloadStateError("spill() needs an inactive model: release() it first")
+        self.binding.sweep()  # an edit since the last spill means the file must be written again
         units = [self.base, *self.units]
         held = None if hosts is None else held_bytes
         if hosts is None:
@@ -544,7 +599,7 @@ class Residency:
             torch.cuda.synchronize(self.device)
         with torch.no_grad(), torch.inference_mode(False):
             for unit, host in zip(units, hosts, strict=True):
-                unit.bind(host)  # type: ignore[arg-type]
+                self.binding.to_host(unit, host)  # type: ignore[arg-type]
                 unpin_unit(unit)
                 unit.host = host  # type: ignore[assignment]
         self.spilled_to = path
@@ -647,8 +702,7 @@ class Residency:
         unit = self._positions()[position]
         assert self.spilled_to is not None and position not in self._taken, f"{unit.name} is not waiting to be taken"
         with torch.no_grad(), torch.inference_mode(False):
-            if self._bound_to(unit, unit.host):
-                unit.bind(new.host)  # type: ignore[arg-type]
+            self.binding.rehost(unit, new.host)  # type: ignore[arg-type]
         unit.host, unit.pinned_in_place = new.host, new.pinned_in_place
         self._taken.add(position)
         if len(self._taken) == len(self.units) + 1:
@@ -674,8 +728,7 @@ class Residency:
         with torch.no_grad(), torch.inference_mode(False):
             for position in sorted(self._taken):
                 unit = positions[position]
-                if self._bound_to(unit, unit.host):
-                    unit.bind(hosts[position])  # type: ignore[arg-type]
+                self.binding.rehost(unit, hosts[position])  # type: ignore[arg-type]
                 unpin_unit(unit)
                 unit.host = hosts[position]  # type: ignore[assignment]
         self._taken = set()

@@ -61,7 +61,7 @@ from .residency import Residency, SetupTimes
 from .schedule import SteadySchedule, TransferTotals
 from .shared_host import SharedHostMemory
 from .stats import OffloadStats, UnitStats
-from .units import find_units, plan_layout, tensor_nbytes
+from .units import find_units, plan_layout
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +108,7 @@ class OffloadHandle:
         self.residency = Residency(model, layout, self.device)
         self.units = layout.units
         self.resident_weight_bytes = self.residency.resident_weight_bytes
-        tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-        on_device = sum(tensor_nbytes(t) for t in tensors.values() if t.device == self.device)
-        self.budget_bytes = resolve_budget(config.gpu_budget, self.device, already_on_device=on_device)
+        self.budget_bytes = resolve_budget(config.gpu_budget, self.device)
         self._unit_bytes = [u.nbytes for u in self.units]
         self._check_budget(self.budget_bytes)
         # A compressed model loads other bytes (and needs staging room): its profiles are its own.
@@ -128,9 +126,6 @@ class OffloadHandle:
         if self.profiles.given is not None:  # measured activations known now: check before packing anything
             self._check_budget(self.budget_bytes, self.profiles.given.profile)
         self.setup_times = SetupTimes(layout=1e3 * (time.perf_counter() - started))
-        #: Device memory the process held before this handle (other models, workspaces): not counted
-        #: as this model's activations. What it allocates later, while this model runs, is.
-        self._allocated_before = torch.cuda.memory_allocated(self.device) if self.cuda else 0
 
         self.phase = Phase.DISCOVERY if self.units else Phase.STEADY
         self.plan: Plan | None = None
@@ -147,6 +142,7 @@ class OffloadHandle:
         self._measured_forwards = 0
         self._depth = 0  # nesting of entry calls (AutoencoderKL.forward calls encode and decode)
         self._pos = 0  # unit calls so far in the current workload call
+        self._open_unit: int | None = None  # the unit being called now (units never nest)
         self._clock = Clock(self.device)
         self.profiler = Profiler(self.device, self._clock)
         self.totals = TransferTotals(unit_stall_ms=[0.0] * len(self.units))
@@ -202,10 +198,10 @@ class OffloadHandle:
         for name in self.config.edit_methods:
             if callable(getattr(self.model, name, None)):
                 self.boundaries.wrap_edit(self.model, name, self.editing)
-        nothing = hidden(lambda: None)
+        unit_failed = hidden(self._unit_failed)
         for unit in self.units:
             enter, exit_ = hidden(self._unit_enter(unit.index)), hidden(self._unit_exit(unit.index))
-            self.boundaries.border_unit(unit.module, Crossing(enter, exit_, nothing, self._unit_compiled))
+            self.boundaries.border_unit(unit.module, Crossing(enter, exit_, unit_failed, self._unit_compiled))
         self._state_dict_hooks = [
             unit.module._register_state_dict_hook(self._state_dict_hook(unit))
             for unit in [self.residency.base, *self.units]
@@ -228,6 +224,7 @@ class OffloadHandle:
         def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
             if unit.host is None:
                 return
+            self.residency.binding.check(unit)  # an edit made in a device copy reaches the host copy first
             host = self.residency.host_of(unit)  # its final bytes, when they are still arriving from disk
             for packed in unit.tensors:
                 for rel in packed.names:
@@ -247,13 +244,15 @@ class OffloadHandle:
         profile = profile or self.profile
         activations = profile.activation_peak_bytes if profile is not None else 0
         margin = self.config.activation_margin
-        return smallest_budget(self.resident_weight_bytes, self._unit_bytes, activations, margin, self._staging_needed)
+        staging, granule = self._staging_needed, self.residency.allocation_granule
+        return smallest_budget(self.resident_weight_bytes, self._unit_bytes, activations, margin, staging, granule)
 
     def _check_budget(self, budget: int, profile: WorkloadProfile | None = None) -> None:
         """Raise `BudgetError` when ``budget`` is under `smallest_budget` for ``profile``."""
         activations = profile.activation_peak_bytes if profile is not None else 0
         margin = self.config.activation_margin
-        check_budget(budget, self.resident_weight_bytes, self._unit_bytes, activations, margin, self._staging_needed)
+        staging, granule = self._staging_needed, self.residency.allocation_granule
+        check_budget(budget, self.resident_weight_bytes, self._unit_bytes, activations, margin, staging, granule)
 
     @property
     def _raw_on_disk(self) -> bool:
@@ -356,7 +355,10 @@ class OffloadHandle:
             raise self._shortfall_error()
         if not self.active:
             self.activate()
+        elif self.residency.binding.sweep():  # edits since the last forward: slots loaded ahead may be stale
+            self.schedule.leave()
         self._pos = 0
+        self._open_unit = None
         if self.phase in (Phase.ON_DEMAND, Phase.REMOVED) or not self.units:
             return
         signature = workload_signature(args, kwargs)
@@ -368,9 +370,9 @@ class OffloadHandle:
             if not self.schedule.primed:
                 self.schedule.prime()
         elif self.phase in (Phase.DISCOVERY, Phase.PROFILING):
-            self.profiler.start_forward(self.phase is Phase.PROFILING, self._not_activations())
+            self.profiler.start_forward(self.phase is Phase.PROFILING, self.residency.device_bytes)
 
-    def _exit_workload(self) -> None:
+    def _exit_workload(self, output: Any = None) -> None:
         self._depth -= 1
         if self._depth > 0:
             return
@@ -392,15 +394,25 @@ class OffloadHandle:
             self.counters["steady"] += 1
             self._start_profiling()
 
-    def _fail(self) -> None:
-        """The workload raised: forget its partial records and resynchronise at the next one."""
+    def _fail(self, exc: BaseException) -> BaseException | None:
+        """The workload raised: forget its partial records and resynchronise at the next one. A device
+        mismatch is what using a streamed unit's weights outside its call gives on CUDA (they view their host
+        copy then): that is said, with the fix."""
         self._depth = 0
+        self._open_unit = None
         self.profiler.abandon()
         if self.phase is Phase.DESYNCED:
             self._start_profiling()
         else:
             self.schedule.leave()
         logger.debug("a forward of %s raised; resynchronising at the next one", type(self.model).__name__)
+        if isinstance(exc, RuntimeError) and "same device" in str(exc) and self.cuda:
+            return FlexTensorError(
+                f"{type(self.model).__name__} used weights of a streamed unit outside that unit's call ({exc}); "
+                "between its calls a streamed unit's weights stay in host memory. Call the unit as a module "
+                "(block(x), not block.forward(x)), or keep it on the device with exclude_patterns=[...]"
+            )
+        return None
 
     def _new_workload(self, signature: str) -> None:
         """Inputs not seen by the current plan: adopt a known or saved profile for them, or profile them."""
@@ -420,17 +432,6 @@ class OffloadHandle:
         self.schedule.leave()
         self.phase = Phase.PROFILING
         self.profiler.runs = []
-
-    def _not_activations(self) -> int:
-        """Device memory at a forward's start that is not this workload's: the handle's own copies and
-        what the process held before offloading (capped by what is still allocated, so memory freed
-        since, e.g. other components packed after this one, is not subtracted twice). Tensors made
-        since, such as a pipeline's latents and prompt embeddings, stay in the activation peak."""
-        if not self.cuda:
-            return 0
-        own = self.residency.device_bytes
-        others_now = max(torch.cuda.memory_allocated(self.device) - own, 0)
-        return own + min(self._allocated_before, others_now)
 
     def _unit_compiled(self) -> None:
         """A unit was compiled after set-up: its compute times change, so every workload is measured
@@ -454,25 +455,75 @@ class OffloadHandle:
         grads = [p for p in unit.module.parameters() if p.requires_grad]
 
         def enter(args: tuple, kwargs: dict) -> None:
-            if grads and torch.is_grad_enabled() and any(p.requires_grad for p in grads):
-                raise InferenceOnlyError(
-                    f"unit {unit.name!r} has parameters that require grad and autograd is on: streamed weights "
-                    "are for inference only. Run under torch.no_grad() or torch.inference_mode(), or call "
-                    "model.requires_grad_(False)"
-                )
+            if self._open_unit is not None:
+                raise self._nested_call_error(index)
+            if torch.is_grad_enabled():
+                self._refuse_autograd(index, grads, args, kwargs)
             self._before_unit(index)
+            self._open_unit = index
 
         return enter
 
-    def _unit_exit(self, index: int) -> Callable[[], None]:
-        def exit_() -> None:
+    def _unit_exit(self, index: int) -> Callable[[Any], None]:
+        def exit_(output: Any) -> None:
+            self._open_unit = None
+            self._refuse_views_of_a_slot(index, output)
             self._after_unit(index)
 
         return exit_
 
+    def _unit_failed(self, exc: BaseException) -> None:
+        self._open_unit = None
+
+    def _nested_call_error(self, index: int) -> FlexTensorError:
+        inner, outer = self.units[index].name, self.units[self._open_unit].name  # type: ignore[index]
+        self._open_unit = None
+        return FlexTensorError(
+            f"unit {inner!r} was called inside unit {outer!r}, which holds it through a plain reference, not as a "
+            f"submodule: loading {inner!r} could overwrite the weights {outer!r} is computing with. Stream only one "
+            f"of them: exclude_patterns=[{inner!r}] (or [{outer!r}])"
+        )
+
+    def _refuse_autograd(self, index: int, grads: list[nn.Parameter], args: tuple, kwargs: dict) -> None:
+        """Autograd through a unit saves its weights for backward; a slot is reused before backward runs, so
+        only resident units (and no weights that require grad) can be differentiated through."""
+        unit = self.units[index]
+        if grads and any(p.requires_grad for p in grads):
+            raise InferenceOnlyError(
+                f"unit {unit.name!r} has parameters that require grad and autograd is on: streamed weights "
+                "are for inference only. Run under torch.no_grad() or torch.inference_mode(), or call "
+                "model.requires_grad_(False)"
+            )
+        if self.residency.slot_of[index] is not None and _any_requires_grad(args, kwargs):
+            raise InferenceOnlyError(
+                f"autograd records through unit {unit.name!r} (an input requires grad), which streams through a "
+                "reused GPU slot: backward would read weights another block has overwritten. Run it under "
+                "torch.no_grad() or torch.inference_mode(), or keep it on the device: "
+                f"exclude_patterns=[{unit.name!r}]"
+            )
+
+    def _refuse_views_of_a_slot(self, index: int, output: Any) -> None:
+        """A streamed unit must not return a view of its own weights: the slot they live in is overwritten by
+        the next unit it holds, and the view with it."""
+        slot = self.residency.slot_of[index]
+        if slot is None or not self.residency.copies.slots:
+            return
+        storage = self.residency.copies.slots[slot].untyped_storage().data_ptr()
+        if any(t.untyped_storage().data_ptr() == storage for t in _tensors_in(output)):
+            name = self.units[index].name
+            raise FlexTensorError(
+                f"unit {name!r} returned a view of its own weights or buffers, which live in a GPU slot that the "
+                f"next streamed unit overwrites: keep it on the device with exclude_patterns=[{name!r}], or return "
+                "a copy (.clone())"
+            )
+
     def _before_unit(self, index: int) -> None:
         if not self.active:
             self.activate()  # a unit called on its own, outside the model's forward
+        self._load_for_call(index)
+        self.residency.bind_for_call(index)
+
+    def _load_for_call(self, index: int) -> None:
         pos = self._pos
         self._pos += 1
         in_workload = self._depth > 0
@@ -481,6 +532,7 @@ class OffloadHandle:
                 self.schedule.before(index)
                 return
             self._desync(index, pos)
+        self.residency.make_room_for(index)  # before the profiler times the load
         if self.phase is Phase.PROFILING and in_workload:
             self.profiler.before_unit(
                 index, lambda on_staged: self.residency.load_now(index, on_staged), self.residency.transfer_bytes(index)
@@ -541,6 +593,7 @@ class OffloadHandle:
         loads move are this run's (a saved profile may come from another encoding of the weights)."""
         if self.residency.encoded:
             profile.transfer_bytes = [self.residency.transfer_bytes(u.index) for u in self.units]
+        profile.allocation_granule = self.residency.allocation_granule  # a saved profile may predate the field
         self.profile = profile
         try:
             config, fallback = self.config, not self._raw_on_disk
@@ -712,3 +765,18 @@ def offload_shared(
     if handle is None:  # raises "no shared weights" when the creator failed
         handle = offload(model, dataclasses.replace(config, shared_host=shared))
     return handle
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors of a call's output: the output itself, or the items of a tuple, list or dict of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _any_requires_grad(args: tuple, kwargs: dict) -> bool:
+    return any(t.requires_grad for t in _tensors_in([*args, *kwargs.values()]))

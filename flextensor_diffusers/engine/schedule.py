@@ -131,6 +131,7 @@ class SteadySchedule:
         """Load ``index`` into ``slot`` on the copy stream once the slot's last reader has finished
         (a compressed load: see the module docstring)."""
         residency = self.residency
+        residency.evict(slot)  # on the host, before the copy's time is marked
         if self.cuda and index in residency.decoding:
             self._issue_compressed(slot, index)
         elif self.cuda:

@@ -23,7 +23,7 @@ from ..engine import OffloadConfig, OffloadHandle, Phase, format_bytes, offload_
 from ..engine.boundaries import refuse_whole_model_compile
 from ..engine.config import cache_folder, resolve_budget, resolve_device
 from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
-from ..engine.planner import smallest_budget
+from ..engine.planner import CUDA_ALLOCATION_GRANULE, smallest_budget
 from ..engine.units import find_units, plan_layout
 from .host_budget import HostOverhead, check_host_budget, resolve_host_budget
 from .host_tier import HostTier, format_host_tier, kept_in_ram_bytes, offload_order, pipeline_folder
@@ -277,7 +277,8 @@ def enable(
     device = resolve_device(device)
     budget_bytes = resolve_budget(budget, device)
     includes = _includes(available, chosen, patterns or {})
-    packed = _check_setup_budgets(available, includes, budget_bytes)
+    granule = CUDA_ALLOCATION_GRANULE if device.type == "cuda" else 1
+    packed = _check_setup_budgets(available, includes, budget_bytes, granule)
     tier = None
     if host_budget is not None:
         if shared_host is not None:
@@ -368,7 +369,7 @@ def check_setup_budget(pipeline: Any, budget_bytes: int, patterns: dict[str, lis
 
 
 def _check_setup_budgets(
-    components: dict[str, nn.Module], includes: dict[str, list[str]], budget: int
+    components: dict[str, nn.Module], includes: dict[str, list[str]], budget: int, granule: int = 1
 ) -> dict[str, int]:
     """Refuse a budget under any component's set-up minimum before anything is packed, naming the
     smallest budget for the whole pipeline (every component gets the whole budget). Returns each
@@ -378,7 +379,7 @@ def _check_setup_budgets(
         module = components[name]
         refuse_whole_model_compile(module)
         layout = plan_layout(module, find_units(module, patterns), meta_ok=True)
-        needs[name] = smallest_budget(layout.resident_bytes, [u.nbytes for u in layout.units])
+        needs[name] = smallest_budget(layout.resident_bytes, [u.nbytes for u in layout.units], granule=granule)
         packed[name] = layout.base.nbytes + sum(u.nbytes for u in layout.units)
     short = {name: need for name, need in needs.items() if need > budget}
     if short:
