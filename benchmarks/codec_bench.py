@@ -35,8 +35,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_common import write_json
 
 from flextensor_diffusers.engine.codec import (
     DEFAULT_CHUNK,
@@ -90,15 +89,6 @@ def locked_copy(flat: torch.Tensor) -> torch.Tensor:
     if not pin_in_place(locked):
         raise RuntimeError("cudaHostRegister of the unit buffer failed")
     return locked
-
-
-def save(results: dict, out: Path | None) -> None:
-    """Print ``results`` and write them to ``out`` as JSON when given."""
-    text = json.dumps(results, indent=2)
-    print(text)
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
 
 
 def trained_files(explicit: list[str], trained_dir: str | None) -> Iterator[Path]:
@@ -360,7 +350,8 @@ def main() -> None:
             report["device_encode"] = device_encode_report(flat, segments, args.chunk, device, reps, encoded)
         results["units"].append(report)
         del flat, encoded
-    save(results, args.out)
+    print(json.dumps(results, indent=2))
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bench_common import write_json
+
 RESULTS = Path(__file__).resolve().parent / "results"
 COMPRESSED = "flextensor_diffusers_lossless"
 RAW = "flextensor_diffusers"
@@ -107,8 +109,8 @@ def main() -> None:
         "decode_from": args.codec.name,
         "runs": rows,
     }
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
+    write_json(args.out, summary)
 
 
 if __name__ == "__main__":

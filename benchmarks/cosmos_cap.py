@@ -13,17 +13,19 @@ allocator's peak is kept for each stage); this script writes the summary the res
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import engine_bench as eb
+from bench_common import GENERATION_ONLY, check_budget, write_json
 
 from flextensor_diffusers.compare import compare
 from flextensor_diffusers.engine import parse_bytes
 from flextensor_diffusers.quality import INF
+
+
+def budget_bytes(run: dict, asked: str) -> int:
+    """The budget the offloaded run resolved, as its report says (``asked`` parsed where it has none)."""
+    report = run.get("offload_report") or {}
+    return report.get("budget_bytes") or parse_bytes(asked)
 
 
 def main() -> None:
@@ -59,6 +61,12 @@ def main() -> None:
         "native_stage_peak_allocated_bytes": native.get("stage_peak_allocated_bytes"),
         "offload_completed": offloaded["status"] == "completed",
         "offload_peak_allocated_bytes": offloaded.get("peak_allocated_bytes"),
+        "offload": check_budget(
+            "Cosmos offloaded",
+            budget_bytes(offloaded, args.budget),
+            offloaded.get("peak_allocated_bytes"),
+            GENERATION_ONLY,
+        ),
         "offload_peak_reserved_bytes": offloaded.get("peak_reserved_bytes"),
         "offload_stage_peak_allocated_bytes": offloaded.get("stage_peak_allocated_bytes"),
         "offload_generation_s": offloaded.get("generation_s"),
@@ -78,7 +86,7 @@ def main() -> None:
             video.unlink()
     for key in ("native_completed", "native_failure_stage", "offload_completed", "offload_peak_allocated_bytes"):
         print(f"{key}: {result[key]}")
-    eb.write_result(args.out, result)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ For a fleet of G GPUs and each g that divides G, G/g replicas run at the same ti
 process with ``--gpus g`` (context parallelism inside, weights streamed on every rank) on its own
 ``CUDA_VISIBLE_DEVICES`` slice. Latency is a replica's generation time (its profiling generation
 excluded); fleet throughput is replicas x 3600 / median latency. Wan2.2-A14B-sized workload with
-random weights, a few steps, by default.
+random weights, a few steps, by default. Each replica's peak allocated memory is set against its
+budget (as its summary gives them: the measured generation only).
 
     python benchmarks/fleet.py --gpus 4 --out $OUT/fleet.json -- --random-weights full --steps 4 --budget 40GiB
     python benchmarks/fleet.py --gpus 1 -- --random-weights tiny --frames 9 --height 32 --width 32 --steps 2
@@ -22,9 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import engine_bench as eb
+from bench_common import GENERATION_ONLY, check_budget, write_json
 
 RECIPE = "flextensor_diffusers.recipes.wan22_t2v"
 
@@ -44,14 +43,18 @@ def run_shape(per_request: int, replicas: int, recipe_argv: list[str], scratch: 
         cmd += ["--output", str(scratch / f"g{per_request}-r{r}.mp4"), "--profile-dir", str(scratch / f"p{r}")]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices} if per_request * replicas > 1 else dict(os.environ)
         procs.append((summary, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)))
-    latencies, failures = [], []
-    for summary, proc in procs:
+    latencies, budgets, failures = [], [], []
+    for r, (summary, proc) in enumerate(procs):
         out, _ = proc.communicate()
         if proc.returncode != 0 or not summary.exists():
             failures.append(out.decode(errors="replace").strip().splitlines()[-1:])
             continue
-        latencies.append(json.loads(summary.read_text())["generation_s"])
+        info = json.loads(summary.read_text())
+        latencies.append(info["generation_s"])
+        label = f"{per_request} GPUs per request, replica {r}"
+        budgets.append(check_budget(label, info["budget_bytes"], info["peak_allocated_bytes"], GENERATION_ONLY))
     run: dict[str, Any] = {"gpus_per_request": per_request, "replicas": replicas, "latencies_s": latencies}
+    run["budget_per_replica"] = budgets
     if latencies:
         median = statistics.median(latencies)
         run.update(median_latency_s=round(median, 3), clips_per_hour=round(len(latencies) * 3600 / median, 2))
@@ -74,7 +77,7 @@ def main() -> None:
             run = run_shape(per_request, replicas, recipe_argv, Path(scratch))
             print(json.dumps(run), flush=True)
             runs.append(run)
-    eb.write_result(args.out, {"gpus": args.gpus, "recipe_arguments": recipe_argv, "runs": runs})
+    write_json(args.out, {"gpus": args.gpus, "recipe_arguments": recipe_argv, "runs": runs})
 
 
 if __name__ == "__main__":

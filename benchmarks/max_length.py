@@ -38,11 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import engine_bench as eb
+from bench_common import WHOLE_RUN, PeakWatch, sync, write_json
 
 BUDGET_OF_CAP = 0.95  # the offloaded run's budget: the cap, less room for the allocator's own rounding
 ALLOC_CONF = "expandable_segments:True"
@@ -87,7 +83,11 @@ def peak(device: torch.device) -> int:
 
 
 def trial(args: argparse.Namespace) -> dict[str, Any]:
-    """One attempt at ``args.frames`` in ``args.child`` mode under ``args.cap``; never raises for OOM."""
+    """One attempt at ``args.frames`` in ``args.child`` mode under ``args.cap``; never raises for OOM.
+
+    The peak is watched from before set-up: ``peak_allocated_bytes`` covers set-up, the profiling
+    generation and the measured one (against the budget, offloaded); ``generation_peak_allocated_bytes``
+    the measured generation alone."""
     from flextensor_diffusers.engine import FlexTensorError
     from flextensor_diffusers.engine.config import resolve_device
 
@@ -97,32 +97,31 @@ def trial(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap / total), device)
-        torch.cuda.reset_peak_memory_stats(device)
-    stage = "set-up"
+    budget = None if args.child == "native" else int(args.cap * BUDGET_OF_CAP)
     result: dict[str, Any] = {"mode": args.child, "frames": args.frames, "cap_bytes": args.cap}
+    watch = PeakWatch(device)
+    stage = "set-up"
     started = time.perf_counter()
     try:
-        if args.child == "native":
+        if budget is None:
             pipe.to(device)
         else:
-            budget = int(args.cap * BUDGET_OF_CAP)
-            result["budget_bytes"] = budget
             pipe.enable_flextensor_offload(budget=budget, device=device, vae_tiling=False)
             stage = "profiling generation"
             generate(pipe, args, args.frames, 2)
         stage = "generation"
-        if device.type == "cuda":
-            result["peak_before_generation_bytes"] = peak(device)
-            torch.cuda.reset_peak_memory_stats(device)
+        result["peak_before_generation_bytes"] = watch.part()
         start = time.perf_counter()
         generate(pipe, args, args.frames, args.steps)
-        eb.sync(device)
+        sync(device)
         result.update(completed=True, generation_s=round(time.perf_counter() - start, 2))
-        result["peak_allocated_bytes"] = peak(device)
+        result["generation_peak_allocated_bytes"] = watch.part()
     except torch.OutOfMemoryError as exc:
         result.update(completed=False, failure=f"out of memory at {stage}: {str(exc).splitlines()[0][:160]}")
     except FlexTensorError as exc:  # e.g. the planner finds no plan under the budget
         result.update(completed=False, failure=f"{type(exc).__name__} at {stage}: {exc}")
+    scope = WHOLE_RUN if budget is not None else "placement on the device and the generation (native)"
+    result.update(watch.check(f"{args.child} {args.frames} frames under a {args.cap} B cap", budget, scope))
     result["trial_s"] = round(time.perf_counter() - started, 1)
     return result
 
@@ -270,7 +269,7 @@ def resumed(path: Path, workload: dict[str, Any], device: str) -> dict[str, Any]
     }
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="full", choices=("tiny", "full"))
     parser.add_argument("--height", type=int, default=704)
@@ -288,7 +287,48 @@ def main() -> None:
     parser.add_argument("--child", choices=("native", "offload", "fit"), help=argparse.SUPPRESS)
     parser.add_argument("--frames", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--cap", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def workload_of(args: argparse.Namespace) -> dict[str, Any]:
+    """What every trial of this search runs (a resumed file must have measured the same)."""
+    return {
+        "pipeline": "LTX2ConditionPipeline",
+        "size": args.size,
+        "height": args.height,
+        "width": args.width,
+        "steps": args.steps,
+        "guidance": "none (guidance_scale 1, no STG, no modality guidance)",
+        "text_tokens": args.text_tokens,
+        "vae_decode": "not run (output_type='latent')",
+        "offload_budget": f"{BUDGET_OF_CAP} x cap",
+        "alloc_conf": ALLOC_CONF,
+    }
+
+
+def search_caps(args: argparse.Namespace, result: dict[str, Any], caps: list[int], deadline: float) -> None:
+    """Each cap's longest length per mode, into ``result["runs"]``; the file is written after every trial."""
+
+    def save() -> None:
+        write_json(args.out, result, quiet=True)
+
+    for cap in caps:
+        run = next((r for r in result["runs"] if r["cap_bytes"] == cap), None)
+        if run is None:
+            run = {"cap_bytes": cap, "height": args.height, "width": args.width}
+            result["runs"].append(run)
+        for mode in args.modes:
+            guess = predict(result["fit"], mode, cap)
+            run[f"{mode}_predicted_frames"] = guess
+            found = search(args, mode, cap, guess, result["trials"], deadline, save)
+            run[f"{mode}_max_frames"] = found["max_frames"]
+            run[f"{mode}_search"] = found
+            save()
+        print(json.dumps(run), flush=True)
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.child == "fit":
         print("RESULT " + json.dumps(fit(args)), flush=True)
         return
@@ -301,20 +341,8 @@ def main() -> None:
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF  # for every child process
     started = time.perf_counter()
     deadline = started + args.deadline if args.deadline else float("inf")
-    workload = {
-        "pipeline": "LTX2ConditionPipeline",
-        "size": args.size,
-        "height": args.height,
-        "width": args.width,
-        "steps": args.steps,
-        "guidance": "none (guidance_scale 1, no STG, no modality guidance)",
-        "text_tokens": args.text_tokens,
-        "vae_decode": "not run (output_type='latent')",
-        "offload_budget": f"{BUDGET_OF_CAP} x cap",
-        "alloc_conf": ALLOC_CONF,
-    }
+    workload = workload_of(args)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    caps = [parse_bytes(c) for c in args.caps]
     earlier = resumed(args.resume, workload, device) if args.resume else {"trials": [], "runs": []}
     model = earlier.get("fit") or run_fit(args)
     print("fit", json.dumps(model), flush=True)
@@ -327,24 +355,9 @@ def main() -> None:
         "runs": earlier["runs"],
         "trials": earlier["trials"],
     }
-    for cap in caps:
-        run = next((r for r in result["runs"] if r["cap_bytes"] == cap), None)
-        if run is None:
-            run = {"cap_bytes": cap, "height": args.height, "width": args.width}
-            result["runs"].append(run)
-        for mode in args.modes:
-            guess = predict(model, mode, cap)
-            run[f"{mode}_predicted_frames"] = guess
-            found = search(
-                args, mode, cap, guess, result["trials"], deadline, lambda: eb.write_result(args.out, result)
-            )
-            run[f"{mode}_max_frames"] = found["max_frames"]
-            run[f"{mode}_search"] = found
-            eb.write_result(args.out, result)
-        print(json.dumps(run), flush=True)
-        eb.write_result(args.out, result)
+    search_caps(args, result, [parse_bytes(c) for c in args.caps], deadline)
     result["elapsed_s"] = round(time.perf_counter() - started, 1)
-    eb.write_result(args.out, result)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,12 @@ diffusers group offloading (block level, one block per group, streams, with and 
 ``record_stream``, with ``low_cpu_mem_usage``); accelerate ``cpu_offload``; NVIDIA flextensor 0.5.0;
 this package at given budgets, with raw and with losslessly compressed streaming (also with the raw copies
 on disk, and with the payloads' cache file: name that method twice, the first run writes the file and the
-second reads it back). For each: peak
-allocated GPU memory, median step time after warm-up, set-up time (pinning included), peak host RSS,
-bitwise equality with native.
+second reads it back). For each: peak allocated GPU memory from set-up on, against the budget for the
+methods that take one (and over the timed steps alone), median step time after warm-up, set-up time
+(pinning included), peak host RSS, bitwise equality with native.
+
+``--budgets smallest`` is the engine's own least budget for the workload: a probe set-up under
+``"auto"`` profiles it and is removed, then the measured run is set up at that budget.
 
     python benchmarks/peers.py --out benchmarks/results/peers_h200.json --workload 81f_832x480_cfg
     python benchmarks/peers.py --blocks 2 --dim 256 --heads 4 --ffn 512 --small --methods native flextensor_diffusers
@@ -30,11 +33,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import engine_bench as eb
+from bench_common import (
+    WORKLOADS,
+    HostMemorySampler,
+    PeakWatch,
+    StackShape,
+    build_stack,
+    default_device,
+    device_name,
+    rss_bytes,
+    stack_inputs,
+    sync,
+    time_forwards,
+    write_json,
+)
 
 METHODS = (
     "native",
@@ -56,7 +68,7 @@ OURS = (
     "flextensor_diffusers_lossless_disk",
     "flextensor_diffusers_lossless_cached",
 )
-#: A budget given as this word is the engine's own least budget for the workload, set after profiling.
+#: A budget given as this word is the engine's own least budget for the workload, found by a probe set-up.
 SMALLEST = "smallest"
 REFERENCE = "native_output.pt"
 # Forwards before timing: methods that profile get discovery + profiling + one steady forward.
@@ -122,69 +134,91 @@ def set_up(method: str, model: torch.nn.Module, device: torch.device, budget: in
     raise SystemExit(f"unknown method {method!r}; one of {', '.join(METHODS)}")
 
 
+def smallest_budget(
+    method: str, model: torch.nn.Module, shape: StackShape, workload: str, device: torch.device, scratch: str
+) -> int:
+    """The least budget the engine accepts for ``workload``: a probe set-up under ``"auto"``, profiled, then
+    removed (the model is back as it was), so that the measured run is set up, profiled and run under that
+    budget from its start."""
+    handle = set_up(method, model, device, "auto", scratch)
+    with torch.inference_mode():
+        x = stack_inputs(shape, workload, device)
+        for _ in range(WARMUP[method]):
+            model(*x)
+    budget = handle.smallest_budget()
+    handle.remove()
+    return budget
+
+
 def child(args: argparse.Namespace) -> dict[str, Any]:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = eb.build(args, "cpu" if device.type == "cpu" else device).to("cpu")
+    """One method in this process: set-up, warm-up, timed steps; its row (see the module docstring)."""
+    device = default_device()
+    shape = StackShape.from_args(args)
+    model = build_stack(shape, "cpu" if device.type == "cpu" else device).to("cpu")
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    x = eb.inputs(args, args.workload, device)
-    with eb.RssSampler() as rss:
+    if args.budget == SMALLEST:
+        budget = smallest_budget(args.child, model, shape, args.workload, device, args.scratch)
+    else:
+        budget = None if args.budget is None else parse_budget(args.budget)
+    watch = PeakWatch(device)  # from set-up on: the budget is a ceiling for all of it
+    with HostMemorySampler(rss_bytes, 0.005) as rss:
         start = time.perf_counter()
-        budget = "auto" if args.budget == SMALLEST else parse_budget(args.budget)
         keep = set_up(args.child, model, device, budget, args.scratch)
         setup_s = time.perf_counter() - start
     runner = keep if args.child == "flextensor" else model
-    with torch.inference_mode():
+    warmup = WARMUP.get(args.child, args.warmup)
+    with torch.inference_mode(), HostMemorySampler(rss_bytes, 0.005) as rss_run:
+        x = stack_inputs(shape, args.workload, device)  # after set-up, as a pipeline makes its latents
         start = time.perf_counter()
-        for _ in range(WARMUP.get(args.child, args.warmup)):  # discovery and profiling where there are
+        for _ in range(warmup):  # discovery, profiling and the plan's first forward where there are
             runner(*x)
-        eb.sync(device)
+        sync(device)
         warmup_s = time.perf_counter() - start
-        if args.budget == SMALLEST:  # profiled without a cap; now the least budget the engine accepts
-            keep.set_budget(keep.smallest_budget())
-            runner(*x)  # the plan's first forward
-            eb.sync(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        with eb.RssSampler() as rss_run:
-            step_ms, out = eb.time_forwards(runner, x, args.reps, device)
-    out = out.cpu()
-    digest = hashlib.sha256(out.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-    reference = Path(args.scratch) / REFERENCE
-    if args.child == "native":
-        torch.save(out, reference)
-    equal = bool(torch.equal(torch.load(reference).view(torch.uint8), out.view(torch.uint8)))
-    budget = keep.budget_bytes if args.budget == SMALLEST else parse_budget(args.budget)
+        watch.part()
+        timed = time_forwards(runner, x, args.reps, device)
+        steady_peak = watch.part()
+    out = timed.out.cpu()
     return {
         "method": label(args.child, budget),
-        "budget_bytes": budget,
         "budget_asked": args.budget,
-        "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
-        "step_s": round(step_ms / 1e3, 5),
+        **watch.check(label(args.child, budget), budget),
+        "steady_peak_allocated_bytes": steady_peak,
+        "step_s": round(timed.ms / 1e3, 5),
         "setup_s": round(setup_s, 3),
         # Set-up work can be deferred into the first forwards (lazy pinning, discovery, profiling):
         # set-up plus what the warm-up forwards took beyond as many steady forwards counts both.
         "warmup_s": round(warmup_s, 3),
-        "setup_overhead_s": round(setup_s + warmup_s - WARMUP.get(args.child, args.warmup) * step_ms / 1e3, 3),
-        "peak_host_rss_bytes": max(rss.peak, rss_run.peak),
-        "bitwise_equal": equal,
+        "setup_overhead_s": round(setup_s + warmup_s - warmup * timed.ms / 1e3, 3),
+        "peak_host_rss_bytes": max(rss.peak(), rss_run.peak()),
+        "bitwise_equal": same_as_native(args.child, out, Path(args.scratch)),
         # where our set-up time goes (layout, pack, pin, hooks), to see what the set-up row is made of
         "setup_ms": keep.stats().setup_ms if args.child in OURS else None,
         **(transfer_figures(keep) if args.child in OURS else {}),
-        "output_sha256": digest,  # shows whether rows of different runs saw the same native output
+        # shows whether rows of different runs saw the same native output
+        "output_sha256": hashlib.sha256(out.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest(),
         "keep": type(keep).__name__,
     }
 
 
+def same_as_native(method: str, out: torch.Tensor, scratch: Path) -> bool:
+    """Bitwise equal to native's output, which the native child saved in ``scratch``."""
+    reference = scratch / REFERENCE
+    if method == "native":
+        torch.save(out, reference)
+    return bool(torch.equal(torch.load(reference).view(torch.uint8), out.view(torch.uint8)))
+
+
 def transfer_figures(handle: Any) -> dict[str, Any]:
     """What our streamed run moved: weights, host bytes kept, bytes over the link per forward, and the
-    link's profiled bandwidth (for the raw-bytes lower bound)."""
+    link's profiled bandwidth (for the raw-bytes lower bound). The host bytes and a compressed load's bytes
+    are read from the handle's residency: the engine's public face does not give them per unit yet."""
     stats = handle.stats()
     report = {k: v for k, v in vars(stats).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     profile = handle.profile
     return {
         "stats": report,
-        "weights_bytes": sum(u.nbytes for u in handle.units) + handle.residency.base.nbytes,
+        "weights_bytes": sum(u.nbytes for u in handle.units) + handle.resident_weight_bytes,
         "stored_host_bytes": handle.residency.host_ram_bytes,
         "payload_cache": stats.payload_cache,
         "bandwidth_bytes_per_ms": profile.bandwidth_bytes_per_ms if profile is not None else None,
@@ -262,11 +296,11 @@ def merge(paths: list[Path]) -> dict[str, Any]:
     return {**merged, "merged_from": [p.name for p in paths], "runs": list(rows.values())}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    eb.add_stack_arguments(parser)
-    parser.add_argument("--workload", default="81f_832x480_cfg", choices=list(eb.WORKLOADS))
-    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    StackShape.add_arguments(parser)
+    parser.add_argument("--workload", default="81f_832x480_cfg", choices=list(WORKLOADS))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument(
         "--budgets", nargs="+", default=["8.6GiB", "20GiB"], help=f"ours: bytes, or {SMALLEST!r} (the least)"
     )
@@ -281,16 +315,18 @@ def main() -> None:
     parser.add_argument("--merge", nargs="+", type=Path, help="write one table from these results (oldest first)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--budget", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.merge:
-        eb.write_result(args.out, merge(args.merge))
-        return
-    if args.child:
-        print("RESULT " + json.dumps(child(args)), flush=True)
-        return
+    return parser
 
-    Path(args.scratch).mkdir(parents=True, exist_ok=True)
-    jobs: list[tuple[str, int | None]] = [("native", None)] if "native" in args.methods else []
+
+def jobs_of(args: argparse.Namespace) -> list[tuple[str, int | str | None]]:
+    """(method, budget) per child process, native first (its output is the reference)."""
+    cached = [m for m in args.methods if m.endswith("_cached")]
+    if SMALLEST in args.budgets and cached:
+        raise SystemExit(
+            f"--budgets {SMALLEST} sets up a probe first, which would write the payload cache that the first "
+            f"{cached[0]} run is to write: give {cached[0]} a budget in bytes"
+        )
+    jobs: list[tuple[str, int | str | None]] = [("native", None)] if "native" in args.methods else []
     for method in args.methods:
         if method in OURS:
             jobs += [(method, b if b == SMALLEST else parse_budget(b)) for b in args.budgets]
@@ -298,11 +334,53 @@ def main() -> None:
             jobs.append((method, parse_budget(args.flextensor_budget)))
         elif method != "native":
             jobs.append((method, None))
-    shape = eb.stack_argv(args)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return jobs
+
+
+def run_child(method: str, budget: int | str | None, args: argparse.Namespace) -> dict[str, Any]:
+    """One method in a fresh process; its row, or a row with the error that stopped it."""
+    cmd = [sys.executable, __file__, "--child", method, "--workload", args.workload, "--scratch", args.scratch]
+    cmd += [*StackShape.from_args(args).argv(), "--warmup", str(args.warmup), "--reps", str(args.reps)]
+    cmd += ["--budget", str(budget)] if budget is not None else []
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
+    except subprocess.TimeoutExpired:
+        print(f"{method:>34}: timed out", flush=True)
+        return {"method": method, "budget_bytes": budget, "error": f"timed out after {args.timeout} s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith("OVER BUDGET"):
+            print(line, flush=True)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        # The error line itself, not only torch's closing hint ("Compile with TORCH_USE_CUDA_DSA ...")
+        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-6:]) or "no output"
+        print(f"{method:>34}: failed: {tail}", flush=True)
+        return {"method": method, "budget_bytes": budget, "error": tail}
+    run = json.loads(line.removeprefix("RESULT "))
+    peak = "n/a" if run["peak_allocated_bytes"] is None else f"{run['peak_allocated_bytes'] / 2**30:6.2f} GiB"
+    print(
+        f"{run['method']:>34}: step {run['step_s']:.4f} s  peak {peak} (within budget {run['peak_within_budget']})  "
+        f"set-up {run['setup_s']:7.2f} s  host RSS {run['peak_host_rss_bytes'] / 2**30:6.1f} GiB  "
+        f"equal {run['bitwise_equal']}",
+        flush=True,
+    )
+    return run
+
+
+def main() -> None:
+    args = parser().parse_args()
+    if args.merge:
+        write_json(args.out, merge(args.merge))
+        return
+    if args.child:
+        print("RESULT " + json.dumps(child(args)), flush=True)
+        return
+
+    Path(args.scratch).mkdir(parents=True, exist_ok=True)
+    jobs = jobs_of(args)
     result = {
         "workload": args.workload,
-        "device": device,
+        "device": device_name(default_device()),
         "torch": torch.__version__,
         "blocks": args.blocks,
         "resumed_from": str(args.resume) if args.resume else None,
@@ -313,36 +391,13 @@ def main() -> None:
     runs = result["runs"] = [r for key, r in earlier.items() if key not in running]
     started = time.perf_counter()
     for method, budget in jobs:
-        eb.write_result(args.out, result)  # before each method, so that a cut-off run keeps what it has
+        write_json(args.out, result, quiet=True)  # before each method, so that a cut-off run keeps what it has
         if args.deadline and time.perf_counter() - started > args.deadline:
             skipped = {"method": method, "budget_bytes": budget, "error": f"not run: past --deadline {args.deadline} s"}
             runs.append(earlier.get(label(method, budget), skipped))  # an earlier measurement beats none
             continue
-        cmd = [sys.executable, __file__, "--child", method, "--workload", args.workload, "--scratch", args.scratch]
-        cmd += [*shape, "--warmup", str(args.warmup), "--reps", str(args.reps)]
-        cmd += ["--budget", str(budget)] if budget is not None else []
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
-        except subprocess.TimeoutExpired:
-            runs.append({"method": method, "budget_bytes": budget, "error": f"timed out after {args.timeout} s"})
-            print(f"{method:>34}: timed out", flush=True)
-            continue
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if line is None:
-            # The error line itself, not only torch's closing hint ("Compile with TORCH_USE_CUDA_DSA ...")
-            tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-6:]) or "no output"
-            runs.append({"method": method, "budget_bytes": budget, "error": tail})
-            print(f"{method:>34}: failed: {tail}", flush=True)
-            continue
-        run = json.loads(line.removeprefix("RESULT "))
-        runs.append(run)
-        print(
-            f"{run['method']:>34}: step {run['step_s']:.4f} s  peak {run['peak_allocated_bytes'] / 2**30:6.2f} GiB  "
-            f"set-up {run['setup_s']:7.2f} s  host RSS {run['peak_host_rss_bytes'] / 2**30:6.1f} GiB  "
-            f"equal {run['bitwise_equal']}",
-            flush=True,
-        )
-    eb.write_result(args.out, result)
+        runs.append(run_child(method, budget, args))
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

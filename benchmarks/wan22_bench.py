@@ -15,6 +15,11 @@ steps that the median step is a compiled one (6 with Wan2.2's boundary).
 is built, compiled (with ``--compile``), run natively to latents, then offloaded under ``--card``,
 profiled and run again; per-step times after device synchronisation, latents compared bitwise.
 
+The offloaded run's peak allocated memory is set against its budget (``budget_bytes``,
+``peak_allocated_bytes``, ``peak_within_budget``, ``peak_scope``): from before offload set-up with
+``--latents-only``; the measured generation alone through compare, which resets the counter when a
+generation starts.
+
     python benchmarks/wan22_bench.py --latents-only --compile regional --steps 4 --out compile_pipeline.json
 """
 
@@ -23,14 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_common import GENERATION_ONLY, PeakWatch, check_budget, write_json
 
 from flextensor_diffusers.compare import compare
 from flextensor_diffusers.engine.config import parse_bytes
@@ -87,18 +90,18 @@ def latents_only(args: argparse.Namespace, recipe_argv: list[str]) -> dict[str, 
     pipe.to("cpu")
     _free(device)
     _cap(device, args.card)
+    watch = PeakWatch(device)  # from set-up on: the budget is a ceiling for the profiling generation too
     common.enable_offload(pipe, options, device)
     note("offload enabled")
     wan22_t2v.profiling_generation(pipe, options, device)
     note("profiling generation")
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
+    watch.part()
     offloaded = generate()
     offload_steps = clock.steps()
-    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    generation_peak = watch.part()
     note(f"offloaded generation: steps {offload_steps}")
     report = pipe.flextensor_report()
+    budget = watch.check("Wan2.2 offloaded (latents only)", report["budget_bytes"])
     pipe.disable_flextensor_offload()
     return {
         "compiled": compiled,
@@ -107,14 +110,15 @@ def latents_only(args: argparse.Namespace, recipe_argv: list[str]) -> dict[str, 
         "native_step_s": statistics.median(native_steps),
         "offload_step_s": statistics.median(offload_steps),
         "native_peak_allocated_bytes": None,
-        "offload_peak_allocated_bytes": peak,
+        "offload_peak_allocated_bytes": generation_peak,
+        "offload_budget": budget,
         "bitwise_equal": bool(torch.equal(native, offloaded)),
         "frames_identical": None,
         "offload_report": {k: v for k, v in report.items() if k != "memory_timeline"},
     }
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--size", default="full", choices=("tiny", "full"))
@@ -127,40 +131,52 @@ def main() -> None:
     parser.add_argument("--compile", default="none", choices=("none", "regional"))
     parser.add_argument("--latents-only", action="store_true", help="no report: see the module docstring")
     parser.add_argument("--report", type=Path, help="compare's report folder (not with --latents-only)")
-    args = parser.parse_args()
+    return parser
+
+
+def recipe_arguments(args: argparse.Namespace) -> list[str]:
+    """The wan22_t2v recipe's command line for this benchmark's workload."""
+    argv = ["--random-weights", args.size, "--frames", str(args.frames), "--height", str(args.height)]
+    argv += ["--width", str(args.width), "--steps", str(args.steps), "--budget", args.budget]
+    return [*argv, "--vae-tiling", "on", "--compile", args.compile]
+
+
+def compared(args: argparse.Namespace, recipe_argv: list[str]) -> dict[str, Any]:
+    """compare's report, and what this file takes from it: both runs and the offloaded run's budget record."""
+    recipe_argv = [*recipe_argv, "--profile-dir", str(args.report / "profiles")]
+    report = compare("wan22_t2v", recipe_argv, args.report, offload_memory_cap=args.card)
+    native, offloaded = report["runs"]["native"], report["runs"]["offloaded"]
+    budget = (offloaded.get("offload_report") or {}).get("budget_bytes")
+    record = check_budget("Wan2.2 offloaded", budget, offloaded.get("peak_allocated_bytes"), GENERATION_ONLY)
+    return {"report": report, "native": native, "offloaded": offloaded, "budget": record}
+
+
+def latents_summary(args: argparse.Namespace, recipe_argv: list[str]) -> dict[str, Any]:
+    """`latents_only`'s run in the shape `compared` gives."""
+    run = latents_only(args, recipe_argv)
+    report = {
+        "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "versions": {"torch": torch.__version__, "diffusers": __import__("diffusers").__version__},
+        "fidelity": {"latents": {"bitwise_equal": run["bitwise_equal"]}, "frames": {}},
+    }
+    offloaded = {"step_s": run["offload_steps_s"], "peak_allocated_bytes": run["offload_peak_allocated_bytes"]}
+    return {
+        "report": report,
+        "native": {"step_s": run["native_steps_s"]},
+        "offloaded": offloaded,
+        "budget": run["offload_budget"],
+        "offload_report": run["offload_report"],
+    }
+
+
+def main() -> None:
+    arguments = parser()
+    args = arguments.parse_args()
     if not args.latents_only and args.report is None:
-        parser.error("--report is required unless --latents-only")
-    recipe_argv = [
-        "--random-weights",
-        args.size,
-        "--frames",
-        str(args.frames),
-        "--height",
-        str(args.height),
-        "--width",
-        str(args.width),
-        "--steps",
-        str(args.steps),
-        "--budget",
-        args.budget,
-        "--vae-tiling",
-        "on",
-        "--compile",
-        args.compile,
-    ]
-    if args.latents_only:
-        run = latents_only(args, recipe_argv)
-        native = {"step_s": run["native_steps_s"]}
-        offloaded = {"step_s": run["offload_steps_s"], "peak_allocated_bytes": run["offload_peak_allocated_bytes"]}
-        report = {
-            "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "versions": {"torch": torch.__version__, "diffusers": __import__("diffusers").__version__},
-            "fidelity": {"latents": {"bitwise_equal": run["bitwise_equal"]}, "frames": {}},
-        }
-    else:
-        recipe_argv += ["--profile-dir", str(args.report / "profiles")]
-        report = compare("wan22_t2v", recipe_argv, args.report, offload_memory_cap=args.card)
-        native, offloaded = report["runs"]["native"], report["runs"]["offloaded"]
+        arguments.error("--report is required unless --latents-only")
+    recipe_argv = recipe_arguments(args)
+    runs = latents_summary(args, recipe_argv) if args.latents_only else compared(args, recipe_argv)
+    report, native, offloaded = runs["report"], runs["native"], runs["offloaded"]
     # The first step of a run also moves the text encoder out and the first expert in; the
     # steady per-step figure is the median.
     result = {
@@ -175,10 +191,10 @@ def main() -> None:
         "steps": args.steps,
         "vae_tiling": True,
         "compile": args.compile,
-        "budget_bytes": parse_bytes(args.budget),
         "card_cap_bytes": parse_bytes(args.card),
+        **runs["budget"],  # budget_bytes, peak_allocated_bytes (over peak_scope), peak_within_budget
         "native_peak_allocated_bytes": native.get("peak_allocated_bytes"),
-        "offload_peak_allocated_bytes": offloaded.get("peak_allocated_bytes"),
+        "offload_peak_allocated_bytes": offloaded.get("peak_allocated_bytes"),  # the measured generation
         "native_step_s": statistics.median(native["step_s"]) if native.get("step_s") else None,
         "offload_step_s": statistics.median(offloaded["step_s"]) if offloaded.get("step_s") else None,
         "native_steps_s": native.get("step_s"),
@@ -194,7 +210,7 @@ def main() -> None:
         result["step_overhead_pct"] = round(100 * (result["offload_step_s"] / result["native_step_s"] - 1), 3)
     if args.latents_only:
         result["latents_only"] = True  # no VAE decode, frames not compared
-        result["offload_report"] = run["offload_report"]
+        result["offload_report"] = runs["offload_report"]
     if args.compile != "none":
         result["pipeline"] = {
             "native_compiled_step_s": result["native_step_s"],
@@ -202,8 +218,7 @@ def main() -> None:
             "offload_peak_allocated_bytes": result["offload_peak_allocated_bytes"],
             "bitwise_equal": result["bitwise_equal"],
         }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     print(json.dumps(result, indent=1))
 
 
