@@ -195,13 +195,26 @@ def test_the_process_own_memory_leaves_out_the_weights_about_to_be_packed(saved)
     assert 0 < own <= anonymous - sum(weights.values()) + 2**20
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
-def test_an_unwritable_cache_dir_is_refused_before_packing(tmp_path) -> None:
+def test_an_unwritable_cache_dir_is_refused_before_packing(tmp_path, monkeypatch) -> None:
+    """A cache folder the process may not write is refused at once, naming the fix, with the model as it was. The
+    folder is made read-only by a fake ``os.access`` (what a read-only mount or a folder of another user reports),
+    not by chmod: root, as CI runs, may write into a folder whatever its mode."""
     locked = tmp_path / "locked"
-    locked.mkdir(mode=0o500)
+    locked.mkdir()
+    real_access = os.access
+
+    def read_only(path, mode, *args, **kwargs) -> bool:
+        if Path(path) == locked and mode & os.W_OK:
+            return False
+        return real_access(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "access", read_only)
     pipe = build_pipeline("wan22_t2v", "tiny")
-    with pytest.raises(ft.FlexTensorError, match="not writable"):
+    before = snapshot(pipe.transformer)
+    with pytest.raises(ft.FlexTensorError, match=f"the weight cache folder {locked} is not writable: pass another"):
         pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget="1GiB", cache_dir=locked)
+    assert getattr(pipe, "_flextensor", None) is None
+    assert_same(before, pipe.transformer)
 
 
 def test_a_cache_dir_that_is_a_file_is_refused_and_the_model_left_as_it_was(tmp_path) -> None:
