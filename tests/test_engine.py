@@ -424,11 +424,11 @@ def test_a_forward_interrupted_inside_a_block_leaves_later_forwards_native(
 def test_ctrl_c_while_set_up_waits_for_the_packing_threads_leaves_every_tensor_in_its_own_storage(
     monkeypatch,
 ) -> None:
-    """Ctrl-C reaches set-up while it waits for the threads that pack units (slow here, two at a time): the
-    interrupt reaches the caller, and no thread packs a unit after set-up has put every tensor back, each in
-    a storage of its own as before, bit for bit."""
+    """Ctrl-C reaches set-up while it waits for the threads that pack units (two at a time, the first packs held
+    until the interrupt is raised): the interrupt reaches the caller only once every pack that began has ended
+    and the packing threads are gone, so no thread is left to pack a unit after set-up put every tensor back,
+    each in a storage of its own as before, bit for bit."""
     import threading
-    import time
 
     from flextensor_diffusers.engine import residency, setup_threads
 
@@ -436,24 +436,37 @@ def test_ctrl_c_while_set_up_waits_for_the_packing_threads_leaves_every_tensor_i
     ref = native(model, x, "cpu")
     before = snapshot(model)
     real_pack, real_wait = residency.pack_unit, setup_threads.wait
-    packing = threading.Event()
+    changed = threading.Condition()
+    began: list[str] = []
+    ended: list[str] = []
+    threads: set[threading.Thread] = set()
+    interrupted = threading.Event()
 
-    def slow_pack(unit, *args, **kwargs) -> None:
-        packing.set()
-        time.sleep(0.1)
+    def held_pack(unit, *args, **kwargs) -> None:
+        with changed:
+            began.append(unit.name)
+            threads.add(threading.current_thread())
+            changed.notify_all()
+        assert interrupted.wait(60), "the interrupt never came"
         real_pack(unit, *args, **kwargs)
+        with changed:
+            ended.append(unit.name)
 
     def interrupted_wait(futures, *args, **kwargs):
-        packing.wait()
+        with changed:
+            assert changed.wait_for(lambda: began, 60), "no unit began to pack"
+        interrupted.set()  # the packs under way go on while the interrupt is raised
         raise KeyboardInterrupt
 
     monkeypatch.setattr(setup_threads, "PACK_THREADS", 2)
-    monkeypatch.setattr(residency, "pack_unit", slow_pack)
+    monkeypatch.setattr(residency, "pack_unit", held_pack)
     monkeypatch.setattr(setup_threads, "wait", interrupted_wait)
     with pytest.raises(KeyboardInterrupt):
         ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**9, device="cpu")
     monkeypatch.setattr(setup_threads, "wait", real_wait)
-    time.sleep(1.0)  # any thread still running would pack its unit meanwhile
+    with changed:
+        assert began and sorted(began) == sorted(ended), (began, ended)  # every pack that began had ended
+    assert threads and not any(t.is_alive() for t in threads)  # and no thread is left to begin another
     assert_same(before, model)
     shared = [n for n, t in model.named_parameters() if t.untyped_storage().nbytes() != t.numel() * t.element_size()]
     assert not shared, shared  # views of a unit's flat buffer: packed after set-up gave up

@@ -7,7 +7,8 @@ import logging
 import os
 import shutil
 import threading
-import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,11 +18,11 @@ from models import assert_same, enable_with_one_component_in_ram, set_host_overh
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import format_bytes
-from flextensor_diffusers.engine.residency import Residency
 from flextensor_diffusers.models import build_pipeline
 from flextensor_diffusers.pipelines import disk_reads, host_budget, host_tier
+from flextensor_diffusers.pipelines.disk_reads import ReadJob
 from flextensor_diffusers.pipelines.host_tier import SwitchForecast
-from flextensor_diffusers.pipelines.weight_files import WeightSource, read_entries
+from flextensor_diffusers.pipelines.weight_files import read_entries
 
 BUDGET = 250_000  # GPU budget: the transformer blocks stream
 #: The measurement of the process's own memory, before the fixture below sets it to nothing.
@@ -195,13 +196,26 @@ def test_the_process_own_memory_leaves_out_the_weights_about_to_be_packed(saved)
     assert 0 < own <= anonymous - sum(weights.values()) + 2**20
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
-def test_an_unwritable_cache_dir_is_refused_before_packing(tmp_path) -> None:
+def test_an_unwritable_cache_dir_is_refused_before_packing(tmp_path, monkeypatch) -> None:
+    """A cache folder the process may not write is refused at once, naming the fix, with the model as it was. The
+    folder is made read-only by a fake ``os.access`` (what a read-only mount or a folder of another user reports),
+    not by chmod: root, as CI runs, may write into a folder whatever its mode."""
     locked = tmp_path / "locked"
-    locked.mkdir(mode=0o500)
+    locked.mkdir()
+    real_access = os.access
+
+    def read_only(path, mode, *args, **kwargs) -> bool:
+        if Path(path) == locked and mode & os.W_OK:
+            return False
+        return real_access(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "access", read_only)
     pipe = build_pipeline("wan22_t2v", "tiny")
-    with pytest.raises(ft.FlexTensorError, match="not writable"):
+    before = snapshot(pipe.transformer)
+    with pytest.raises(ft.FlexTensorError, match=f"the weight cache folder {locked} is not writable: pass another"):
         pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget="1GiB", cache_dir=locked)
+    assert getattr(pipe, "_flextensor", None) is None
+    assert_same(before, pipe.transformer)
 
 
 def test_a_cache_dir_that_is_a_file_is_refused_and_the_model_left_as_it_was(tmp_path) -> None:
@@ -410,7 +424,7 @@ def wide(tmp_path_factory) -> tuple[Path, torch.Tensor]:
     return folder, wan_latents(load(folder))
 
 
-def test_a_pipeline_loaded_from_a_folder_waits_in_its_own_files(wide, tmp_path) -> None:
+def test_a_pipeline_loaded_from_a_folder_waits_in_its_own_files(wide, tmp_path, monkeypatch) -> None:
     """One expert in RAM at a time, the other in its own (sharded) weight files: three generations
     bitwise equal to native, no cache file written, the high-noise expert read ahead while the text
     encoder runs, and the user's folder byte-identical after all of it, disable included."""
@@ -420,7 +434,7 @@ def test_a_pipeline_loaded_from_a_folder_waits_in_its_own_files(wide, tmp_path) 
     cache = tmp_path / "cache"
     gpu, host = smallest_budgets(pipe, cache)
     pipe.enable_flextensor_offload(budget=gpu, device="cpu", host_budget=host + 2**20, cache_dir=cache)
-    read_aheads_begin_before_forwards_end(pipe)
+    read_aheads_begin_before_forwards_end(pipe, monkeypatch)
     report = tier_of(pipe).report()
     assert {c["source"] for c in report["components"].values()} == {"weights files"}
     outs = [wan_latents(pipe) for _ in range(3)]
@@ -459,7 +473,7 @@ def measure_anonymous_memory(folder: str, out: str, part: float = 0.0) -> None:
     with AnonPeak() as peak:
         pipe.enable_flextensor_offload(budget=gpu, device="cpu", host_budget=budget, cache_dir=cache)
         after_enable = rss_anon()
-        read_aheads_begin_before_forwards_end(pipe)
+        read_aheads_begin_before_forwards_end(pipe, pytest.MonkeyPatch())  # a process of its own: never undone
         for _ in range(3):
             wan_latents(pipe)
     tier = tier_of(pipe)
@@ -503,36 +517,31 @@ def test_anonymous_memory_stays_within_the_host_budget(wide, tmp_path, part) -> 
     assert r["tier_peak"] <= r["weights_budget"] and r["partly_ahead"] == (part > 0), r
 
 
-def slow_reads(monkeypatch, component: str, seconds: float) -> None:
-    """Reading ``component`` from its weight files takes ``seconds`` longer (one sleep per read)."""
-    real = WeightSource.read_into
-
-    def read_into(self, position, buffer):
-        if self.component == component and position == 0:
-            time.sleep(seconds)
-        real(self, position, buffer)
-
-    monkeypatch.setattr(WeightSource, "read_into", read_into)
-
-
 def test_the_next_component_is_read_while_the_one_before_runs(saved, tmp_path, monkeypatch) -> None:
-    """While the text encoder runs (made slow), the high-noise expert is read on the prefetch thread
-    (made slow): its switch waits for less than the read took; outputs stay bitwise equal."""
+    """While the text encoder runs, the high-noise expert is read on the reader's thread, all of it: the text
+    encoder's forwards end only once that read is done (an event, not a sleep), so each switch to the expert
+    finds every unit read ahead. Its five units take 0.3 s each on a fake clock, so the figures are exact:
+    1.5 s read, nothing waited, all of it hidden. Outputs stay bitwise equal."""
     folder, reference = saved
     pipe = load(folder)
     cache = tmp_path / "cache"
     gpu, host = smallest_budgets(pipe, cache)
     host_budget = host + 300_000  # an expert with the text encoder and the VAE; never both experts
     pipe.enable_flextensor_offload(budget=gpu, device="cpu", host_budget=host_budget, cache_dir=cache)
-    slow_reads(monkeypatch, "transformer", 0.3)
-    pipe.text_encoder.register_forward_hook(lambda *_: time.sleep(0.15))  # runs while it is active
+    reads = scripted_reads(monkeypatch, "transformer", seconds=0.3)
+
+    def expert_read() -> bool:
+        under_way = reading(pipe, "transformer")
+        return under_way is None or under_way["read_bytes"] == under_way["nbytes"]
+
+    pipe.text_encoder.register_forward_hook(lambda *_: reads.wait_until(expert_read, "the expert was read ahead"))
     outs = [wan_latents(pipe) for _ in range(3)]
     assert all(torch.equal(o, reference) for o in outs)
     report = pipe.flextensor_report()["host_tier"]
-    ahead = [s for s in report["switches"] if s["prefetched"] and s["component"] == "transformer"]
-    assert len(ahead) == 3
-    assert all(s["read_s"] >= 0.3 and s["wait_s"] < s["read_s"] / 2 for s in ahead), ahead
-    assert report["hidden_s"] >= 0.45 and report["peak_host_ram_bytes"] <= host_budget
+    switches = [s for s in report["switches"] if s["component"] == "transformer"]
+    assert len(switches) == 3 and all(s["read_ahead_bytes"] == s["nbytes"] and s["complete"] for s in switches)
+    assert all(s["read_s"] == pytest.approx(1.5) and s["wait_s"] == 0 for s in switches), switches
+    assert report["hidden_s"] == pytest.approx(3 * 1.5) and report["peak_host_ram_bytes"] <= host_budget
     assert not any(cache.iterdir())
     pipe.disable_flextensor_offload()
 
@@ -655,42 +664,131 @@ def test_safetensors_headers_are_read_as_safetensors_reads_them(saved) -> None:
 # host budget allows next to the active one.
 
 
-def unit_reads(
-    monkeypatch, component: str, seconds: float = 0.0, events: list | None = None, fail_at: int = -1
-) -> None:
-    """Reading ``component`` from its weight files takes ``seconds`` per unit; each unit read is appended to
-    ``events`` as ``("start", position)`` then ``("read", position)``; position ``fail_at`` fails with an
-    I/O error instead."""
-    real = WeightSource.read_into
-
-    def read_into(self, position, buffer):
-        if self.component == component:
-            if position == fail_at:
-                raise OSError(5, "Input/output error")
-            if events is not None:
-                events.append(("start", position))
-            time.sleep(seconds)
-        real(self, position, buffer)
-        if self.component == component and events is not None:
-            events.append(("read", position))
-
-    monkeypatch.setattr(WeightSource, "read_into", read_into)
+#: How long a test waits for another thread's step before it fails. Never reached when the code works: every
+#: wait below ends on an event (a read job's change, a read, a forward); this only bounds a failure.
+PATIENCE_S = 60.0
 
 
-def reads_of(events: list[tuple[str, int]]) -> list[int]:
-    return [position for kind, position in events if kind == "read"]
+class FakeClock:
+    """`disk_reads.clock` for a test: seconds pass only when a fake read says so (`advance`), so the read and wait
+    times the host tier measures are fixed figures, whatever the machine's speed and load."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
 
 
-def a_read_started(events: list[tuple[str, int]]) -> None:
-    """Wait (at most 5 s) until a unit read started on the reader's threads."""
-    deadline = time.perf_counter() + 5
-    while not any(kind == "start" for kind, _ in events) and time.perf_counter() < deadline:
-        time.sleep(0.005)
-    assert any(kind == "start" for kind, _ in events), "no unit read started"
+#: A condition on a held read: ``until(job, position)``.
+Release = Callable[[ReadJob, int], bool]
+
+
+class ScriptedReads(disk_reads.ReadHooks):
+    """`disk_reads.read_hooks` for a test. The reads of ``component`` (from its weight files or a cache file) are
+    recorded in ``events`` (``("start", position)``, then ``("read", position)``; tests add their own) and their
+    buffers, weakly, in ``buffers``; each one moves ``clock`` on by ``seconds``; one may be held until a condition
+    holds (`hold`); position ``fail_at`` fails with an I/O error. Every change of a read job, every event and every
+    unit the main thread is about to wait for wakes `wait_until`: waits end on events, never on sleeps. Other
+    components are read as they are."""
+
+    def __init__(
+        self, component: str | None, clock: FakeClock | None = None, seconds: float = 0.0, fail_at: int = -1
+    ) -> None:
+        self.component = component
+        self.clock = clock
+        self.seconds = seconds
+        self.fail_at = fail_at
+        self.events: list[tuple[str, int]] = []
+        self.buffers: list[weakref.ref] = []
+        self._asked: list[tuple[ReadJob, int]] = []  # units of ``component`` the main thread waited for
+        self._holds: dict[int | None, Release] = {}
+        self._cond = threading.Condition()
+
+    def hold(self, position: int | None, until: Release | None = None) -> None:
+        """The read of ``position`` (None: of every position) waits until ``until(job, position)`` holds (None:
+        never), or until its job is stopped (a held read must not keep the job from stopping)."""
+        self._holds[position] = until if until is not None else lambda job, position: False
+
+    def asked_for(self, job: ReadJob, position: int) -> bool:
+        """The main thread waits (or was about to wait) for ``position`` of ``job``: a read released by this
+        happens while the component is kept from computing."""
+        return any(j is job and p == position for j, p in self._asked)
+
+    def reads(self) -> list[int]:
+        """The positions read so far, in order."""
+        return [position for kind, position in self.events if kind == "read"]
+
+    def in_flight(self) -> int:
+        """Reads that started and have not ended."""
+        return sum(kind == "start" for kind, _ in self.events) - len(self.reads())
+
+    def note(self, kind: str, position: int) -> None:
+        with self._cond:
+            self.events.append((kind, position))
+            self._cond.notify_all()
+
+    def notify(self) -> None:
+        """Something a `hold` or `wait_until` condition reads has changed."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_until(self, done: Callable[[], bool], what: str) -> None:
+        with self._cond:
+            if not self._cond.wait_for(done, PATIENCE_S):
+                raise TimeoutError(f"waited {PATIENCE_S:.0f} s until {what}")
+
+    # ------------------------------------------------------------------------------------ ReadHooks
+
+    def read(self, job: ReadJob, position: int, read: Callable[[], object]) -> object:
+        if job.component != self.component:
+            return read()
+        if position == self.fail_at:
+            raise OSError(5, "Input/output error")
+        self.note("start", position)
+        until = self._holds.get(position, self._holds.get(None))
+        if until is not None:
+            held = f"the read of {job.component}'s unit {position} was released"
+            self.wait_until(lambda: job.stopped or until(job, position), held)
+        if self.clock is not None:
+            self.clock.advance(self.seconds)
+        unit = read()
+        self.buffers.append(weakref.ref(unit.host))
+        self.note("read", position)
+        return unit
+
+    def changed(self, job: ReadJob) -> None:
+        self.notify()
+
+    def waiting(self, job: ReadJob, position: int) -> None:
+        if job.component == self.component:
+            with self._cond:
+                self._asked.append((job, position))
+                self._cond.notify_all()
+
+
+def scripted_reads(
+    monkeypatch, component: str | None = None, seconds: float | None = None, fail_at: int = -1
+) -> ScriptedReads:
+    """`ScriptedReads` of ``component`` in use; with ``seconds``, each read takes that long on a `FakeClock` put in
+    place of the host tier's clock (read and wait times in fixed figures)."""
+    clock = None
+    if seconds is not None:
+        clock = FakeClock()
+        monkeypatch.setattr(disk_reads, "clock", clock)
+    reads = ScriptedReads(component, clock, seconds or 0.0, fail_at)
+    monkeypatch.setattr(disk_reads, "read_hooks", reads)
+    return reads
 
 
 def one_read_at_a_time(monkeypatch) -> None:
-    """Units are read one after the other: timings that do not depend on the number of cores."""
+    """Units are read one after the other: a unit in flight is the only one."""
     monkeypatch.setattr(disk_reads, "READ_THREADS", 1)
 
 
@@ -698,25 +796,22 @@ def reading(pipe, component: str) -> dict | None:
     return next((r for r in tier_of(pipe).report()["reading"] if r["component"] == component), None)
 
 
-def read_aheads_begin_before_forwards_end(pipe, timeout_s: float = 30.0) -> None:
-    """Each forward of an offloaded component, at its end, waits until the first read ahead under way (the
-    one the reader serves next) has read some bytes, when it is allowed some (for ``timeout_s`` at most).
-    The tests that assert what was read ahead need it: on a busy two-core machine the reader thread may not
-    have run at all before the next component becomes active."""
+def read_aheads_begin_before_forwards_end(pipe, monkeypatch) -> ScriptedReads:
+    """Each forward of an offloaded component, at its end, waits until the first read ahead under way (the one the
+    reader serves next) has delivered a unit, when it is allowed some. The tests that assert what was read ahead
+    need it: on a busy two-core machine the reader thread may not have run at all before the next component
+    becomes active. The wait ends when the read job changes (`ScriptedReads`), at most `PATIENCE_S` (then it fails)."""
+    reads = scripted_reads(monkeypatch)
 
-    def not_begun() -> bool:
+    def begun() -> bool:
         if pipe._flextensor is None:  # offload disabled: nothing to wait for
-            return False
+            return True
         ahead = [r for r in tier_of(pipe).report()["reading"] if r["kind"] == "read ahead"]
-        return bool(ahead) and ahead[0]["allowed_bytes"] > 0 and ahead[0]["read_bytes"] == 0
-
-    def wait(*_) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not_begun() and time.monotonic() < deadline:
-            time.sleep(0.005)
+        return not ahead or ahead[0]["allowed_bytes"] == 0 or ahead[0]["read_bytes"] > 0
 
     for name in pipe._flextensor.handles:
-        pipe.components[name].register_forward_hook(wait)
+        pipe.components[name].register_forward_hook(lambda *_: reads.wait_until(begun, "a read ahead delivered a unit"))
+    return reads
 
 
 def enabled(folder: Path, tmp_path: Path, part: float = 0.0):
@@ -730,14 +825,14 @@ def enabled(folder: Path, tmp_path: Path, part: float = 0.0):
     return pipe, host_budget
 
 
-def test_part_of_the_next_expert_is_read_ahead_and_the_rest_after_the_switch(wide, tmp_path) -> None:
+def test_part_of_the_next_expert_is_read_ahead_and_the_rest_after_the_switch(wide, tmp_path, monkeypatch) -> None:
     """A host budget of one expert and half of the other: while the high-noise expert runs, the first
     units of the low-noise one are read (then the read pauses), and the rest once it becomes active.
     Three generations bitwise equal to native; the tier's RAM under the budget at every block; once
     every unit arrived, no gate is left on the hot path."""
     folder, reference = wide
     pipe, host_budget = enabled(folder, tmp_path, part=0.5)
-    read_aheads_begin_before_forwards_end(pipe)
+    read_aheads_begin_before_forwards_end(pipe, monkeypatch)
     tier = tier_of(pipe)
     ram = []
     for name in ("transformer", "transformer_2"):
@@ -758,14 +853,14 @@ def test_part_of_the_next_expert_is_read_ahead_and_the_rest_after_the_switch(wid
     assert torch.equal(wan_latents(pipe), reference)
 
 
-def test_the_next_generation_is_read_ahead_past_a_component_that_does_not_run(wide, tmp_path) -> None:
+def test_the_next_generation_is_read_ahead_past_a_component_that_does_not_run(wide, tmp_path, monkeypatch) -> None:
     """After the low-noise expert the declared order names the VAE, which a latents generation does not run:
     the read ahead goes on past it along the expected order, so the next generation's first component (the
     text encoder here, the high-noise expert when prompts come as embeddings) is read ahead too, and every
     generation after the first starts from RAM. Outputs bitwise equal to native."""
     folder, reference = wide
     pipe, _ = enabled(folder, tmp_path, part=0.5)
-    read_aheads_begin_before_forwards_end(pipe)
+    read_aheads_begin_before_forwards_end(pipe, monkeypatch)
     assert all(torch.equal(wan_latents(pipe), reference) for _ in range(3))
     first = [s for s in tier_of(pipe).report()["switches"] if s["component"] == "text_encoder"]
     assert len(first) == 3 and all(s["prefetched"] and s["complete"] for s in first[1:]), first
@@ -813,93 +908,109 @@ def test_the_report_forecasts_each_switch_from_disk(saved, tmp_path) -> None:
 
 
 def test_a_slow_switch_warns_once_with_the_host_budget_that_would_hide_it(saved, tmp_path, monkeypatch, caplog):
-    """No room ahead and a slow disk (0.5 s a unit, one at a time): the low-noise expert's switch keeps it
-    waiting over `SLOW_SWITCH_S`; once it has a plan to forecast with, one warning names the larger host
-    budget that would hide the wait, and later generations do not repeat it. Outputs bitwise equal."""
+    """No room ahead and a slow disk: each unit of the low-noise expert is read only once the expert waits for it,
+    and takes 0.5 s on a fake clock, so its switch waits 2.5 s, over `SLOW_SWITCH_S` (the high-noise expert's reads
+    take no time: it waits 0 s). Once it has a plan to forecast with, one warning names the larger host budget that
+    would hide the wait, and later generations do not repeat it. Outputs bitwise equal."""
     folder, reference = saved
     pipe, host_budget_bytes = enabled(folder, tmp_path)
-    one_read_at_a_time(monkeypatch)
-    unit_reads(monkeypatch, "transformer_2", 0.5)
-    warned_with = []  # the forecasts as the warning saw them (later switches refine the disk's rate)
-    warn_slow = host_tier.HostTier._warn_slow
+    reads = scripted_reads(monkeypatch, "transformer_2", seconds=0.5)
+    reads.hold(None, reads.asked_for)
+    tier = tier_of(pipe)
+    warned_with = []  # the low-noise expert's forecast as each warning was given (later switches refine it)
 
-    def recording_warn_slow(self, name, switch):
-        warned_with.append(next((f for f in self.forecasts() if f.component == name), None))
-        warn_slow(self, name, switch)
+    class Forecasts(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "would hide that" in record.getMessage():
+                warned_with.append(next(f for f in tier.forecasts() if f.component == "transformer_2"))
 
-    monkeypatch.setattr(host_tier.HostTier, "_warn_slow", recording_warn_slow)
-    with caplog.at_level(logging.WARNING, logger=host_tier.__name__):
-        assert all(torch.equal(wan_latents(pipe), reference) for _ in range(3))
+    handler = Forecasts(logging.WARNING)
+    logging.getLogger(host_tier.__name__).addHandler(handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger=host_tier.__name__):
+            assert all(torch.equal(wan_latents(pipe), reference) for _ in range(3))
+    finally:
+        logging.getLogger(host_tier.__name__).removeHandler(handler)
+    switches = tier.report()["switches"]
+    low = [s for s in switches if s["component"] == "transformer_2"]
+    assert len(low) == 3 and all(s["wait_s"] == pytest.approx(2.5) == s["read_s"] for s in low), low
+    assert all(s["wait_s"] == 0 for s in switches if s["component"] != "transformer_2"), switches
     warnings = [r.getMessage() for r in caplog.records if "would hide that" in r.getMessage()]
-    assert len(warnings) == 1 and warnings[0].startswith("host tier: transformer_2 waited"), warnings
-    forecast = next(f for f in warned_with if f is not None and f.hidden_from_host_budget > host_budget_bytes)
+    assert len(warnings) == 1 and warnings[0].startswith("host tier: transformer_2 waited 2.5 s"), warnings
+    (forecast,) = warned_with
+    assert forecast.hidden_from_host_budget > host_budget_bytes
     assert format_bytes(forecast.hidden_from_host_budget) in warnings[0]
     pipe.disable_flextensor_offload()
 
 
 def test_a_switch_computes_while_its_last_units_are_read(saved, tmp_path, monkeypatch) -> None:
-    """With no room to read the low-noise expert ahead, it still starts at once: a deterministic slow
-    reader (0.1 s a unit, one at a time) and slow first calls of its blocks (0.1 s) show its first block
-    computing before its last unit is read, and the switch waiting for less than its read took."""
+    """With no room to read the low-noise expert ahead, it still starts at once: the read of its last unit is held
+    until its first block computes, and that block's first call waits for it (events, not sleeps), which would
+    fail the generation if the expert waited for all of its units first. Its units take 0.1 s each on a fake
+    clock: the switch waited at most for the four before the last, whose read hid behind the first block."""
     folder, reference = saved
     pipe, _ = enabled(folder, tmp_path)
     one_read_at_a_time(monkeypatch)
-    events: list[tuple[str, int]] = []
-    unit_reads(monkeypatch, "transformer_2", 0.1, events)
+    reads = scripted_reads(monkeypatch, "transformer_2", seconds=0.1)
+    last = 4  # the base and four blocks
+    reads.hold(last, lambda job, position: ("compute", 0) in reads.events)
     for index, block in enumerate(pipe.transformer_2.blocks):
 
         def compute(module, args, index=index):
-            if ("compute", index) not in events:  # its first call: slow, recorded
-                events.append(("compute", index))
-                time.sleep(0.1)
+            if ("compute", index) not in reads.events:  # its first call, recorded
+                reads.note("compute", index)
+                if index == 0:
+                    reads.wait_until(lambda: last in reads.reads(), "the expert's last unit was read")
 
         block.register_forward_pre_hook(compute)
     assert torch.equal(wan_latents(pipe), reference)
     switch = next(s for s in tier_of(pipe).report()["switches"] if s["component"] == "transformer_2")
     assert switch["read_ahead_bytes"] == 0 and switch["complete"], switch
-    assert switch["read_s"] >= 0.5 and switch["wait_s"] <= 0.7 * switch["read_s"], switch
-    reads = [i for i, event in enumerate(events) if event[0] == "read"]
+    assert switch["read_s"] == pytest.approx(0.5) and switch["wait_s"] <= 0.4, switch
+    events = reads.events
+    read_at = [i for i, event in enumerate(events) if event[0] == "read"]
     computes = [i for i, event in enumerate(events) if event[0] == "compute"]
-    assert len(reads) == 5 and len(computes) == 4, events  # the base and four blocks
-    assert computes[0] < reads[-1], events
+    assert len(read_at) == 5 and len(computes) == 4, events
+    assert computes[0] < read_at[-1], events
     pipe.disable_flextensor_offload()
 
 
 def test_a_generation_interrupted_while_an_expert_arrives_leaves_the_next_ones_native(
     saved, tmp_path, monkeypatch
 ) -> None:
-    """Ctrl-C inside the low-noise expert's second block while its later units are still read from disk
-    (slowly, one at a time): the interrupt reaches the caller, the next generations are bitwise equal to
+    """Ctrl-C inside the low-noise expert's second block while its last unit is still to be read from disk (that
+    read is held until the interrupt): the interrupt reaches the caller, the next generations are bitwise equal to
     native, and disabling restores the pipeline."""
     folder, reference = saved
     pipe, _ = enabled(folder, tmp_path)
     one_read_at_a_time(monkeypatch)
-    events: list[tuple[str, int]] = []
-    unit_reads(monkeypatch, "transformer_2", 0.05, events)
+    reads = scripted_reads(monkeypatch, "transformer_2")
     fired: list[int] = []
+    reads.hold(4, lambda job, position: bool(fired))
 
     def interrupt(module, args):
         if not fired:
-            fired.append(len(reads_of(events)))
+            fired.append(len(reads.reads()))
+            reads.notify()
             raise KeyboardInterrupt
 
     hook = pipe.transformer_2.blocks[1].register_forward_pre_hook(interrupt)
     with pytest.raises(KeyboardInterrupt):
         wan_latents(pipe)
     hook.remove()
-    assert fired and fired[0] < 5, (fired, events)  # interrupted before the base and four blocks all arrived
+    assert fired and fired[0] < 5, (fired, reads.events)  # interrupted before the base and four blocks all arrived
     assert all(torch.equal(wan_latents(pipe), reference) for _ in range(2))
     pipe.disable_flextensor_offload()
     assert torch.equal(wan_latents(pipe), reference)
 
 
-def test_an_edit_of_an_expert_read_in_part_ahead_reaches_outputs(saved, tmp_path) -> None:
+def test_an_edit_of_an_expert_read_in_part_ahead_reaches_outputs(saved, tmp_path, monkeypatch) -> None:
     """``load_state_dict`` into the low-noise expert once part of it was read ahead (from a step callback of
     the high-noise stage): that read is stale, so it is dropped and the expert read again with the edit;
     outputs equal native with the same edit, and from then on a cache file holds it."""
     folder, _ = saved
     pipe, _ = enabled(folder, tmp_path, part=0.5)
-    read_aheads_begin_before_forwards_end(pipe)
+    read_aheads_begin_before_forwards_end(pipe, monkeypatch)
     wan_latents(pipe)  # the order of components is known from here on
     native = load(folder)
     torch.manual_seed(5)
@@ -930,8 +1041,9 @@ def test_an_edit_of_an_expert_read_in_part_ahead_reaches_outputs(saved, tmp_path
 
 
 def test_an_edit_while_units_arrive_waits_for_them(saved, tmp_path, monkeypatch) -> None:
-    """``load_state_dict`` into the high-noise expert right after it became active, its units still
-    arriving: the edit waits for all of them and lands in its RAM copies."""
+    """``load_state_dict`` into the high-noise expert right after it became active, its last unit still to be
+    read (that read is held until the main thread waits for it): the edit waits for it and lands in its RAM
+    copies."""
     folder, _ = saved
     pipe, _ = enabled(folder, tmp_path)
     wan_latents(pipe)
@@ -942,52 +1054,59 @@ def test_an_edit_while_units_arrive_waits_for_them(saved, tmp_path, monkeypatch)
     native.transformer.load_state_dict(state)
     expected = wan_latents(native)
     one_read_at_a_time(monkeypatch)
-    unit_reads(monkeypatch, "transformer", 0.05)
+    reads = scripted_reads(monkeypatch, "transformer")
+    reads.hold(4, reads.asked_for)
     pipe._flextensor.handles["transformer"].activate()
     arriving = reading(pipe, "transformer")
     assert arriving is not None and arriving["kind"] == "read back" and arriving["read_bytes"] < arriving["nbytes"]
+    assert 4 not in reads.reads()
     pipe.transformer.load_state_dict(state)
+    assert 4 in reads.reads()  # read while the edit waited for it
     assert reading(pipe, "transformer") is None and "transformer" not in tier_of(pipe).report()["on_disk"]
     assert all(torch.equal(wan_latents(pipe), expected) for _ in range(2))
     pipe.disable_flextensor_offload()
 
 
 def test_state_dict_while_units_arrive_gives_their_final_bytes(saved, tmp_path, monkeypatch) -> None:
-    """``state_dict()`` of an expert whose units are still arriving waits for them (the hook passes the
-    gate) and gives its weights bit for bit."""
+    """``state_dict()`` of an expert whose last unit is still to be read (held until the main thread waits for
+    it) waits for it (the hook passes the gate) and gives its weights bit for bit."""
     folder, _ = saved
     pipe, _ = enabled(folder, tmp_path)
     wan_latents(pipe)
     one_read_at_a_time(monkeypatch)
-    unit_reads(monkeypatch, "transformer", 0.05)
+    reads = scripted_reads(monkeypatch, "transformer")
+    reads.hold(4, reads.asked_for)
     pipe._flextensor.handles["transformer"].activate()
-    assert reading(pipe, "transformer") is not None
+    arriving = reading(pipe, "transformer")
+    assert arriving is not None and arriving["read_bytes"] < arriving["nbytes"] and 4 not in reads.reads()
     state = pipe.transformer.state_dict()
     native = load(folder).transformer.state_dict()
     assert state.keys() == native.keys() and all(torch.equal(state[k], native[k]) for k in native)
-    assert reading(pipe, "transformer") is None
+    assert 4 in reads.reads() and reading(pipe, "transformer") is None
     pipe.disable_flextensor_offload()
 
 
 @pytest.mark.parametrize("kind", ["read back", "read ahead"])
 def test_disabling_during_a_read_stops_it_between_units(saved, tmp_path, monkeypatch, kind) -> None:
     """``disable_flextensor_offload()`` while the high-noise expert is read (active, or ahead while the text
-    encoder is active): the read stops after the unit in flight, and every weight comes back as native,
-    the folder untouched and no cache file left."""
+    encoder is active), one unit at a time, each held until the main thread waits for it or its read is
+    stopped: the read stops after the unit in flight, and every weight comes back as native, the folder
+    untouched and no cache file left."""
     folder, reference = saved
     before = digest(folder)
     pipe, _ = enabled(folder, tmp_path)
     assert torch.equal(wan_latents(pipe), reference)
     assert "transformer" in tier_of(pipe).report()["on_disk"]
     one_read_at_a_time(monkeypatch)
-    events: list[tuple[str, int]] = []
-    unit_reads(monkeypatch, "transformer", 0.2, events)
+    reads = scripted_reads(monkeypatch, "transformer")
+    reads.hold(None, reads.asked_for)  # what activation needs (the base) is read; the others wait for the stop
     pipe._flextensor.handles["transformer" if kind == "read back" else "text_encoder"].activate()
     under_way = reading(pipe, "transformer")
     assert under_way is not None and under_way["kind"] == kind and under_way["read_bytes"] < under_way["nbytes"]
-    a_read_started(events)
+    reads.wait_until(lambda: reads.in_flight() > 0, "a read of the expert is in flight")
+    read_before = len(reads.reads())
     pipe.disable_flextensor_offload()
-    assert 0 < len(reads_of(events)) < 5, events  # the unit in flight finished, not every unit of five was read
+    assert len(reads.reads()) == read_before + 1 < 5, reads.events  # the unit in flight finished, no other began
     monkeypatch.undo()
     assert torch.equal(wan_latents(pipe), reference)
     assert digest(folder) == before
@@ -1000,7 +1119,7 @@ def test_a_failed_read_is_raised_at_the_next_gate_and_the_expert_stays_on_disk(s
     the next generations read it again and are bitwise equal to native."""
     folder, reference = saved
     pipe, _ = enabled(folder, tmp_path)
-    unit_reads(monkeypatch, "transformer_2", fail_at=2)
+    scripted_reads(monkeypatch, "transformer_2", fail_at=2)
     with pytest.raises(ft.FlexTensorError) as raised:
         wan_latents(pipe)
     message = str(raised.value)
@@ -1017,37 +1136,26 @@ def test_a_failed_read_is_raised_at_the_next_gate_and_the_expert_stays_on_disk(s
 
 def test_a_wrong_guess_is_stopped_between_units_and_its_buffers_freed(saved, tmp_path, monkeypatch) -> None:
     """After a generation that ran only the high-noise expert, the low-noise one was read ahead for
-    nothing: when the text encoder of the next generation becomes active instead, that read stops after
-    the unit in flight and every buffer it read is freed; outputs stay bitwise equal."""
+    nothing (one unit at a time, the one in flight held until its read is stopped): when the text encoder of
+    the next generation becomes active instead, that read stops after the unit in flight and every buffer it
+    read is freed; outputs stay bitwise equal."""
     import gc
-    import weakref
 
     folder, reference = saved
     pipe, host_budget = enabled(folder, tmp_path, part=0.75)
     assert torch.equal(wan_latents(pipe), reference)  # seen: the low-noise expert runs after the high-noise one
-    low = pipe._flextensor.handles["transformer_2"].residency
     one_read_at_a_time(monkeypatch)
-    events: list[tuple[str, int]] = []
-    unit_reads(monkeypatch, "transformer_2", 0.2, events)
-    buffers = []
-    real = Residency.read_unit
-
-    def read_unit(self, position, host, pin, read=None):
-        unit = real(self, position, host, pin, read)
-        if self is low:
-            buffers.append(weakref.ref(unit.host))
-        return unit
-
-    monkeypatch.setattr(Residency, "read_unit", read_unit)
+    reads = scripted_reads(monkeypatch, "transformer_2")
+    reads.hold(None)  # every read of the low-noise expert waits until its job is stopped
     wan_latents(pipe, num_inference_steps=1)  # the high-noise stage only
     ahead = reading(pipe, "transformer_2")
     assert ahead is not None and ahead["kind"] == "read ahead" and ahead["allowed_bytes"] > 2 * 74752
-    a_read_started(events)
+    reads.wait_until(lambda: reads.in_flight() > 0, "a read of the low-noise expert is in flight")
     pipe._flextensor.handles["text_encoder"].activate()  # not the guess
     assert reading(pipe, "transformer_2") is None and "transformer_2" in tier_of(pipe).report()["on_disk"]
-    assert 0 < len(reads_of(events)) <= 2, events  # stopped after the unit in flight, well before its allowance
+    assert len(reads.reads()) == 1, reads.events  # stopped after the unit in flight, well before its allowance
     gc.collect()
-    assert buffers and all(ref() is None for ref in buffers)
+    assert reads.buffers and all(ref() is None for ref in reads.buffers)
     assert tier_of(pipe).report()["peak_host_ram_bytes"] <= host_budget
     monkeypatch.undo()
     assert all(torch.equal(wan_latents(pipe), reference) for _ in range(2))

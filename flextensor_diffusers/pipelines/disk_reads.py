@@ -7,11 +7,17 @@ buffer, never past the bytes the host budget allows it (a read ahead pauses ther
 `Residency.host_gate` before it reads a unit's host bytes; `FillGate` is that gate while units arrive: it
 blocks until the reader delivered the unit, then adopts the buffer on the main thread. A read that fails is
 raised at the next gate as a one-line error (`read_error`).
+
+Two module-level seams let tests make reads deterministic without touching what is read: `clock`, what read and
+wait times are measured with (a fake one gives fixed figures whatever the machine's speed), and `read_hooks`, a
+`ReadHooks` that every job calls around each unit read and whenever it changes (to hold, slow, fail or watch
+reads with events instead of sleeps). Both are looked up at each use, so a replacement reaches jobs already queued.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import os
 import queue
@@ -32,6 +38,34 @@ if TYPE_CHECKING:
 #: Units read at once: a disk serves several large reads in flight faster than one, and a unit's
 #: page-locking overlaps the next one's read.
 READ_THREADS = max(2, min(8, os.cpu_count() or 1))
+
+#: What `ReadJob.read_s` and the host tier's switch waits are measured with (seconds). A seam: tests put a fake
+#: clock here that only moves when their fake reads say so, so that those figures are fixed.
+clock: Callable[[], float] = time.perf_counter
+
+
+class ReadHooks:
+    """Where a `ReadJob` lets an observer in: around each unit read, when the job changes, and when the main thread
+    is about to wait for a unit. This default reads at once and tells no one; tests install another as `read_hooks`
+    to hold a read until an event, make it fail, move a fake `clock`, or wake a waiter at the change it waits for.
+
+    No hook is called under the job's lock (the host tier's may be held: a hook must not call into the tier)."""
+
+    def read(self, job: ReadJob, position: int, read: Callable[[], Unit]) -> Unit:
+        """Read unit ``position`` of ``job`` on one of the job's threads: ``read()`` does it and returns the unit.
+        What this raises is the read's failure (raised at the next gate as `read_error`)."""
+        return read()
+
+    def changed(self, job: ReadJob) -> None:
+        """``job`` changed: a unit was delivered (or freed, the job being stopped), it was allowed more bytes, it
+        was stopped, or the reader left it."""
+
+    def waiting(self, job: ReadJob, position: int) -> None:
+        """The main thread is about to wait for ``position`` of ``job`` (`ReadJob.wait_for`); it may have arrived."""
+
+
+#: The `ReadHooks` every read job calls (a seam for tests, see there).
+read_hooks = ReadHooks()
 
 
 def read_order(handle: OffloadHandle) -> list[int]:
@@ -106,6 +140,7 @@ class ReadJob:
         with self._cond:
             self.allowed = nbytes
             self._cond.notify_all()
+        read_hooks.changed(self)
 
     def allow_more(self, room: int) -> None:
         """Let the read go ``room`` bytes past the units it may read whole now (a read ahead topped up)."""
@@ -117,6 +152,7 @@ class ReadJob:
         with self._cond:
             self.stopped = True
             self._cond.notify_all()
+        read_hooks.changed(self)
 
     def wait_finished(self) -> None:
         """Wait until the reader left the job; one it has not begun is finished at once (and skipped)."""
@@ -128,6 +164,7 @@ class ReadJob:
     def wait_for(self, position: int) -> Unit | None:
         """Block until ``position`` is read and hand it over; None when the job stopped first. A failure
         of the read is raised here."""
+        read_hooks.waiting(self, position)
         with self._cond:
             self._cond.wait_for(lambda: position in self.delivered or self.error is not None or self.finished)
             unit = self.delivered.pop(position, None)
@@ -161,7 +198,7 @@ class ReadJob:
                     if self.stopped or self.error is not None:
                         break
                     if self._in_flight == 0:
-                        self._busy_since = time.perf_counter()
+                        self._busy_since = clock()
                     self._in_flight += 1
                 try:
                     pool.submit(self._read_one, position)
@@ -176,6 +213,7 @@ class ReadJob:
                 self._cond.wait_for(lambda: self._in_flight == 0)
                 self.finished = True
                 self._cond.notify_all()
+            read_hooks.changed(self)
 
     def _may_submit(self, n: int) -> bool:
         if self.stopped or self.error is not None:
@@ -184,8 +222,9 @@ class ReadJob:
 
     def _read_one(self, position: int) -> None:
         assert self.how is not None
+        read = functools.partial(self.residency.read_unit, position, self.hosts[position], self.pin, self.how.read)
         try:
-            unit = self.residency.read_unit(position, self.hosts[position], self.pin, self.how.read)
+            unit = read_hooks.read(self, position, read)
         except BaseException as exc:
             with self._cond:
                 self.error = self.error or exc
@@ -199,7 +238,7 @@ class ReadJob:
         with self._cond:
             self._in_flight -= 1
             if self._in_flight == 0 and self._busy_since is not None:
-                self.read_s += time.perf_counter() - self._busy_since
+                self.read_s += clock() - self._busy_since
                 self._busy_since = None
             if unit is not None and (self.stopped or self.error is not None):
                 drop = unit
@@ -209,6 +248,7 @@ class ReadJob:
             self._cond.notify_all()
         if drop is not None:
             self.residency.drop_read([drop])
+        read_hooks.changed(self)
 
 
 class Reader:

@@ -24,8 +24,9 @@ buffer, and the component starts at once. The engine asks `Residency.host_gate` 
 unit's host bytes (`FillGate`): the gate blocks until the reader delivered that unit, then adopts the
 buffer on the main thread, so the first blocks compute while the last ones are still being read. The time
 blocked there (plus `bring_in`'s own) is the switch's exposed disk time, ``wait_s``; the reader's own
-time is ``read_s``. A read that fails is raised at the next gate as a one-line error, with the
-component left on disk as it was (read again when it next runs).
+time is ``read_s``; both are measured with `disk_reads.clock` (a seam: tests fix the figures with a fake clock). A
+read that fails is raised at the next gate as a one-line error, with the component left on disk as it was (read
+again when it next runs).
 
 Reading ahead: while a component runs, the ones expected after it (the order seen last time, else the
 pipeline's declared ``model_cpu_offload_seq``, wrapping around to the next generation) that wait on disk are
@@ -60,7 +61,6 @@ import logging
 import os
 import shutil
 import threading
-import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +70,7 @@ from torch import nn
 
 from ..engine import format_bytes
 from ..engine.errors import FlexTensorError
+from . import disk_reads
 from .disk_reads import FillGate, HowToRead, Reader, ReadJob, read_error, read_order
 from .host_budget import HostOverhead
 from .weight_files import WeightSource, component_folders, pipeline_folder
@@ -326,7 +327,7 @@ class HostTier:
         back completed, a wrong read ahead given up; when ``handle`` waits on disk, its read back starts,
         or goes on from its read ahead, and it becomes active at once (its units arrive through the
         gate). Then the read aheads of the components expected next start or go on (`_read_ahead_after`)."""
-        started = time.perf_counter()
+        started = disk_reads.clock()
         with self._lock:
             name = next(n for n, h in self.handles.items() if h is handle)
             self.recency.remove(name)
@@ -342,7 +343,7 @@ class HostTier:
             self._note_peak()
             self._read_ahead_after(name)
             if switch is not None:  # all of it kept the component from computing
-                switch.wait_s += time.perf_counter() - started
+                switch.wait_s += disk_reads.clock() - started
 
     @staticmethod
     def _how_to_read(source: WeightSource | None, current: bool) -> HowToRead:
@@ -432,17 +433,17 @@ class HostTier:
             gate = fill.gate
             if self._fill is not fill or gate is None or not gate.pending[position]:
                 return
-            begin = time.perf_counter()
+            begin = disk_reads.clock()
             try:
                 unit = fill.job.wait_for(position)
             except Exception as exc:
-                fill.switch.wait_s += time.perf_counter() - begin
+                fill.switch.wait_s += disk_reads.clock() - begin
                 self._give_up_fill()
                 error = read_error(fill.job.component, exc)
                 if error is exc:
                     raise
                 raise error from exc
-            fill.switch.wait_s += time.perf_counter() - begin
+            fill.switch.wait_s += disk_reads.clock() - begin
             assert unit is not None, "a read back stopped while its component still needs it"
             fill.job.residency.take_unit(unit)
             fill.job.taken_bytes += unit.nbytes
