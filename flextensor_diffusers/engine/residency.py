@@ -56,6 +56,7 @@ from .units import (
     Unit,
     UnitLayout,
     align,
+    aligned_buffer,
     pack_unit,
     pin_unit,
     restore_unit,
@@ -221,7 +222,7 @@ class Residency:
             return
         self.check_tensors_are_ours()
         with torch.no_grad(), torch.inference_mode(False):
-            buffer = torch.empty(self.base.nbytes, dtype=torch.uint8, device=self.device)
+            buffer = aligned_buffer(self.base.nbytes, self.device)
             buffer.copy_(self.host_of(self.base), non_blocking=True)
             self.base.bind(buffer)
             self.copies.base = buffer
@@ -293,7 +294,7 @@ class Residency:
         with torch.no_grad(), torch.inference_mode(False):
             if plan is None:
                 packed = [u for u in self.units if u.host is not None]  # remove() may have restored some
-                slot = torch.empty(max((u.nbytes for u in packed), default=0), dtype=torch.uint8, device=self.device)
+                slot = aligned_buffer(max((u.nbytes for u in packed), default=0), self.device)
                 self.copies.slots = [slot]
                 self.slot_of = [0 if u.host is not None else None for u in self.units]
                 self.decoding = frozenset(self.encoded)
@@ -302,14 +303,12 @@ class Residency:
                     unit.bind(slot)
                     self.dst[unit.index] = slot[: unit.nbytes]
             else:
-                self.copies.slots = [
-                    torch.empty(plan.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(plan.num_slots)
-                ]
+                self.copies.slots = [aligned_buffer(plan.slot_bytes, self.device) for _ in range(plan.num_slots)]
                 self.decoding = plan.compressed & frozenset(self.encoded)
                 self._allocate_staging(plan.num_slots)
                 for index in sorted(plan.resident):
                     unit = self.units[index]
-                    buffer = torch.empty(unit.nbytes, dtype=torch.uint8, device=self.device)
+                    buffer = aligned_buffer(unit.nbytes, self.device)
                     self._fill_resident(index, buffer)
                     unit.bind(buffer)
                     self.copies.resident[index] = buffer
@@ -338,7 +337,7 @@ class Residency:
         """Per slot, room for the largest payload a load decodes (none without such loads)."""
         size = max((self.encoded[i].payload.numel() for i in self.decoding), default=0)
         if size:
-            self.copies.staging = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(num_slots)]
+            self.copies.staging = [aligned_buffer(size, self.device) for _ in range(num_slots)]
 
     # ------------------------------------------------------------------------------------ loading
 
