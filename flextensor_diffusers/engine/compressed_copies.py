@@ -128,6 +128,9 @@ class CompressedCopies:
         if not set(cached) <= set(by_index):
             cache.refuse("it names units this model does not have")
             return False
+        if any(list(encoded.segments) != segments_of(by_index[i]) for i, encoded in cached.items()):
+            cache.refuse("its tensors lie elsewhere in the units (other alignment classes or strides)")
+            return False
         self._keep(cached, pin)
         mismatches: dict[str, str] = {}
 

@@ -57,6 +57,7 @@ from .units import (
     Unit,
     UnitLayout,
     align,
+    aligned_buffer,
     pack_unit,
     pin_unit,
     restore_unit,
@@ -233,7 +234,7 @@ class Residency:
         self.check_tensors_are_ours()
         self.binding.sweep()  # edits made while inactive reach the copies made below
         with torch.no_grad(), torch.inference_mode(False):
-            buffer = torch.empty(self.base.nbytes, dtype=torch.uint8, device=self.device)
+            buffer = aligned_buffer(self.base.nbytes, self.device)
             buffer.copy_(self.host_of(self.base), non_blocking=True)
             self.binding.to_device(self.base, buffer)
             self.copies.base = buffer
@@ -307,7 +308,7 @@ class Residency:
         with torch.no_grad(), torch.inference_mode(False):
             if plan is None:
                 packed = [u for u in self.units if u.host is not None]  # remove() may have restored some
-                slot = torch.empty(max((u.nbytes for u in packed), default=0), dtype=torch.uint8, device=self.device)
+                slot = aligned_buffer(max((u.nbytes for u in packed), default=0), self.device)
                 self.copies.slots = [slot]
                 self.slot_of = [0 if u.host is not None else None for u in self.units]
                 self.decoding = frozenset(self.encoded)
@@ -315,14 +316,12 @@ class Residency:
                 for unit in packed:
                     self.dst[unit.index] = slot[: unit.nbytes]
             else:
-                self.copies.slots = [
-                    torch.empty(plan.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(plan.num_slots)
-                ]
+                self.copies.slots = [aligned_buffer(plan.slot_bytes, self.device) for _ in range(plan.num_slots)]
                 self.decoding = plan.compressed & frozenset(self.encoded)
                 self._allocate_staging(plan.num_slots)
                 for index in sorted(plan.resident):
                     unit = self.units[index]
-                    buffer = torch.empty(unit.nbytes, dtype=torch.uint8, device=self.device)
+                    buffer = aligned_buffer(unit.nbytes, self.device)
                     self._fill_resident(index, buffer)
                     self.binding.to_device(unit, buffer)
                     self.copies.resident[index] = buffer
@@ -350,7 +349,7 @@ class Residency:
         """Per slot, room for the largest payload a load decodes (none without such loads)."""
         size = max((self.encoded[i].payload.numel() for i in self.decoding), default=0)
         if size:
-            self.copies.staging = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(num_slots)]
+            self.copies.staging = [aligned_buffer(size, self.device) for _ in range(num_slots)]
 
     # ------------------------------------------------------------------------------------ loading
 

@@ -99,9 +99,10 @@ class OffloadHandle:
         self.cuda = self.device.type == "cuda"
         # Another process packed these weights into shared memory: point at them, copy nothing.
         self._attaching = config.shared_host is not None and not config.shared_host.create
-        layout = plan_layout(
-            model, find_units(model, config.include_patterns, config.exclude_patterns), meta_ok=self._attaching
-        )
+        selected = find_units(model, config.include_patterns, config.exclude_patterns)
+        # Weights shared between processes are laid out alike in each (canonically); others keep their placement.
+        canonical = config.shared_host is not None
+        layout = plan_layout(model, selected, self.device, meta_ok=self._attaching, canonical=canonical)
         for name in config.entry_methods:
             if not callable(getattr(model, name, None)):
                 raise FlexTensorError(f"entry method {name!r} is not a method of {type(model).__name__}")

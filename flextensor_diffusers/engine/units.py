@@ -1,10 +1,34 @@
 """Units: the modules that are streamed, each packed into one flat host buffer.
 
 A *unit* is the outermost module whose name matches an include pattern. All its parameters and
-buffers are copied into one ``uint8`` host buffer, each tensor at an offset aligned to 512 bytes
-(what the CUDA caching allocator guarantees for a native tensor), and the tensors become views of
-that buffer. Streaming a unit is then one host→device copy, and because the same offsets are used
-inside the GPU slot, every kernel sees the alignment it sees natively and picks the same algorithm.
+buffers are copied into one ``uint8`` host buffer and the tensors become views of that buffer.
+Streaming a unit is then one host→device copy into a slot laid out like the host buffer.
+
+**Every view keeps the placement its tensor had natively**, because kernels pick their code path by
+it: on a CPU with MKL, an FP32 or FP64 matrix-vector product (``F.linear`` with one input row) sums
+in another order when its weight's address changes modulo 16, and a transposed or strided weight
+runs other kernels than a contiguous one (``ALIGNMENT_FINDINGS.md``). A weight that ``from_pretrained``
+left at an unaligned address (a view of a mapped safetensors file) must therefore sit at the same
+address, modulo what the kernels tell apart, in every buffer it computes from, with the same strides:
+
+* its *alignment class* is its address modulo the device's `class_modulus` (`CPU_ALIGNMENT`, 64, on
+  the CPU; `ALIGNMENT`, 512, on CUDA) when it is already on the compute device (any CPU tensor, when
+  computing on the CPU), else 0: where ``.to(device)`` puts it, a fresh allocation;
+* its strides are its own when it is already there, else those ``.to(device)`` gives. A strided view
+  keeps its gaps and an expanded one its stride 0: the flat buffer holds the *span* of memory the
+  view reaches, not ``numel`` elements;
+* its offset in the flat buffer is ≡ its class, and every buffer a unit is copied into starts at a
+  multiple of `ALIGNMENT` (host buffers are page aligned, device buffers come from `aligned_buffer`),
+  so the view's address has the class.
+
+Each tensor takes a `room` with space for any class it may have, so a unit's size depends only on its
+tensors' shapes, dtypes and strides, never on where they happened to sit: budgets, saved profiles and
+shared files agree between runs and processes, and a model on the meta device lays out as large as its
+loaded self. Weights in shared host memory are laid out alike in every process (a follower's model is
+on the meta device): contiguous, at class 0.
+
+`restore_unit` gives every tensor back its strides and its address modulo `ALIGNMENT` on the device it
+came from, in storage of its own, bit-exact.
 
 Tensors are re-pointed with ``tensor.data = view``: the ``Parameter`` objects themselves never
 change, so tied weights, optimiser references and ``named_parameters()`` all keep working.
@@ -12,11 +36,13 @@ change, so tied weights, optimiser references and ``named_parameters()`` all kee
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 import torch
 from torch import nn
@@ -26,21 +52,142 @@ from .host_memory import host_buffer, pin_in_place, unpin_in_place
 
 logger = logging.getLogger(__name__)
 
-#: Alignment of every tensor inside a flat buffer; the CUDA caching allocator's block alignment.
+#: Alignment of every flat buffer, and the modulus of a tensor's alignment class on CUDA: the caching
+#: allocator's block alignment, so a tensor moved there natively is at class 0.
 ALIGNMENT = 512
+#: The modulus of a tensor's alignment class on the CPU: the widest vector a CPU kernel loads (AVX-512)
+#: and a cache line. The CPU allocator aligns every allocation to it, so freshly allocated tensors are at
+#: class 0 and two runs of one model lay it out alike (a payload cache written by one fits the next).
+CPU_ALIGNMENT = 64
 
 
 def align(n: int, alignment: int = ALIGNMENT) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
+def class_modulus(device: torch.device) -> int:
+    """The modulus of alignment classes on ``device`` (see `ALIGNMENT`, `CPU_ALIGNMENT`)."""
+    return CPU_ALIGNMENT if device.type == "cpu" else ALIGNMENT
+
+
 def tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def span_nbytes(shape: Sequence[int], stride: Sequence[int], itemsize: int) -> int:
+    """Bytes from a strided view's first element to the end of its last (strides are never negative)."""
+    if any(size == 0 for size in shape):
+        return 0
+    return (1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))) * itemsize
+
+
+def is_dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Every byte of the span belongs to exactly one element of the view (contiguous, transposed,
+    channels-last): an elementwise copy then fills the whole span. False for gaps and repeats."""
+    if any(size == 0 for size in shape):
+        return True
+    expected = 1
+    for size, step in _dims_by_stride(shape, stride):
+        if step != expected:
+            return False
+        expected *= size
+    return True
+
+
+def repeats_beyond_expansion(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Two elements of the view may share memory other than along a stride-0 dimension (an ``expand``):
+    a layout only ``as_strided`` makes, which an elementwise copy cannot write. Conservative: dimensions
+    taken by increasing stride must each step past everything the smaller ones reach."""
+    reach = 1
+    for size, step in _dims_by_stride(shape, stride):
+        if step == 0:
+            continue
+        if step < reach:
+            return True
+        reach += (size - 1) * step
+    return False
+
+
+def _dims_by_stride(shape: Sequence[int], stride: Sequence[int]) -> list[tuple[int, int]]:
+    """(size, stride) of the dimensions longer than 1, by increasing stride."""
+    return sorted(((size, step) for size, step in zip(shape, stride, strict=True) if size > 1), key=itemgetter(1))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a tensor's elements sit in memory: its strides, and its alignment class, the address of its first
+    element modulo `ALIGNMENT`, which the kernels of some machines choose their code path by.
+    ``from_address``: the class comes from the tensor's address, not 0 by rule (moved, or canonical)."""
+
+    stride: tuple[int, ...]
+    alignment_class: int
+    from_address: bool
+
+    @classmethod
+    def native(cls, t: torch.Tensor) -> Placement:
+        """Where ``t`` sits now (class 0 on the meta device, which has no addresses)."""
+        address = t.data_ptr() if t.device.type != "meta" else 0
+        alignment_class = address % ALIGNMENT
+        if alignment_class % t.element_size():  # a view of a flat buffer cannot start inside an element
+            logger.warning(
+                "a %s tensor %s sits at an address that is not a multiple of its element size: it computes "
+                "from the nearest lower one once offloaded",
+                t.dtype,
+                tuple(t.shape),
+            )
+            alignment_class -= alignment_class % t.element_size()
+        return cls(tuple(t.stride()), alignment_class, from_address=t.device.type != "meta")
+
+    @classmethod
+    def moved(cls, t: torch.Tensor) -> Placement:
+        """Where ``t.to(another_device)`` puts it: a fresh allocation (class 0), with the strides its
+        preserve-format copy takes (its own when it is dense, else contiguous)."""
+        return cls(tuple(torch.empty_like(t, device="meta").stride()), 0, from_address=False)
+
+    @classmethod
+    def canonical(cls, t: torch.Tensor) -> Placement:
+        """Contiguous at class 0: the same in every process, whatever its tensors' placements."""
+        return cls(tuple(torch.empty(t.shape, device="meta").stride()), 0, from_address=False)
+
+    def on(self, device: torch.device) -> Placement:
+        """This placement as the kernels of ``device`` tell classes apart (modulo its `class_modulus`)."""
+        return dataclasses.replace(self, alignment_class=self.alignment_class % class_modulus(device))
+
+
+def room(span: int, itemsize: int, placement: Placement, device: torch.device) -> int:
+    """Bytes a tensor of ``span`` bytes at ``placement`` takes in a flat buffer for ``device``, from a multiple of
+    the device's `class_modulus` on: room for any class where one may come from an address, so that a unit's
+    size depends on its tensors' shapes, dtypes and strides, never on their addresses. On the CPU that is every
+    tensor (one not there yet gets the room too, so a model on the meta device lays out as large as once
+    loaded: budgets estimated before loading hold); on CUDA only a tensor already there, since one moved there
+    is at class 0, as ``.to()`` puts it."""
+    modulus = class_modulus(device)
+    any_class = placement.from_address or device.type == "cpu"
+    return align(span + (modulus - itemsize if any_class else 0), modulus)
+
+
+def aligned_buffer(nbytes: int, device: torch.device, alignment_class: int = 0) -> torch.Tensor:
+    """A new uninitialised uint8 buffer of ``nbytes`` on ``device`` whose address is ≡ ``alignment_class``
+    (mod `ALIGNMENT`): over-allocated and sliced, unless the allocator's block is aligned already (CUDA's
+    caching allocator aligns its blocks to 512 bytes; the CPU allocator only to 64)."""
+    if alignment_class == 0 and device.type == "cuda":
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if buffer.data_ptr() % ALIGNMENT == 0:
+            return buffer
+        del buffer
+    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, device=device)
+    start = (alignment_class - raw.data_ptr()) % ALIGNMENT
+    return raw[start : start + nbytes]
+
+
 @dataclass
 class PackedTensor:
-    """One parameter or buffer of a unit: where it lives in the flat buffer and where it came from."""
+    """One parameter or buffer of a unit: where it lives in the flat buffer and where it came from.
+
+    ``offset`` ≡ its alignment class on the compute device (modulo the device's `class_modulus`),
+    ``nbytes`` is its span there and ``stride`` its strides in every flat buffer; ``origin`` is its
+    placement on ``origin_device`` when it was packed, which `restore_unit` gives back.
+    """
 
     tensor: torch.Tensor  # the Parameter / buffer object whose ``.data`` we re-point
     names: list[str]  # names relative to the unit (several when tied inside the unit)
@@ -50,11 +197,12 @@ class PackedTensor:
     stride: tuple[int, ...]
     dtype: torch.dtype
     origin_device: torch.device
+    origin: Placement
     persistent: bool  # appears in state_dict()
 
     def view_of(self, flat: torch.Tensor) -> torch.Tensor:
         """This tensor as a view of ``flat`` (a uint8 buffer laid out like the host buffer)."""
-        return flat[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
+        return flat[self.offset : self.offset + self.nbytes].view(self.dtype).as_strided(self.shape, self.stride)
 
 
 @dataclass
@@ -65,12 +213,14 @@ class Unit:
     name: str
     module: nn.Module
     tensors: list[PackedTensor] = field(default_factory=list)
-    nbytes: int = 0  # size of the flat buffer (aligned)
+    nbytes: int = 0  # size of the flat buffer (a multiple of ALIGNMENT)
     host: torch.Tensor | None = None  # flat uint8 host buffer, pinned when streaming to CUDA
     pinned_in_place: bool = False  # registered with cudaHostRegister (must be unregistered)
 
     def bind(self, flat: torch.Tensor) -> None:
         """Point every tensor of the unit at its bytes inside ``flat`` (host buffer, slot or resident copy)."""
+        if isinstance(flat, torch.Tensor):  # a stand-in for a spilled host copy has no address of its own
+            assert flat.data_ptr() % ALIGNMENT == 0, f"a flat buffer of {self.name} is not {ALIGNMENT}-byte aligned"
         for packed in self.tensors:
             packed.tensor.data = packed.view_of(flat)
 
@@ -154,13 +304,21 @@ class UnitLayout:
         return self.base.nbytes + sum(tensor_nbytes(t) for t in self.loose)
 
 
-def plan_layout(model: nn.Module, selected: list[tuple[str, nn.Module]], meta_ok: bool = False) -> UnitLayout:
+def plan_layout(
+    model: nn.Module,
+    selected: list[tuple[str, nn.Module]],
+    device: torch.device,
+    meta_ok: bool = False,
+    canonical: bool = False,
+) -> UnitLayout:
     """Assign every tensor of ``model`` to one unit or to the resident set, and lay out each unit.
 
     A tensor used by two units, or by a unit and a module outside any unit (tied embeddings, say),
     stays resident, so that it remains one tensor. Distinct tensors sharing one storage are kept
-    resident too: packing would silently un-share them. ``meta_ok``: the model may be on the meta
-    device (its bytes come from shared host memory), where storages cannot be compared.
+    resident too: packing would silently un-share them. ``device``: the compute device, on which every
+    tensor keeps its placement (see the module docstring). ``canonical``: lay every tensor out the same
+    way in every process instead (weights in shared host memory). ``meta_ok``: the model may be on the
+    meta device (its bytes come from shared host memory), where storages cannot be compared.
     """
     unit_of_module: dict[int, int] = {}
     for i, (_, module) in enumerate(selected):
@@ -209,18 +367,19 @@ def plan_layout(model: nn.Module, selected: list[tuple[str, nn.Module]], meta_ok
 
     units = []
     for i, (name, module) in enumerate(selected):
-        unit = _lay_out(Unit(index=i, name=name, module=module), unit_tensor_ids[i])
+        unit = _lay_out(Unit(index=i, name=name, module=module), unit_tensor_ids[i], device, canonical)
         if not unit.tensors:
             raise PatternError(
                 f"unit {name!r} holds no weights of its own (all shared or none): leave it out of the patterns"
             )
         units.append(unit)
-    base = _lay_out(Unit(index=-1, name="(outside units)", module=model), base_ids)
+    base = _lay_out(Unit(index=-1, name="(outside units)", module=model), base_ids, device, canonical)
     return UnitLayout(units=units, base=base, loose=loose)
 
 
-def _lay_out(unit: Unit, tensor_ids: set[int]) -> Unit:
-    """Give each of the unit's tensors (those in ``tensor_ids``) its aligned offset, in module order."""
+def _lay_out(unit: Unit, tensor_ids: set[int], device: torch.device, canonical: bool) -> Unit:
+    """Place each of the unit's tensors (those in ``tensor_ids``), in module order, each in its `room` at the
+    offset ≡ its class on ``device``."""
     by_id: dict[int, PackedTensor] = {}
     offset = 0
     for sub_name, sub in unit.module.named_modules(remove_duplicate=False):
@@ -232,24 +391,44 @@ def _lay_out(unit: Unit, tensor_ids: set[int]) -> Unit:
                 by_id[id(t)].names.append(rel)
                 by_id[id(t)].persistent |= persistent
                 continue
-            if not t.is_contiguous():
-                logger.debug("%s.%s is not contiguous; it is streamed contiguous", unit.name, rel)
+            origin = Placement.native(t)
+            placement = _placement_on(device, canonical, t, origin, f"{unit.name}.{rel}" if unit.index >= 0 else rel)
             packed = PackedTensor(
                 tensor=t,
                 names=[rel],
-                offset=offset,
-                nbytes=tensor_nbytes(t),
+                offset=offset + placement.alignment_class,
+                nbytes=span_nbytes(t.shape, placement.stride, t.element_size()),
                 shape=t.shape,
-                stride=t.stride(),
+                stride=placement.stride,
                 dtype=t.dtype,
                 origin_device=t.device,
+                origin=origin,
                 persistent=persistent,
             )
             by_id[id(t)] = packed
             unit.tensors.append(packed)
-            offset = align(offset + packed.nbytes)
-    unit.nbytes = offset
+            offset += room(packed.nbytes, t.element_size(), placement, device)
+    unit.nbytes = align(offset)
     return unit
+
+
+def _placement_on(device: torch.device, canonical: bool, t: torch.Tensor, origin: Placement, name: str) -> Placement:
+    """Where ``t`` (natively at ``origin``) sits in its unit's buffers for computing on ``device``: its own
+    placement when it is there already, else that of ``t.to(device)``; canonical when asked."""
+    if canonical:
+        placement = Placement.canonical(t)
+    elif t.device == device:
+        placement = origin.on(device)
+    else:
+        placement = Placement.moved(t)
+    if placement.stride != origin.stride and repeats_beyond_expansion(t.shape, origin.stride):
+        where = "shared memory" if canonical else str(device)
+        raise FlexTensorError(
+            f"{name!r} has strides {origin.stride} under which elements share memory: it cannot be copied to "
+            f"{where} and back bit-exact; make it contiguous before offloading "
+            "(tensor.data = tensor.data.contiguous()) or exclude its module"
+        )
+    return placement
 
 
 # --------------------------------------------------------------------------------------------- packing
@@ -274,15 +453,27 @@ def pack_unit(unit: Unit, host: torch.Tensor | None = None, filled: bool = False
     if host is None:
         host = host_buffer(unit.nbytes)
     for packed in unit.tensors:
-        view = packed.view_of(host)
         if not filled:
-            view.copy_(packed.tensor.data)
+            _copy_in(packed, host)
+        view = packed.view_of(host)
         if packed.tensor.device.type == "meta":  # ``.data`` cannot leave the meta device; swap in place
             new = nn.Parameter(view, packed.tensor.requires_grad) if isinstance(packed.tensor, nn.Parameter) else view
             torch.utils.swap_tensors(packed.tensor, new)
         else:
             packed.tensor.data = view
     unit.host = host
+
+
+def _copy_in(packed: PackedTensor, host: torch.Tensor) -> None:
+    """Copy the tensor's values into its place in ``host``: element by element where its layout there is
+    dense; else (gaps, repeats: then it kept its native strides) the bytes of its storage span as they are."""
+    source = packed.tensor.data
+    if is_dense(packed.shape, packed.stride):
+        packed.view_of(host).copy_(source)
+        return
+    storage = torch.empty(0, dtype=torch.uint8, device=source.device).set_(source.untyped_storage())
+    start = source.storage_offset() * source.element_size()
+    host[packed.offset : packed.offset + packed.nbytes].copy_(storage[start : start + packed.nbytes])
 
 
 def pin_unit(unit: Unit, attached: bool = False) -> None:
@@ -303,7 +494,8 @@ def pin_unit(unit: Unit, attached: bool = False) -> None:
 
 
 def restore_unit(unit: Unit) -> None:
-    """Give every tensor its own storage again, on the device it came from, bit-exact.
+    """Give every tensor its own storage again, on the device it came from, with the strides and the
+    alignment class it had there when it was packed, bit-exact.
 
     Tensors of a model built on the meta device (attached to shared weights) come back on the CPU.
 
@@ -311,13 +503,27 @@ def restore_unit(unit: Unit) -> None:
     unit exactly as it was: still packed and streamable.
     """
     assert unit.host is not None
-    fresh = []
-    for packed in unit.tensors:
-        device = packed.origin_device if packed.origin_device.type != "meta" else torch.device("cpu")
-        t = torch.empty_strided(packed.shape, packed.stride, dtype=packed.dtype, device=device)
-        t.copy_(packed.view_of(unit.host))
-        fresh.append(t)
+    fresh = [_restored(packed, unit.host) for packed in unit.tensors]
     for packed, t in zip(unit.tensors, fresh, strict=True):
         packed.tensor.data = t
     unpin_unit(unit)
     unit.host = None
+
+
+def _restored(packed: PackedTensor, flat: torch.Tensor) -> torch.Tensor:
+    """A copy of ``packed``'s values from ``flat`` in new storage, placed as it was on its origin device: the
+    bytes of its span when its strides there are those it has in ``flat``, else element by element."""
+    device = packed.origin_device if packed.origin_device.type != "meta" else torch.device("cpu")
+    origin = packed.origin
+    nbytes = span_nbytes(packed.shape, origin.stride, packed.dtype.itemsize)
+    span = aligned_buffer(nbytes, device, origin.alignment_class)
+    restored = span.view(packed.dtype).as_strided(packed.shape, origin.stride)
+    if origin.stride == packed.stride:
+        span.copy_(flat[packed.offset : packed.offset + packed.nbytes])
+        return restored
+    target, source = restored, packed.view_of(flat)
+    for dim, (size, step) in enumerate(zip(packed.shape, origin.stride, strict=True)):
+        if step == 0 and size > 1:  # an expanded dimension: its elements are one, written once
+            target, source = target.narrow(dim, 0, 1), source.narrow(dim, 0, 1)
+    target.copy_(source)
+    return restored

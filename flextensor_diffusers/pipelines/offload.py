@@ -277,8 +277,7 @@ def enable(
     device = resolve_device(device)
     budget_bytes = resolve_budget(budget, device)
     includes = _includes(available, chosen, patterns or {})
-    granule = CUDA_ALLOCATION_GRANULE if device.type == "cuda" else 1
-    packed = _check_setup_budgets(available, includes, budget_bytes, granule)
+    packed = _check_setup_budgets(available, includes, budget_bytes, device, canonical=shared_host is not None)
     tier = None
     if host_budget is not None:
         if shared_host is not None:
@@ -361,24 +360,32 @@ def _includes(
     return {name: patterns[name] if name in patterns else patterns_for(name, available[name]) for name in chosen}
 
 
-def check_setup_budget(pipeline: Any, budget_bytes: int, patterns: dict[str, list[str]] | None = None) -> None:
-    """Refuse ``budget_bytes`` when a component cannot stream in it, from the architecture alone:
+def check_setup_budget(
+    pipeline: Any, budget_bytes: int, device: torch.device, patterns: dict[str, list[str]] | None = None
+) -> None:
+    """Refuse ``budget_bytes`` when a component cannot stream in it on ``device``, from the architecture alone:
     ``pipeline`` may be built on the meta device, so a command line can check before loading weights."""
     available = _weighted_components(pipeline)
-    _check_setup_budgets(available, _includes(available, list(available), patterns or {}), budget_bytes)
+    _check_setup_budgets(available, _includes(available, list(available), patterns or {}), budget_bytes, device)
 
 
 def _check_setup_budgets(
-    components: dict[str, nn.Module], includes: dict[str, list[str]], budget: int, granule: int = 1
+    components: dict[str, nn.Module],
+    includes: dict[str, list[str]],
+    budget: int,
+    device: torch.device,
+    canonical: bool = False,
 ) -> dict[str, int]:
     """Refuse a budget under any component's set-up minimum before anything is packed, naming the
     smallest budget for the whole pipeline (every component gets the whole budget). Returns each
-    component's packed host bytes."""
+    component's packed host bytes, laid out for ``device`` as `OffloadHandle` will (``canonical``:
+    for shared host memory)."""
     needs, packed = {}, {}
+    granule = CUDA_ALLOCATION_GRANULE if device.type == "cuda" else 1
     for name, patterns in includes.items():
         module = components[name]
         refuse_whole_model_compile(module)
-        layout = plan_layout(module, find_units(module, patterns), meta_ok=True)
+        layout = plan_layout(module, find_units(module, patterns), device, meta_ok=True, canonical=canonical)
         needs[name] = smallest_budget(layout.resident_bytes, [u.nbytes for u in layout.units], granule=granule)
         packed[name] = layout.base.nbytes + sum(u.nbytes for u in layout.units)
     short = {name: need for name, need in needs.items() if need > budget}

@@ -331,6 +331,8 @@ class WeightSource:
                         return None, f"{keys[0]} is {packed.dtype} here, {entry.dtype} in the file (converted at load)"
                     if entry.start % packed.dtype.itemsize:
                         return None, f"{keys[0]} is not aligned to its dtype in the file"
+                    if not packed.view_of(unit.host).is_contiguous():
+                        return None, f"{keys[0]} has strides {packed.stride} here, the file holds it contiguous"
                     if entry.file not in fds:
                         fds[entry.file] = os.open(entry.file, os.O_RDONLY)
                     ram = unit.host[packed.offset : packed.offset + packed.nbytes]

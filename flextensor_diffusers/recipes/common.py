@@ -257,7 +257,7 @@ def run_recipe(recipe: Any, options: RecipeOptions) -> dict[str, Any]:
     device = device_of(options, placement.device)
     if not options.no_offload and options.random_weights is not None:
         # The smallest workable budget follows from the architecture: check it on a meta-device build.
-        check_setup_budget(recipe.load(options, device, attach=True), resolve_budget(options.budget, device))
+        check_setup_budget(recipe.load(options, device, attach=True), resolve_budget(options.budget, device), device)
     with stage("loading weights", options.quiet):
         pipe = recipe.load(options, device, attach=placement.attach_to_shared)
     parallel.split_transformers(pipe, placement.rank)
