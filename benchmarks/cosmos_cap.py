@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import engine_bench as eb
 
-from flextensor_diffusers.compare import compare
 from flextensor_diffusers.engine import parse_bytes
-from flextensor_diffusers.quality import INF
+from flextensor_diffusers.reports.compare import compare
+from flextensor_diffusers.reports.quality import INF
 
 
 def main() -> None:

@@ -110,7 +110,7 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def wan_config(size: str) -> dict[str, Any]:
-    from flextensor_diffusers.models import load_config
+    from flextensor_diffusers.recipes.models import load_config
 
     return load_config("wan22_t2v", size)
 
@@ -124,7 +124,7 @@ def make_component(name: str, cfg: dict[str, Any], init_device: str, seed: int) 
     CPU unless meta), in the dtype ``from_pretrained(torch_dtype=...)`` would give it."""
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
-    from flextensor_diffusers.models import _random
+    from flextensor_diffusers.recipes.models import _random
 
     dtype, vae_dtype = dtypes(cfg)
     if name == "vae":
@@ -397,7 +397,7 @@ def probe_cache_writes(work: Path) -> dict[str, Any]:
     and loaded as the full one will be, with one expert kept out of RAM."""
     from diffusers import WanPipeline
 
-    from flextensor_diffusers.models import load_pipeline
+    from flextensor_diffusers.recipes.models import load_pipeline
 
     start = time.perf_counter()
     full = wan_config("full")
@@ -648,7 +648,7 @@ def child_run(args: argparse.Namespace) -> dict[str, Any]:
     import diffusers
     from diffusers import WanPipeline
 
-    from flextensor_diffusers.models import load_pipeline
+    from flextensor_diffusers.recipes.models import load_pipeline
 
     diffusers.utils.logging.set_verbosity_error()
     start = time.perf_counter()

@@ -32,9 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flextensor_diffusers.compare import compare
 from flextensor_diffusers.engine.config import parse_bytes
 from flextensor_diffusers.recipes.common import synchronize
+from flextensor_diffusers.reports.compare import compare
 
 
 class StepClock:
@@ -59,8 +59,8 @@ class StepClock:
 
 def latents_only(args: argparse.Namespace, recipe_argv: list[str]) -> dict[str, Any]:
     """Native then offloaded latents of one compiled pipeline; see the module docstring."""
-    from flextensor_diffusers.compare import _cap, _free
     from flextensor_diffusers.recipes import common, wan22_t2v
+    from flextensor_diffusers.reports.compare import _cap, _free
 
     options = wan22_t2v.parse_args(recipe_argv)
     device = common.device_of(options)

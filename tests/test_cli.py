@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from flextensor_diffusers import __main__ as entry
-from flextensor_diffusers import compare
 from flextensor_diffusers.engine.errors import BudgetError
 from flextensor_diffusers.pipelines.offload import format_report
 from flextensor_diffusers.recipes import common, cosmos_transfer25, ltx2_outpaint, wan22_t2v
 from flextensor_diffusers.recipes.options import OptionsError, budget_note
-from flextensor_diffusers.video import write_mp4
+from flextensor_diffusers.reports import compare
+from flextensor_diffusers.reports.video import write_mp4
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {"wan22_t2v": wan22_t2v, "ltx2_outpaint": ltx2_outpaint, "cosmos_transfer25": cosmos_transfer25}

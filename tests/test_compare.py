@@ -10,7 +10,7 @@ import pytest
 import torch
 from models import TINY_WAN_ARGV
 
-from flextensor_diffusers import compare, quality
+from flextensor_diffusers.reports import compare, quality
 
 
 def test_report_files_exist_parse_and_identical_outputs_read_as_such(tmp_path) -> None:

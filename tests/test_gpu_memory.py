@@ -91,7 +91,7 @@ def test_stack_peak_memory_stays_within_three_budgets() -> None:
 
 @pytest.fixture(scope="module")
 def wan():
-    from flextensor_diffusers.models import build_pipeline
+    from flextensor_diffusers.recipes.models import build_pipeline
 
     return build_pipeline("wan22_t2v", "tiny", seed=0, init_device="cpu")
 

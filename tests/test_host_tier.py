@@ -18,10 +18,10 @@ from models import assert_same, enable_with_one_component_in_ram, set_host_overh
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import format_bytes
 from flextensor_diffusers.engine.residency import Residency
-from flextensor_diffusers.models import build_pipeline
 from flextensor_diffusers.pipelines import disk_reads, host_budget, host_tier
 from flextensor_diffusers.pipelines.host_tier import SwitchForecast
 from flextensor_diffusers.pipelines.weight_files import WeightSource, read_entries
+from flextensor_diffusers.recipes.models import build_pipeline
 
 BUDGET = 250_000  # GPU budget: the transformer blocks stream
 #: The measurement of the process's own memory, before the fixture below sets it to nothing.
@@ -361,7 +361,7 @@ class AnonPeak:
 
 def save(folder: Path, shard: str, expert: dict | None = None) -> Path:
     """The tiny Wan2.2 pipeline (experts widened by ``expert``) saved with ``save_pretrained``, sharded."""
-    from flextensor_diffusers import models
+    from flextensor_diffusers.recipes import models
 
     real = models.load_config
 

@@ -251,7 +251,7 @@ def offload_and_profile(
 
 def run_recipe(recipe: Any, options: RecipeOptions) -> dict[str, Any]:
     """Load, compile, offload (or not), profile once per workload, generate, write the mp4 and the summary."""
-    from ..video import to_uint8_frames, write_mp4
+    from ..reports.video import to_uint8_frames, write_mp4
 
     placement = parallel.set_up(options)
     device = device_of(options, placement.device)

@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 
 from ..engine.config import format_bytes, parse_bytes
 from ..engine.errors import BudgetError, FlexTensorError
-from ..models import load_config
 from ..pipelines.compile import COMPILE_MODES
+from .models import load_config
 
 #: Units of ``--budget`` that are powers of ten (a spec sheet's GB), worth a note with the GiB value.
 DECIMAL_UNITS = ("kb", "mb", "gb", "tb")
@@ -77,7 +77,7 @@ class RecipeOptions:
     verbose: bool = False
     quiet: bool = False
 
-    #: The pipeline's name in models.py / assets/ (its architecture configs).
+    #: The pipeline's name in recipes/models.py and assets/ (its architecture configs).
     architecture: ClassVar[str] = ""
 
     @property

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ..models import build_pipeline, load_pipeline
 from . import common
+from .models import build_pipeline, load_pipeline
 from .options import (
     OptionsError,
     RecipeOptions,

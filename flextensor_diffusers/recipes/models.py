@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from .engine.errors import FlexTensorError
+from ..engine.errors import FlexTensorError
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SIZES = ("tiny", "full")
 
 

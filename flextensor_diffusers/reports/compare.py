@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..recipes import common
+from ..recipes.options import OptionsError, RecipeOptions
 from . import quality
-from .recipes import common
-from .recipes.options import OptionsError, RecipeOptions
 from .video import read_mp4, to_uint8_frames, write_mp4
 
 logger = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ def _free(device: torch.device) -> None:
 
 def _cap(device: torch.device, cap: str | None) -> None:
     """Emulate a smaller card: the caching allocator refuses to grow past ``cap``."""
-    from .engine.config import parse_bytes
+    from ..engine.config import parse_bytes
 
     if cap and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
@@ -216,8 +216,8 @@ def _cap(device: torch.device, cap: str | None) -> None:
 
 def check_cap(flag: str, cap: str | None) -> None:
     """A memory cap must parse as a positive size (``abc`` is refused, not ignored)."""
-    from .engine.config import parse_bytes
-    from .engine.errors import BudgetError
+    from ..engine.config import parse_bytes
+    from ..engine.errors import BudgetError
 
     if cap is None:
         return
