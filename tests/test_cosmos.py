@@ -112,7 +112,7 @@ def test_missing_optional_packages_are_named_before_loading(monkeypatch, missing
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
-    with pytest.raises(FlexTensorError, match=rf"{says}: pip install \"flextensor-diffusers\[cosmos\]\""):
+    with pytest.raises(FlexTensorError, match=rf"{says}: pip install -e \"\.\[cosmos\]\" \(in the clone"):
         recipe.parse_args(["--random-weights", "tiny"])
 
 
