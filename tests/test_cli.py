@@ -59,7 +59,7 @@ def test_examples_are_found_in_every_place_users_read() -> None:
 
 def test_commands_are_launched_one_way_everywhere() -> None:
     """Every place names the console scripts, each of which pyproject.toml points at a function that exists."""
-    for where, text in DOCUMENTED.items():
+    for where, text in {**DOCUMENTED, "docs/guide.md": (ROOT / "docs" / "guide.md").read_text()}.items():
         assert not OTHER_LAUNCHES.search(text), (where, OTHER_LAUNCHES.search(text).group(0))
     for script, target in SCRIPTS.items():
         module, function = target.split(":")
@@ -368,3 +368,27 @@ def test_running_out_of_gpu_memory_is_one_line_naming_the_budget(monkeypatch, ca
     err = run_main(wan22_t2v.cli, [*TINY, "--budget", "20GiB"], capsys)
     assert err.startswith("error: the GPU ran out of memory under --budget 20GiB (CUDA out of memory. Tried")
     assert "pass a smaller --budget" in err and len(err.strip().splitlines()) == 1
+
+
+def python_examples(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+
+
+def test_the_readme_python_example_runs_on_the_tiny_pipeline(tmp_path, monkeypatch, capsys) -> None:
+    """The copy-paste example, as written, in a scratch folder: it offloads, generates, reports and restores."""
+    monkeypatch.chdir(tmp_path)
+    examples = python_examples(README)
+    tiny = [code for code in examples if "build_pipeline(" in code]
+    assert len(tiny) == 1 and "torch_dtype" not in README  # diffusers 0.42 deprecates torch_dtype for dtype
+    exec(compile(tiny[0], "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "(9, 32, 32, 3)" in out and re.search(r"^transformer .* 4/4 .* steady$", out, re.MULTILINE), out
+    for code in examples:  # the others need real weights: they must at least be Python
+        compile(code, "README.md", "exec")
+
+
+def test_links_in_the_readmes_point_at_files_that_exist() -> None:
+    for readme in (ROOT / "README.md", ROOT / "benchmarks/results/README.md", ROOT / "docs/guide.md"):
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme.read_text()):
+            if "://" not in target:
+                assert (readme.parent / target).exists(), (readme.name, target)
