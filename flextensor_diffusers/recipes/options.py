@@ -145,10 +145,20 @@ def recipe_parser(
     ``sizes=False``: the recipe sets height and width itself (LTX-2's ``--canvas``). Flags are never
     abbreviated (``--frame`` is an error, not ``--frames``).
     """
-    tiny, full = defaults["tiny"], defaults["full"]
     parser = argparse.ArgumentParser(
         prog=prog, description=description, formatter_class=HelpFormatter, allow_abbrev=False
     )
+    add_generation(parser, defaults, sizes, frames_help)
+    add_memory(parser)
+    add_run(parser)
+    return parser
+
+
+def add_generation(
+    parser: argparse.ArgumentParser, defaults: dict[str, SizeDefaults], sizes: bool, frames_help: str | None
+) -> None:
+    """The weights and what to generate from them."""
+    tiny, full = defaults["tiny"], defaults["full"]
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", type=Path, help="local diffusers folder with the real weights (never downloaded)")
     source.add_argument(
@@ -177,6 +187,10 @@ def recipe_parser(
     )
     parser.add_argument("--guidance", type=float, default=4.0, help="classifier-free guidance scale (1: off)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the CPU generator (same seed, same video)")
+
+
+def add_memory(parser: argparse.ArgumentParser) -> None:
+    """Where the weights live: the GPU budget, host memory, compression, profiles."""
     parser.add_argument(
         "--budget", default="auto", help="GPU memory budget, e.g. 24GiB or 500MB; auto: the device's free memory"
     )
@@ -213,6 +227,10 @@ def recipe_parser(
         default=Path("profiles"),
         help="where profiles are kept; a matching one skips the profiling generation next time",
     )
+
+
+def add_run(parser: argparse.ArgumentParser) -> None:
+    """How the run goes: device, offload or not, compilation, GPUs, what it writes and says."""
     parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     parser.add_argument("--no-offload", action="store_true", help="run natively (everything on the device)")
     parser.add_argument(
@@ -239,7 +257,6 @@ def recipe_parser(
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     parser.add_argument("-v", "--verbose", action="store_true", help="log details; show tracebacks on errors")
-    return parser
 
 
 def command_name(recipe: str) -> str:

@@ -24,6 +24,7 @@ import logging
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -256,22 +257,26 @@ def video_identity(out: Path, videos: dict[str, np.ndarray]) -> dict[str, Any]:
     }
 
 
+def recipe_module(name: str) -> Any:
+    """The recipe's module (``flextensor_diffusers.recipes.NAME``); an unknown name names the known ones."""
+    if name not in RECIPES:
+        raise OptionsError(f"--recipe {name}: unknown recipe: pass one of {', '.join(RECIPES)}")
+    return importlib.import_module(f"flextensor_diffusers.recipes.{name}")
+
+
 def check_request(
-    recipe_name: str, recipe_argv: list[str], out: Path, memory_cap: str | None, offload_memory_cap: str | None
-) -> tuple[Any, RecipeOptions]:
-    """The recipe module and its options, every flag checked before anything loads (``--out`` included)."""
-    if recipe_name not in RECIPES:
-        raise OptionsError(f"--recipe {recipe_name}: unknown recipe: pass one of {', '.join(RECIPES)}")
+    recipe: Any, recipe_argv: list[str], out: Path, memory_cap: str | None, offload_memory_cap: str | None
+) -> RecipeOptions:
+    """The recipe's options, every flag checked before anything loads (``--out`` and the caps included)."""
     check_cap("--memory-cap", memory_cap)
     check_cap("--offload-memory-cap", offload_memory_cap)
     check_out(out)
-    recipe = importlib.import_module(f"flextensor_diffusers.recipes.{recipe_name}")
     options = recipe.parse_args(recipe_argv)
     if options.compile == "full":  # reached with --no-offload, which compare does not use
         raise OptionsError(
             "--compile full cannot be offloaded, and compare runs offloaded too: pass --compile regional"
         )
-    return recipe, options
+    return options
 
 
 def check_out(out: Path) -> None:
@@ -296,7 +301,8 @@ def compare(
     A Ctrl-C is raised as an `Interrupted` naming the stage and the files written and not written.
     """
     out = Path(out)
-    recipe, options = check_request(recipe_name, recipe_argv, out, memory_cap, offload_memory_cap)
+    recipe = recipe_module(recipe_name)
+    options = check_request(recipe, recipe_argv, out, memory_cap, offload_memory_cap)
     progress = RunProgress("compare", [out / name for name in MAIN_FILES])
     with progress.interruptible(), progress_bars(not options.quiet):
         device = common.device_of(options)
@@ -440,7 +446,7 @@ def plots(report: dict[str, Any], videos: dict[str, np.ndarray]) -> dict[str, by
     return images
 
 
-def write_file(path: Path, progress: RunProgress, write: Any) -> None:
+def write_file(path: Path, progress: RunProgress, write: Callable[[Path], object]) -> None:
     """``write(path)`` as a named stage of ``progress``, then recorded as written."""
     with progress.during(f"writing {path}"):
         write(path)
