@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -34,3 +36,36 @@ def st_lpips_without_ipython(monkeypatch: pytest.MonkeyPatch, hub: Path) -> None
     monkeypatch.delitem(sys.modules, "stlpips_pytorch", raising=False)
     error = ModuleNotFoundError("No module named 'IPython'", name="IPython")
     monkeypatch.setattr(sys, "meta_path", [FailingImport("stlpips_pytorch", error), *sys.meta_path])
+
+
+class StopAfterFirstPackets:
+    """A PyAV output container that calls ``stop`` once its first packets are muxed: the file has begun (header
+    and data), as when Ctrl-C lands while an mp4 is written. Everything else goes to the real container."""
+
+    def __init__(self, container: Any, stop: Callable[[], None]) -> None:
+        self._container, self._stop = container, stop
+
+    def __enter__(self) -> StopAfterFirstPackets:
+        self._container.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> Any:
+        return self._container.__exit__(*exc)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._container, name)
+
+    def mux(self, packets: Any) -> None:
+        self._container.mux(packets)
+        if packets:
+            self._stop()
+
+
+def open_that_stops(real_open: Callable[..., Any], stop: Callable[[], None]) -> Callable[..., Any]:
+    """``av.open`` whose containers opened for writing (``mode="w"``) call ``stop`` after their first packets."""
+
+    def open_then_stop(*args: Any, **kwargs: Any) -> Any:
+        container = real_open(*args, **kwargs)
+        return StopAfterFirstPackets(container, stop) if kwargs.get("mode") == "w" else container
+
+    return open_then_stop

@@ -1,9 +1,9 @@
 """Ctrl-C as a user presses it: a real SIGINT sent to a command in another process, at a moment it announces.
 
 Each command (the recipe's launcher in ``recipes/``, compare's module) runs under a small driver that wraps
-one step (a frame's colour conversion while the mp4 is written, the transformer's first call in the real
-generation) to print a marker and wait for the signal, so the signal lands there and nowhere else, without
-sleeping. Every wait is bounded.
+one step (the mp4's first packets written, the transformer's first call in the real generation) to print a
+marker and wait for the signal, so the signal lands there and nowhere else, without sleeping. Every wait is
+bounded.
 """
 
 from __future__ import annotations
@@ -26,23 +26,17 @@ END_S = 120
 DRIVER = f"""
 import runpy, signal, sys
 from flextensor_diffusers.recipes import wan22_t2v
-from flextensor_diffusers.reports import video
 
 def wait_for_ctrl_c(*args):
     print({MARKER!r}, flush=True)
     signal.pause()  # the SIGINT's KeyboardInterrupt is raised here
 
 where, command, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
-if where == "writing the mp4":
-    convert, converted = video.rgb_to_yuv420p, []
+if where == "writing the mp4":  # once the file has begun: its first packets muxed
+    import av
+    from fakes import open_that_stops
 
-    def convert_then_wait(frame):
-        converted.append(frame)
-        if len(converted) == 2:  # the first frame is in the file
-            wait_for_ctrl_c()
-        return convert(frame)
-
-    video.rgb_to_yuv420p = convert_then_wait
+    av.open = open_that_stops(av.open, wait_for_ctrl_c)
 else:  # "generating": in the offloaded run's real generation (the profiling one makes latents only)
     generate = wan22_t2v.generate
 
@@ -75,7 +69,8 @@ def run_and_interrupt(folder: Path, where: str, command: str, argv: list[str]) -
     """Start the driver, wait (bounded) for its marker, send SIGINT, wait (bounded) for it to end."""
     driver = folder / "driver.py"
     driver.write_text(DRIVER)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    paths = [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]  # the package, tests/fakes.py
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     process = subprocess.Popen(
         [sys.executable, str(driver), where, command, *argv],
         cwd=folder,

@@ -12,10 +12,10 @@ import types
 import numpy as np
 import pytest
 import torch
-from fakes import st_lpips_without_ipython
+from fakes import open_that_stops, st_lpips_without_ipython
 from PIL import Image
 
-from flextensor_diffusers.reports import files, quality, video
+from flextensor_diffusers.reports import files, quality
 from flextensor_diffusers.reports.video import read_mp4, write_mp4
 
 RNG = np.random.default_rng(0)
@@ -160,25 +160,22 @@ def test_plots_use_whole_steps_and_say_identical_instead_of_drawing_infinity() -
     assert quality.plot_steps(runs).startswith(b"\x89PNG") and quality.plot_frames(identical).startswith(b"\x89PNG")
 
 
-def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(tmp_path, monkeypatch) -> None:
-    """An mp4 whose encoding fails half-way (as on Ctrl-C: the same path out) leaves what was there before."""
+def test_an_interrupted_mp4_write_leaves_the_old_file_and_no_temporary_one(tmp_path, monkeypatch) -> None:
+    """Ctrl-C once the new file has begun (its first packets muxed): the old file is still whole at the path,
+    and no temporary file stays (the issue's run left a 48-byte file that PyAV could not read)."""
+    import av
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
     target = tmp_path / "out.mp4"
     write_mp4(target, VIDEO)
     before = target.read_bytes()
-    real, calls = video.rgb_to_yuv420p, []
-
-    def fail_at_the_second_frame(frame: np.ndarray) -> np.ndarray:
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(frame)
-
-    monkeypatch.setattr(video, "rgb_to_yuv420p", fail_at_the_second_frame)
+    monkeypatch.setattr(av, "open", open_that_stops(av.open, interrupt))
     with pytest.raises(KeyboardInterrupt):
         write_mp4(target, VIDEO[::-1].copy())
     assert target.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["out.mp4"]
     with pytest.raises(KeyboardInterrupt):
-        calls.clear()
         write_mp4(tmp_path / "new" / "first.mp4", VIDEO)
     assert list((tmp_path / "new").iterdir()) == []  # nothing at all where nothing was
 
