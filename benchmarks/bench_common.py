@@ -38,7 +38,7 @@ WORKLOADS = {
 }
 #: What a `PeakWatch` started before the offload set-up covers.
 WHOLE_RUN = "offload set-up, profiling and steady forwards"
-#: What the peak of a run measured by `flextensor_diffusers.compare` or a recipe's summary covers.
+#: What the peak of a run measured by `flextensor_diffusers.reports.compare` or a recipe's summary covers.
 GENERATION_ONLY = (
     "the measured generation only (compare and the recipes reset the counter when it starts: set-up and the "
     "profiling generation are not covered)"

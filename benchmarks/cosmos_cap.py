@@ -3,7 +3,7 @@
 The published workload (93 frames, 640x480, edge control) with random weights
 (assets/cosmos_transfer25/full.json: 2.41B transformer, 0.47B ControlNet, Qwen2.5-VL-7B text
 encoder of 15.45 GiB, Wan2.1 VAE), a few steps: memory, not quality, is measured. Both runs go
-through `flextensor_diffusers.compare` (same seed, a native out-of-memory is a result, the
+through `flextensor_diffusers.reports.compare` (same seed, a native out-of-memory is a result, the
 allocator's peak is kept for each stage); this script writes the summary the results table uses.
 
     python benchmarks/cosmos_cap.py --out $OUT/cosmos_transfer25_h200.json --report $OUT/cosmos_report \\
@@ -17,9 +17,9 @@ from pathlib import Path
 
 from bench_common import GENERATION_ONLY, check_budget, write_json
 
-from flextensor_diffusers.compare import compare
 from flextensor_diffusers.engine import parse_bytes
-from flextensor_diffusers.quality import INF
+from flextensor_diffusers.reports.compare import compare
+from flextensor_diffusers.reports.quality import INF
 
 
 def budget_bytes(run: dict, asked: str) -> int:

@@ -81,7 +81,7 @@ def now(start: float) -> str:
 
 
 def wan_config(size: str) -> dict[str, Any]:
-    from flextensor_diffusers.models import load_config
+    from flextensor_diffusers.recipes.models import load_config
 
     return load_config("wan22_t2v", size)
 
@@ -91,7 +91,7 @@ def make_component(name: str, cfg: dict[str, Any], init_device: str, seed: int) 
     CPU unless meta), in the dtype ``from_pretrained(torch_dtype=...)`` would give it."""
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
-    from flextensor_diffusers.models import _random
+    from flextensor_diffusers.recipes.models import _random
 
     if name == "vae":
         build, dtype = (lambda: AutoencoderKLWan(**cfg["vae"])), getattr(torch, cfg["vae_dtype"])
@@ -317,7 +317,7 @@ def child_run(args: argparse.Namespace) -> None:
     import diffusers
     from diffusers import WanPipeline
 
-    from flextensor_diffusers.models import load_pipeline
+    from flextensor_diffusers.recipes.models import load_pipeline
 
     diffusers.utils.logging.set_verbosity_error()
     run = ChildRun(args)

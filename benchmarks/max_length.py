@@ -53,7 +53,7 @@ def latent_frames_of(frames: int) -> int:
 
 
 def build(args: argparse.Namespace, device: torch.device) -> Any:
-    from flextensor_diffusers.models import build_pipeline
+    from flextensor_diffusers.recipes.models import build_pipeline
 
     return build_pipeline("ltx2_condition", args.size, seed=0, init_device=device)
 

@@ -1,6 +1,6 @@
 """Full-size Wan2.2-T2V-A14B architecture (random bf16 weights), native vs offloaded under a 24 GB card.
 
-Runs `flextensor_diffusers.compare` (which writes the full report) and distils the numbers the
+Runs `flextensor_diffusers.reports.compare` (which writes the full report) and distils the numbers the
 pipeline issue asks for into one JSON file.
 
     python benchmarks/wan22_bench.py --out benchmarks/results/wan22_h200.json \\
@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from bench_common import GENERATION_ONLY, PeakWatch, check_budget, write_json
 
-from flextensor_diffusers.compare import compare
 from flextensor_diffusers.engine.config import parse_bytes
 from flextensor_diffusers.recipes.common import synchronize
+from flextensor_diffusers.reports.compare import compare
 
 
 class StepClock:
@@ -62,8 +62,8 @@ class StepClock:
 
 def latents_only(args: argparse.Namespace, recipe_argv: list[str]) -> dict[str, Any]:
     """Native then offloaded latents of one compiled pipeline; see the module docstring."""
-    from flextensor_diffusers.compare import _cap, _free
     from flextensor_diffusers.recipes import common, wan22_t2v
+    from flextensor_diffusers.reports.compare import _cap, _free
 
     options = wan22_t2v.parse_args(recipe_argv)
     device = common.device_of(options)

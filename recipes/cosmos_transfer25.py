@@ -1,7 +1,6 @@
-"""Cosmos-Transfer2.5 recipe; the code lives in flextensor_diffusers/recipes/cosmos_transfer25.py.
+"""`flextensor-cosmos-transfer25` for a clone that is not installed (same arguments).
 
-python recipes/cosmos_transfer25.py --random-weights tiny --frames 5 --height 32 --width 32 --steps 2 --chunk 16
-"""
+The code is flextensor_diffusers/recipes/cosmos_transfer25.py."""
 
 import sys
 from pathlib import Path

@@ -1,7 +1,6 @@
-"""LTX-2 outpainting recipe; the code lives in flextensor_diffusers/recipes/ltx2_outpaint.py.
+"""`flextensor-ltx2-outpaint` for a clone that is not installed (same arguments).
 
-python recipes/ltx2_outpaint.py --random-weights tiny --canvas 64x64 --source-size 32x32 --steps 2
-"""
+The code is flextensor_diffusers/recipes/ltx2_outpaint.py."""
 
 import sys
 from pathlib import Path

@@ -1,7 +1,6 @@
-"""Wan2.2 T2V recipe; the code lives in flextensor_diffusers/recipes/wan22_t2v.py.
+"""`flextensor-wan22-t2v` for a clone that is not installed (same arguments).
 
-python recipes/wan22_t2v.py --random-weights tiny --frames 9 --height 32 --width 32 --steps 2
-"""
+The code is flextensor_diffusers/recipes/wan22_t2v.py."""
 
 import sys
 from pathlib import Path

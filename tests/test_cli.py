@@ -2,32 +2,41 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import re
 import shlex
+import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from flextensor_diffusers import __main__ as entry
-from flextensor_diffusers import compare
-from flextensor_diffusers.engine.errors import BudgetError
+from flextensor_diffusers.engine.config import parse_bytes
+from flextensor_diffusers.engine.errors import BudgetError, HostBudgetError
 from flextensor_diffusers.pipelines.offload import format_report
 from flextensor_diffusers.recipes import common, cosmos_transfer25, ltx2_outpaint, wan22_t2v
-from flextensor_diffusers.recipes.options import OptionsError, budget_note
-from flextensor_diffusers.video import write_mp4
+from flextensor_diffusers.recipes.options import OptionsError, budget_note, budget_suggestion
+from flextensor_diffusers.reports import compare
+from flextensor_diffusers.reports.video import write_mp4
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {"wan22_t2v": wan22_t2v, "ltx2_outpaint": ltx2_outpaint, "cosmos_transfer25": cosmos_transfer25}
+#: The console scripts pyproject.toml installs: the one way the documentation launches each command.
+SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+README = (ROOT / "README.md").read_text()
 #: Where example commands are written for users: they are collected from here, so they cannot drift.
 DOCUMENTED = {
-    "README.md": (ROOT / "README.md").read_text(),
+    "README.md": README,
     "compare": compare.__doc__,
     "__main__": entry.USAGE,
     **{name: module.__doc__ for name, module in RECIPES.items()},
 }
-COMMAND = re.compile(r"python (?:recipes/(\w+)\.py|-m flextensor_diffusers\.(?:recipes\.)?(\w+))(.*)")
+RUNNABLE = {script: target.split(":")[0].rsplit(".", 1)[1] for script, target in SCRIPTS.items()}
+COMMAND = re.compile(rf"({'|'.join(s for s in SCRIPTS if s != 'flextensor-diffusers')})\b(.*)")
+#: Other ways to launch a command, which the documentation does not use (one way, everywhere).
+OTHER_LAUNCHES = re.compile(r"python3? (?:recipes/\w+\.py|-m flextensor_diffusers\.)")
 
 
 def example_commands() -> list[tuple[str, str, list[str]]]:
@@ -37,8 +46,8 @@ def example_commands() -> list[tuple[str, str, list[str]]]:
         for line in text.replace("\\\n", " ").splitlines():
             match = COMMAND.search(line)
             if match and "--random-weights tiny" in line:
-                argv = shlex.split(match.group(3).split("&&")[0].split("#")[0])
-                found.append((where, match.group(1) or match.group(2), argv))
+                argv = shlex.split(match.group(2).split("&&")[0].split("#")[0].split("`")[0])
+                found.append((where, RUNNABLE[match.group(1)], argv))
     return found
 
 
@@ -46,6 +55,17 @@ def test_examples_are_found_in_every_place_users_read() -> None:
     places = {where for where, _, _ in example_commands()}
     assert places == set(DOCUMENTED), set(DOCUMENTED) - places
     assert {name for _, name, _ in example_commands()} == {*RECIPES, "compare"}
+
+
+def test_commands_are_launched_one_way_everywhere() -> None:
+    """Every place names the console scripts, each of which pyproject.toml points at a function that exists."""
+    for where, text in {**DOCUMENTED, "docs/guide.md": (ROOT / "docs" / "guide.md").read_text()}.items():
+        assert not OTHER_LAUNCHES.search(text), (where, OTHER_LAUNCHES.search(text).group(0))
+    for script, target in SCRIPTS.items():
+        module, function = target.split(":")
+        assert callable(getattr(importlib.import_module(module), function)), script
+    assert {f"flextensor-{name.replace('_', '-')}" for name in RECIPES} < set(SCRIPTS)
+    assert all(script in entry.USAGE for script in SCRIPTS if script != "flextensor-diffusers")
 
 
 def test_every_documented_tiny_example_runs_in_seconds(tmp_path, monkeypatch, capsys) -> None:
@@ -84,6 +104,7 @@ def run_main(cli, argv, capsys) -> str:
 
 
 TINY = ["--random-weights", "tiny", "--device", "cpu", "-q"]
+HERE = str(Path(__file__).parent)
 
 
 @pytest.mark.parametrize(
@@ -111,11 +132,37 @@ TINY = ["--random-weights", "tiny", "--device", "cpu", "-q"]
         ),
         (["--compile", "full"], "error: --compile full compiles each denoiser whole, which offloading cannot stream"),
         (["--output", f"{__file__}/x.mp4"], f"error: --output {__file__}/x.mp4: {__file__} is not a writable folder"),
+        (["--output", HERE], f"error: --output {HERE} is a folder: pass --output {HERE}/NAME.mp4"),
+        (["--output", "videos/"], "error: --output videos: the file written there is .mp4: pass --output videos.mp4"),
+        (["--output", "clip.avi"], "error: --output clip.avi: the file written there is .mp4: pass --output clip.mp4"),
+        (["--json", "summary"], "error: --json summary: the file written there is .json: pass --json summary.json"),
+        (["--json", HERE], f"error: --json {HERE} is a folder: pass --json {HERE}/NAME.json"),
+        (["--profile-dir", __file__], f"error: --profile-dir {__file__}: {__file__} is not a writable folder"),
     ],
 )
 def test_user_errors_are_one_line_naming_the_flag(argv, says, capsys) -> None:
     err = run_main(wan22_t2v.cli, [*TINY, *argv], capsys)
     assert err.startswith(says) and len(err.strip().splitlines()) == 1, err
+
+
+def test_output_mistakes_stop_before_anything_loads(tmp_path, monkeypatch, capsys) -> None:
+    def load(*args, **kwargs):
+        raise AssertionError("loaded before the output was checked")
+
+    monkeypatch.setattr(wan22_t2v, "load", load)
+    err = run_main(wan22_t2v.cli, [*TINY, "--output", str(tmp_path)], capsys)
+    assert err.startswith(f"error: --output {tmp_path} is a folder") and len(err.splitlines()) == 1
+    err = run_main(compare.cli, ["--recipe", "wan22_t2v", "--out", __file__, "--", *TINY], capsys)
+    report = Path(__file__).parent / "report"
+    assert err.strip() == f"error: --out {__file__} is a file; the report is a folder of files: pass --out {report}"
+
+
+def test_flags_are_never_abbreviated(capsys) -> None:
+    """``--frame 5`` is not taken for ``--frames 5`` (nor ``--rec`` for ``--recipe``)."""
+    for cli, argv in ((wan22_t2v.cli, [*TINY, "--frame", "5"]), (compare.cli, ["--rec", "wan22_t2v"])):
+        with pytest.raises(SystemExit) as stopped:
+            cli(argv)
+        assert stopped.value.code == 2 and "unrecognized arguments: --" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without CUDA")
@@ -131,11 +178,28 @@ def test_no_weights_is_one_line_and_verbose_shows_the_traceback(capsys) -> None:
     assert "Traceback" in err and err.strip().splitlines()[-1].startswith("error: --budget -1 must be positive")
 
 
-def test_a_budget_too_small_names_the_flag_and_the_smallest_budget_in_gib(tmp_path, capsys) -> None:
-    argv = [*TINY, "--budget", "100KiB", "--output", str(tmp_path / "x.mp4"), "--profile-dir", str(tmp_path)]
-    err = run_main(wan22_t2v.cli, argv, capsys)
-    assert err.startswith("error: --budget 100KiB is too small for this pipeline: the smallest workable budget is ")
-    assert err.strip().endswith("; pass --budget 0.01GiB") and len(err.strip().splitlines()) == 1
+def test_a_budget_too_small_names_the_smallest_budget_exactly_and_it_works(tmp_path, capsys) -> None:
+    """The hint is in the unit that shows it (KiB here, not a rounded "0.01 GiB"), rounded up: typed, it runs."""
+    argv = [*TINY, "--output", str(tmp_path / "x.mp4"), "--profile-dir", str(tmp_path)]
+    err = run_main(wan22_t2v.cli, [*argv, "--budget", "100KiB"], capsys)
+    said = re.fullmatch(
+        r"error: --budget 100KiB is too small for this pipeline: the smallest workable budget is "
+        r"(\d+\.\d\d) KiB; pass --budget (\d+\.\d\d)KiB\n",
+        err,
+    )
+    assert said and said.group(1) == said.group(2), err
+    info = wan22_t2v.main([*argv, "--budget", f"{said.group(2)}KiB"])
+    assert Path(info["output"]).exists()
+
+
+def test_budget_suggestions_are_the_least_value_that_works_as_typed() -> None:
+    for required in (1, 1023, 1024, 1025, 124_938, 2**20 + 1, 2**30 + 1, 5 * 2**40 + 7):
+        text = budget_suggestion(required)
+        assert parse_bytes(text) >= required, (required, text)
+        number, unit = re.fullmatch(r"([\d.]+)(\w*)", text).groups()
+        if unit:  # a hundredth less would not do
+            assert parse_bytes(f"{float(number) - 0.01:.2f}{unit}") < required, (required, text)
+    assert budget_suggestion(1023) == "1023" and budget_suggestion(2**30 + 1) == "1.01GiB"
 
 
 def test_a_budget_too_small_is_refused_before_the_weights_load(tmp_path, capsys, monkeypatch) -> None:
@@ -159,6 +223,8 @@ def test_budget_errors_round_the_suggestion_up_and_use_the_flag() -> None:
     assert line == (
         "--budget 1GiB is too small for this pipeline: the smallest workable budget is 1.01 GiB; pass --budget 1.01GiB"
     )
+    line = common.error_line(HostBudgetError("too small", required_bytes=200_000), "auto", "100KB")
+    assert line.endswith("the smallest workable host budget is 195.32 KiB; pass --host-budget 195.32KiB")
     assert common.error_line(BudgetError("Pass gpu_budget >= 5"), "5") == "Pass --budget >= 5"
 
 
@@ -190,8 +256,7 @@ def test_help_shows_every_flag_with_text_and_its_default(capsys) -> None:
 def test_module_entry_lists_the_recipes_and_compare(capsys) -> None:
     assert entry.main([]) == 0
     out = capsys.readouterr().out
-    assert all(f"flextensor_diffusers.recipes.{name}" in out for name in RECIPES)
-    assert "flextensor_diffusers.compare" in out
+    assert all(f"flextensor-{name.replace('_', '-')}" in out for name in RECIPES) and "flextensor-compare" in out
     assert entry.main(["wan"]) == 2
 
 
@@ -303,3 +368,27 @@ def test_running_out_of_gpu_memory_is_one_line_naming_the_budget(monkeypatch, ca
     err = run_main(wan22_t2v.cli, [*TINY, "--budget", "20GiB"], capsys)
     assert err.startswith("error: the GPU ran out of memory under --budget 20GiB (CUDA out of memory. Tried")
     assert "pass a smaller --budget" in err and len(err.strip().splitlines()) == 1
+
+
+def python_examples(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+
+
+def test_the_readme_python_example_runs_on_the_tiny_pipeline(tmp_path, monkeypatch, capsys) -> None:
+    """The copy-paste example, as written, in a scratch folder: it offloads, generates, reports and restores."""
+    monkeypatch.chdir(tmp_path)
+    examples = python_examples(README)
+    tiny = [code for code in examples if "build_pipeline(" in code]
+    assert len(tiny) == 1 and "torch_dtype" not in README  # diffusers 0.42 deprecates torch_dtype for dtype
+    exec(compile(tiny[0], "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "(9, 32, 32, 3)" in out and re.search(r"^transformer .* 4/4 .* steady$", out, re.MULTILINE), out
+    for code in examples:  # the others need real weights: they must at least be Python
+        compile(code, "README.md", "exec")
+
+
+def test_links_in_the_readmes_point_at_files_that_exist() -> None:
+    for readme in (ROOT / "README.md", ROOT / "benchmarks/results/README.md", ROOT / "docs/guide.md"):
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme.read_text()):
+            if "://" not in target:
+                assert (readme.parent / target).exists(), (readme.name, target)

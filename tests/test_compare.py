@@ -8,12 +8,15 @@ import math
 import numpy as np
 import pytest
 import torch
+from fakes import st_lpips_without_ipython
 from models import TINY_WAN_ARGV
 
-from flextensor_diffusers import compare, quality
+from flextensor_diffusers.reports import compare, quality
 
 
-def test_report_files_exist_parse_and_identical_outputs_read_as_such(tmp_path) -> None:
+def test_report_files_exist_parse_and_identical_outputs_read_as_such(tmp_path, monkeypatch) -> None:
+    """Also with the README's optional ST-LPIPS installed but failing to import: the report says why."""
+    st_lpips_without_ipython(monkeypatch, tmp_path / "hub")
     report = compare.compare("wan22_t2v", [*TINY_WAN_ARGV, "--profile-dir", str(tmp_path / "p")], tmp_path)
     for name in ("native.mp4", "offloaded.mp4", "strip.png", "steps.png", "frames.png", "report.html"):
         assert (tmp_path / name).stat().st_size > 0, name
@@ -25,7 +28,9 @@ def test_report_files_exist_parse_and_identical_outputs_read_as_such(tmp_path) -
     assert all(f["ssim"] == 1.0 for f in frames)
     assert data["gpu_figures"] == "not available (CPU run)"
     assert data["runs"]["offloaded"]["profiling_s"] > 0 and len(data["runs"]["native"]["step_s"]) == 2
-    assert "LPIPS" in data["fidelity"]["frames"]["lpips_note"]
+    note = data["fidelity"]["frames"]["lpips_note"]
+    assert note.startswith("LPIPS not computed: ") and "No module named 'IPython'" in note
+    assert not [p.name for p in tmp_path.iterdir() if ".partial" in p.name]  # every file renamed into place
     identical = data["fidelity"]["identical"]
     assert identical["frames"] and identical["mp4_bytes"] and identical["decoded"]  # deterministic encoding
     assert "before encoding" in identical["measured_on"] and "decoded" in identical["measured_on"]
@@ -38,6 +43,7 @@ def test_report_files_exist_parse_and_identical_outputs_read_as_such(tmp_path) -
     assert "Not measured: this was a CPU run" in html and "cpu ()" not in html
     assert "decoded mp4 frames: True" in html and "<th>transformer_2</th>" in html  # the per-component table
     assert "PSNR infinite on every frame (identical)" in html and "compile none" in html
+    assert "No module named &#x27;IPython&#x27;" in html
     assert report["runs"]["native"]["status"] == "completed"
 
 

@@ -13,8 +13,8 @@ import torch
 from models import assert_same, enable_with_one_component_in_ram, set_host_overhead, snapshot, wan_latents
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.models import build_pipeline
 from flextensor_diffusers.pipelines.compile import compile_pipeline
+from flextensor_diffusers.recipes.models import build_pipeline
 
 BUDGET = 250_000  # streams the transformer blocks through two slots
 

@@ -14,7 +14,7 @@ import flextensor_diffusers as ft
 from flextensor_diffusers.engine import Phase, compressed_copies, runtime
 from flextensor_diffusers.engine.codec import DEVICE_SLICE_BYTES, CodecMismatch, encode_unit
 from flextensor_diffusers.engine.planner import Call, WorkloadProfile, plan_residency, simulate
-from flextensor_diffusers.models import build_pipeline
+from flextensor_diffusers.recipes.models import build_pipeline
 
 
 def make(dtype: torch.dtype) -> tuple[Stack, torch.Tensor]:

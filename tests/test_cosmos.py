@@ -13,9 +13,9 @@ pytest.importorskip("torchvision", reason="Cosmos' ControlNet resizes its paddin
 pytest.importorskip("cv2", reason="the edge control uses OpenCV")
 
 from flextensor_diffusers.engine import FlexTensorError
-from flextensor_diffusers.models import build_pipeline
 from flextensor_diffusers.recipes import cosmos_transfer25 as recipe
-from flextensor_diffusers.video import read_mp4, write_mp4
+from flextensor_diffusers.recipes.models import build_pipeline
+from flextensor_diffusers.reports.video import read_mp4, write_mp4
 
 SOURCE = np.zeros((5, 32, 32, 3), dtype=np.uint8)
 for i in range(5):  # a white square moving right
@@ -112,12 +112,12 @@ def test_missing_optional_packages_are_named_before_loading(monkeypatch, missing
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
-    with pytest.raises(FlexTensorError, match=rf"{says}: pip install \"flextensor-diffusers\[cosmos\]\""):
+    with pytest.raises(FlexTensorError, match=rf"{says}: pip install -e \"\.\[cosmos\]\" \(in the clone"):
         recipe.parse_args(["--random-weights", "tiny"])
 
 
 def test_compare_report_for_cosmos_is_bitwise(tmp_path) -> None:
-    from flextensor_diffusers.compare import compare
+    from flextensor_diffusers.reports.compare import compare
 
     clip = tmp_path / "edges.mp4"
     write_mp4(clip, SOURCE, fps=24)

@@ -9,7 +9,7 @@ import torch
 from models import Stack, enable_with_one_component_in_ram, set_host_overhead, snapshot, wan_latents
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.models import build_pipeline
+from flextensor_diffusers.recipes.models import build_pipeline
 
 peft = pytest.importorskip("peft")
 

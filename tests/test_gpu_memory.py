@@ -97,8 +97,8 @@ def test_stack_peak_memory_stays_within_three_budgets(build) -> None:
 
 @pytest.fixture(scope="module", params=["eager", "compiled"])
 def wan(request):
-    from flextensor_diffusers.models import build_pipeline
     from flextensor_diffusers.pipelines.compile import compile_pipeline
+    from flextensor_diffusers.recipes.models import build_pipeline
 
     pipe = build_pipeline("wan22_t2v", "tiny", seed=0, init_device="cpu")
     if request.param == "compiled":

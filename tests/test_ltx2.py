@@ -10,11 +10,11 @@ import torch
 from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.models import build_pipeline, load_config
 from flextensor_diffusers.recipes import ltx2_outpaint
 from flextensor_diffusers.recipes.ltx2_outpaint import LTX2OutpaintPipeline, place_on_canvas
+from flextensor_diffusers.recipes.models import build_pipeline, load_config
 from flextensor_diffusers.recipes.options import OptionsError
-from flextensor_diffusers.video import read_mp4, write_mp4
+from flextensor_diffusers.reports.video import read_mp4, write_mp4
 
 
 def generate(pipe):

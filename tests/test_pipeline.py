@@ -16,10 +16,10 @@ from models import (
 )
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.models import build_pipeline
 from flextensor_diffusers.recipes import wan22_t2v
+from flextensor_diffusers.recipes.models import build_pipeline
 from flextensor_diffusers.recipes.options import OptionsError
-from flextensor_diffusers.video import read_mp4
+from flextensor_diffusers.reports.video import read_mp4
 
 BUDGET = 250_000  # streams the transformer blocks; the tiny VAE and text encoder stay whole
 

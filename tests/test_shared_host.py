@@ -91,7 +91,7 @@ def test_attaching_needs_a_finished_creator_and_the_same_model(tmp_path) -> None
 
 
 def pipeline_rank(rank: int, tmp: str) -> None:
-    from flextensor_diffusers.models import build_pipeline
+    from flextensor_diffusers.recipes.models import build_pipeline
 
     tmp = Path(tmp)
     os.environ["LOCAL_RANK"] = str(rank)

@@ -8,8 +8,8 @@ from models import assert_same, snapshot
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import Phase
-from flextensor_diffusers.models import build_pipeline
 from flextensor_diffusers.pipelines.patterns import patterns_for
+from flextensor_diffusers.recipes.models import build_pipeline
 
 
 def tiny_vae() -> AutoencoderKL:

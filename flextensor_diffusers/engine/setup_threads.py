@@ -6,18 +6,37 @@ or by a kernel call that releases the GIL, so several threads go several times f
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextvars import ContextVar
 from typing import Generic, TypeVar
 
 from tqdm.auto import tqdm
 
 #: Threads that pack, pin, encode and read units at set-up.
 PACK_THREADS = max(1, min(8, os.cpu_count() or 1))
+#: A bar appears only for work still running after this many seconds: work that ends sooner would only flash a
+#: bar at 0/N (tqdm redraws at most every 0.1 s, so quick units never move it) before it is cleared.
+BAR_DELAY_S = 0.5
+
+#: Whether set-up work shows progress bars (where stderr is a terminal); a command's ``--quiet`` turns them off.
+_show_bars: ContextVar[bool] = ContextVar("flextensor_setup_bars", default=True)
 
 Item = TypeVar("Item")
+
+
+@contextlib.contextmanager
+def progress_bars(show: bool) -> Iterator[None]:
+    """Show (or hide) the bars of set-up work started in this block, in this thread and context."""
+    token = _show_bars.set(show)
+    try:
+        yield
+    finally:
+        _show_bars.reset(token)
 
 
 class ThreadedWork(Generic[Item]):
@@ -27,15 +46,19 @@ class ThreadedWork(Generic[Item]):
     def __init__(self, work: Callable[[Item], None], items: list[Item], desc: str) -> None:
         self._started = time.perf_counter()
         self._pool = ThreadPoolExecutor(PACK_THREADS)
-        self._bar = tqdm(total=len(items), desc=desc, disable=None, leave=False)
+        self._bar = tqdm(
+            total=len(items), desc=desc, disable=None if _show_bars.get() else True, leave=False, delay=BAR_DELAY_S
+        )
+        self._bar_lock = threading.Lock()  # tasks end on several threads; tqdm's count is not atomic
         self._ended = self._started  # when the last task to end so far ended
         self._futures: list[Future[None]] = [self._pool.submit(work, item) for item in items]
         for future in self._futures:
             future.add_done_callback(self._one_ended)
 
     def _one_ended(self, _: Future[None]) -> None:
-        self._ended = time.perf_counter()
-        self._bar.update()
+        with self._bar_lock:
+            self._ended = time.perf_counter()
+            self._bar.update()
 
     def wait_for(self, position: int) -> None:
         """Return once the task of ``items[position]`` has ended; raise its error if it failed."""

@@ -49,6 +49,8 @@ EDIT_METHODS = (
 )
 #: Called by diffusers pipelines at the end of every generation: where shortfalls are reported.
 END_OF_GENERATION = "maybe_free_model_hooks"
+#: Refused while offload is enabled: it would move weights whose host copies and device slots offload owns.
+MOVE = "to"
 
 
 class _ExecutionDevice:
@@ -79,6 +81,14 @@ class PipelineOffload:
                 self.switches += 1
         if self.host_tier is not None:
             self.host_tier.bring_in(handle)
+
+    def __repr__(self) -> str:
+        """One line (the generated repr printed the pipeline and every handle, ~40 lines in a REPL)."""
+        names = ", ".join(self.handles) or "none: disabled"
+        return (
+            f"<flextensor offload of {type(self.pipeline).__name__} on {self.device}, budget "
+            f"{format_bytes(self.budget_bytes)}, components: {names}; pipe.flextensor_report(as_text=True) for more>"
+        )
 
     def smallest_budget(self) -> int:
         """The least budget every component can run in: the largest of their minimums (measured
@@ -139,8 +149,9 @@ class PipelineOffload:
         """Remove every handle (weights bit-exact, back where they were) and undo the wrappers."""
         if self.host_tier is not None:
             self.host_tier.stop()  # no read ahead while handles go
-        if END_OF_GENERATION in vars(self.pipeline):
-            delattr(self.pipeline, END_OF_GENERATION)
+        for name in (END_OF_GENERATION, MOVE):
+            if name in vars(self.pipeline):
+                delattr(self.pipeline, name)
         for name, handle in self.handles.items():
             module = handle.model
             if isinstance(getattr(module, "_hf_hook", None), _ExecutionDevice):
@@ -347,6 +358,7 @@ def enable(
             state.vae_tiling = False
         if callable(getattr(pipeline, END_OF_GENERATION, None)):
             setattr(pipeline, END_OF_GENERATION, _checking_budget(getattr(pipeline, END_OF_GENERATION), state))
+        setattr(pipeline, MOVE, _refuse_move)
     except BaseException:
         state.disable()
         raise
@@ -404,6 +416,14 @@ def pipeline_budget_error(
         f"budget {format_bytes(budget)} is too small: the smallest workable budget for the whole pipeline is "
         f"{format_bytes(need)} ({rule}; short: {parts}). Raise the budget to at least {format_bytes(need)}{fix}",
         required_bytes=need,
+    )
+
+
+def _refuse_move(*args: Any, **kwargs: Any) -> Any:
+    """``pipe.to(...)`` while offload is enabled: refused, naming the fix (`PipelineOffload.disable` removes this)."""
+    raise OffloadStateError(
+        "pipe.to(...) while flextensor offload is enabled would move weights that offload keeps in host memory and "
+        "streams to the device: call pipe.disable_flextensor_offload() first, then move the pipeline"
     )
 
 

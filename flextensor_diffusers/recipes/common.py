@@ -13,7 +13,7 @@ A recipe module provides:
   summary fields).
 
 `run_recipe` does the rest; `main` runs a command line's arguments (errors propagate), `cli` is the
-command itself (one line per user error, exit status 2); `flextensor_diffusers.compare` drives the
+command itself (one line per user error, exit status 2); `flextensor_diffusers.reports.compare` drives the
 same functions.
 """
 
@@ -35,11 +35,17 @@ import torch
 
 from ..engine import Phase, format_bytes
 from ..engine.errors import BudgetError, FlexTensorError, HostBudgetError
+from ..engine.setup_threads import progress_bars
 from ..pipelines.offload import check_setup_budget, format_report, resolve_budget, resolve_vae_tiling
+from ..reports import files
+from ..reports.video import to_uint8_frames, write_mp4
 from . import parallel
+from .interruption import INTERRUPT_EXIT, Interrupted, RunProgress
 from .options import RecipeOptions, budget_note, budget_suggestion
 from .parallel import Placement
 
+#: What a Ctrl-C before a run began (while options were read) says.
+NOT_STARTED = "interrupted (Ctrl-C) before the run began; nothing written"
 #: Exit status of a run stopped by a user error (argparse's own errors exit with 2 as well).
 USAGE_EXIT = 2
 
@@ -149,8 +155,7 @@ def remember_profiled(profile_dir: Path | None, key: str, description: dict[str,
     index = profile_dir / "workloads.json"
     data = json.loads(index.read_text()) if index.exists() else {}
     data[key] = description
-    profile_dir.mkdir(parents=True, exist_ok=True)
-    index.write_text(json.dumps(data, indent=1))
+    files.write_text(index, json.dumps(data, indent=1))
 
 
 #: The counters of `OffloadHandle.stats().forwards` that count forwards (the others count activations, plans).
@@ -228,10 +233,10 @@ def summary(
 
 
 def offload_and_profile(
-    recipe: Any, pipe: Any, options: RecipeOptions, device: torch.device, placement: Placement
+    recipe: Any, pipe: Any, options: RecipeOptions, device: torch.device, placement: Placement, progress: RunProgress
 ) -> float | None:
     """Enable offload; run the profiling generation unless a profile of this workload exists. Its seconds."""
-    with stage("packing and pinning weights", options.quiet):
+    with progress.during("packing and pinning the weights"), stage("packing and pinning weights", options.quiet):
         enable_offload(pipe, options, device, shared_host=placement.shared_host)
     shape = {"frames": options.frames, "height": options.height, "width": options.width}
     key = workload_key(pipe, device, **shape, cfg=options.guidance > 1, gpus=placement.rank.world_size)
@@ -243,53 +248,85 @@ def offload_and_profile(
     if found:
         return None
     label_generation(pipe, "profiling generation", options.quiet)
-    seconds = timed(device, lambda: recipe.profiling_generation(pipe, options, device)).seconds
+    with progress.during("the profiling generation"):
+        seconds = timed(device, lambda: recipe.profiling_generation(pipe, options, device)).seconds
     if all_steady(pipe) and placement.rank.leader:
         remember_profiled(options.profile_dir, key, {**shape, "recipe": options.recipe})
     return seconds
 
 
-def run_recipe(recipe: Any, options: RecipeOptions) -> dict[str, Any]:
-    """Load, compile, offload (or not), profile once per workload, generate, write the mp4 and the summary."""
-    from ..video import to_uint8_frames, write_mp4
-
-    placement = parallel.set_up(options)
-    device = device_of(options, placement.device)
+def load_for_run(
+    recipe: Any, options: RecipeOptions, device: torch.device, placement: Placement, progress: RunProgress
+) -> Any:
+    """The pipeline, loaded CPU-first, split across ranks and compiled as asked; random weights are first
+    checked against the budget on a meta-device build (the smallest workable budget follows from the
+    architecture), so a budget that cannot work stops before any weight is made."""
     if not options.no_offload and options.random_weights is not None:
-        # The smallest workable budget follows from the architecture: check it on a meta-device build.
-        check_setup_budget(recipe.load(options, device, attach=True), resolve_budget(options.budget, device), device)
-    with stage("loading weights", options.quiet):
+        with progress.during("checking the budget"):
+            check_setup_budget(
+                recipe.load(options, device, attach=True), resolve_budget(options.budget, device), device
+            )
+    with progress.during("loading the weights"), stage("loading weights", options.quiet):
         pipe = recipe.load(options, device, attach=placement.attach_to_shared)
     parallel.split_transformers(pipe, placement.rank)
-    compile_denoisers(pipe, options)
-    profiling_s = None
-    if options.no_offload:
-        place_natively(pipe, options, device)
-    else:
-        profiling_s = offload_and_profile(recipe, pipe, options, device, placement)
-    label_generation(pipe, "generation", options.quiet)
-    result = timed(device, lambda: recipe.generate(pipe, options, device, options.steps, "np"))
-    info = summary(options, device, result, profiling_s, pipe)
-    info["gpus"] = placement.rank.world_size
-    if placement.rank.leader:  # every rank has the whole video; one writes it
-        frames = to_uint8_frames(result.output[0])
-        if hasattr(recipe, "finish_frames"):
-            frames = recipe.finish_frames(pipe, options, frames)
-        info["frames_written"] = len(frames)
-        info["codec"] = write_mp4(options.output, frames, fps=options.fps)
-        if hasattr(recipe, "describe"):
-            info.update(recipe.describe(pipe, options))
-        print_summary(info)
-        if options.json:
-            options.json.parent.mkdir(parents=True, exist_ok=True)
-            options.json.write_text(json.dumps(info, indent=1))
+    with progress.during("compiling"):
+        compile_denoisers(pipe, options)
+    return pipe
+
+
+def run_recipe(recipe: Any, options: RecipeOptions) -> dict[str, Any]:
+    """Load, compile, offload (or not), profile once per workload, generate, write the mp4 and the summary.
+
+    A Ctrl-C anywhere is raised as an `Interrupted` that names the stage and what was and was not written.
+    """
+    placement = parallel.set_up(options)
+    outputs = [options.output, *([options.json] if options.json else [])] if placement.rank.leader else []
+    progress = RunProgress(options.recipe, outputs)
+    with progress.interruptible(), progress_bars(not options.quiet):
+        device = device_of(options, placement.device)
+        pipe = load_for_run(recipe, options, device, placement, progress)
+        profiling_s = None
+        if options.no_offload:
+            with progress.during("moving the weights to the device"):
+                place_natively(pipe, options, device)
+        else:
+            profiling_s = offload_and_profile(recipe, pipe, options, device, placement, progress)
+        label_generation(pipe, "generation", options.quiet)
+        with progress.during("the generation"):
+            result = timed(device, lambda: recipe.generate(pipe, options, device, options.steps, "np"))
+        info = summary(options, device, result, profiling_s, pipe)
+        info["gpus"] = placement.rank.world_size
+        if placement.rank.leader:  # every rank has the whole video; one writes it
+            write_outputs(recipe, pipe, options, result, info, progress)
     parallel.finish()
     return info
 
 
+def write_outputs(
+    recipe: Any, pipe: Any, options: RecipeOptions, result: Timed, info: dict[str, Any], progress: RunProgress
+) -> None:
+    """The mp4 (and ``--json``), each written whole or not at all; the summary printed between them."""
+    frames = to_uint8_frames(result.output[0])
+    if hasattr(recipe, "finish_frames"):
+        frames = recipe.finish_frames(pipe, options, frames)
+    info["frames_written"] = len(frames)
+    info["replaced_output"] = options.output.exists()
+    with progress.during(f"writing {options.output}"):
+        info["codec"] = write_mp4(options.output, frames, fps=options.fps)
+    progress.wrote(options.output)
+    if hasattr(recipe, "describe"):
+        info.update(recipe.describe(pipe, options))
+    print_summary(info)
+    if options.json:
+        with progress.during(f"writing {options.json}"):
+            files.write_text(options.json, json.dumps(info, indent=1))
+        progress.wrote(options.json)
+
+
 def print_summary(info: dict[str, Any]) -> None:
     peak = info["peak_allocated_bytes"]
-    print(f"wrote {info['output']} ({info['frames_written']} frames, {info['width']}x{info['height']})")
+    replaced = "; replaced the file that was there" if info.get("replaced_output") else ""
+    print(f"wrote {info['output']} ({info['frames_written']} frames, {info['width']}x{info['height']}{replaced})")
     print(
         f"generation {info['generation_s']:.2f} s (discovery and profiling excluded"
         + (f"; profiling generation {info['profiling_generation_s']:.2f} s" if info["profiling_generation_s"] else "")
@@ -319,7 +356,7 @@ def error_line(exc: BaseException, budget: str, host_budget: str = "auto") -> st
         return (
             f"--host-budget {host_budget} cannot hold the largest component, which must be in RAM while it runs, "
             "next to the process's own memory and a reserve: "
-            f"the smallest workable host budget is {fix[:-3]} GiB; pass --host-budget {fix}"
+            f"the smallest workable host budget is {spaced(fix)}; pass --host-budget {fix}"
         )
     if isinstance(exc, BudgetError):
         required = getattr(exc, "required_bytes", None)
@@ -327,7 +364,7 @@ def error_line(exc: BaseException, budget: str, host_budget: str = "auto") -> st
             fix = budget_suggestion(required)
             return (
                 f"--budget {budget} is too small for this pipeline: the smallest workable budget is "
-                f"{fix[:-3]} GiB; pass --budget {fix}"
+                f"{spaced(fix)}; pass --budget {fix}"
             )
         return " ".join(str(exc).replace("gpu_budget", "--budget").split())
     if isinstance(exc, torch.OutOfMemoryError):
@@ -341,17 +378,30 @@ def error_line(exc: BaseException, budget: str, host_budget: str = "auto") -> st
     return " ".join(str(exc).split())
 
 
+def spaced(size: str) -> str:
+    """``122.01KiB`` as prose: ``122.01 KiB`` (a byte count stays as it is, with ``bytes``)."""
+    number = size.rstrip("KMGTiB")
+    return f"{number} {size[len(number) :]}" if number != size else f"{size} bytes"
+
+
 @contextlib.contextmanager
 def user_errors(argv: list[str]) -> Iterator[None]:
-    """Deliberate errors end the command with one line on stderr and exit status 2; ``-v``: the traceback too."""
+    """Deliberate errors end the command with one line on stderr and exit status 2; a Ctrl-C with one line
+    (what was interrupted, what was and was not written) and exit status 130; ``-v``: the traceback too."""
+    verbose = "-v" in argv or "--verbose" in argv
     try:
         yield
     except (FlexTensorError, OSError, torch.OutOfMemoryError) as exc:  # OSError: a file the user named
-        if "-v" in argv or "--verbose" in argv:
+        if verbose:
             traceback.print_exc()
         budgets = flag_value(argv, "--budget", "auto"), flag_value(argv, "--host-budget", "auto")
         print(f"error: {error_line(exc, *budgets)}", file=sys.stderr)
         raise SystemExit(USAGE_EXIT) from None
+    except KeyboardInterrupt as exc:
+        if verbose:
+            traceback.print_exc()
+        print(str(exc) if isinstance(exc, Interrupted) else NOT_STARTED, file=sys.stderr)
+        raise SystemExit(INTERRUPT_EXIT) from None
 
 
 def main(recipe: Any, argv: list[str] | None) -> dict[str, Any] | None:

@@ -1,9 +1,9 @@
 """Cosmos-Transfer2.5 under a GPU budget: a new video that follows the edges of a source clip.
 
 examples:
-  python recipes/cosmos_transfer25.py --random-weights tiny
-  python recipes/cosmos_transfer25.py --random-weights tiny --frames 5 --height 32 --width 32 --steps 2 --chunk 16
-  python recipes/cosmos_transfer25.py --model /models/Cosmos-Transfer2.5-2B --input clip.mp4
+  flextensor-cosmos-transfer25 --random-weights tiny
+  flextensor-cosmos-transfer25 --random-weights tiny --frames 5 --height 32 --width 32 --steps 2 --chunk 16
+  flextensor-cosmos-transfer25 --model /models/Cosmos-Transfer2.5-2B --input clip.mp4
 
 The control input is an edge video: OpenCV's Canny on each source frame, scaled to the output
 size first. The pipeline is built on the CPU (text encoder, transformer, ControlNet, VAE) and
@@ -11,7 +11,7 @@ every component is offloaded. Cosmos ships a safety checker (Cosmos Guardrail, p
 ``cosmos_guardrail``) that the pipeline requires; when the package is not installed the recipe
 runs without it and says so once on stdout and in the summary, every time. It needs torchvision
 (the ControlNet resizes its padding mask with it) and OpenCV (the edges): both are checked before
-loading (``pip install "flextensor-diffusers[cosmos]"``).
+loading (``pip install -e ".[cosmos]"`` in the clone; ``.[cosmos-guardrail]`` adds the safety checker).
 """
 
 from __future__ import annotations
@@ -26,13 +26,15 @@ import numpy as np
 import torch
 
 from ..engine.errors import FlexTensorError
-from ..models import ASSETS, build_pipeline, load_pipeline
-from ..video import probe_mp4, read_mp4
+from ..reports.video import probe_mp4, read_mp4
 from . import common
+from .models import ASSETS, build_pipeline, load_pipeline
 from .options import (
     OptionsError,
     RecipeOptions,
     SizeDefaults,
+    add_output,
+    command_name,
     common_values,
     existing_file,
     multiple_of,
@@ -47,8 +49,8 @@ logger = logging.getLogger(__name__)
 SAMPLE_CLIP = ASSETS / "clips" / "sample.mp4"
 GUARDRAIL_SKIPPED = (
     "safety check skipped: the cosmos_guardrail package is not installed, so Cosmos Guardrail did not check "
-    "the prompt or the generated video. Install it (pip install cosmos_guardrail) to run the checks the "
-    "NVIDIA Open Model License expects."
+    'the prompt or the generated video. Install it (pip install -e ".[cosmos-guardrail]" in the clone) to run the '
+    "checks the NVIDIA Open Model License expects."
 )
 GUARDRAIL_ON = "Cosmos Guardrail checked the prompt and the generated video"
 DEFAULTS = {"tiny": SizeDefaults(frames=5, height=32, width=32, steps=2), "full": SizeDefaults(93, 480, 640, 35)}
@@ -56,7 +58,7 @@ DEFAULT_CHUNK = {"tiny": 16, "full": 93}
 #: The Wan VAE's temporal compression: a chunk has at least 4 + 1 frames.
 TEMPORAL_FACTOR = 4
 PIXELS_PER_TOKEN = 16
-EXTRA_INSTALL = 'pip install "flextensor-diffusers[cosmos]"'
+EXTRA_INSTALL = 'pip install -e ".[cosmos]" (in the clone of flextensor-diffusers)'
 
 
 class SkippedSafetyChecker:
@@ -89,9 +91,7 @@ def canny_edges(frames: np.ndarray, width: int, height: int, low: int = 100, hig
     try:
         import cv2
     except ImportError:
-        raise FlexTensorError(
-            "the edge control needs OpenCV: pip install opencv-python-headless (or flextensor-diffusers[cosmos])"
-        ) from None
+        raise FlexTensorError(f"the edge control needs OpenCV: {EXTRA_INSTALL}") from None
     from PIL import Image
 
     edges = []
@@ -116,7 +116,7 @@ class TransferOptions(RecipeOptions):
 
 
 def parse_args(argv: list[str] | None = None) -> TransferOptions:
-    parser = recipe_parser(__doc__, DEFAULTS)
+    parser = recipe_parser(command_name("cosmos_transfer25"), __doc__, DEFAULTS)
     parser.set_defaults(prompt="a robot arm folding a blue cloth on a table, studio light", guidance=3.0)
     parser.add_argument(
         "--input", type=Path, default=SAMPLE_CLIP, help="source mp4 for the edges (default: the shipped sample clip)"
@@ -127,7 +127,7 @@ def parse_args(argv: list[str] | None = None) -> TransferOptions:
         help="frames per chunk (num_frames_per_chunk; default: 93, 16 with tiny weights)",
     )
     parser.add_argument("--fps", type=int, default=24, help="frames per second of the mp4")
-    parser.add_argument("--output", type=Path, default=Path("cosmos-transfer.mp4"), help="the mp4 to write")
+    add_output(parser, "cosmos-transfer.mp4")
     ns = parser.parse_args(argv)
     values = common_values(ns, "cosmos_transfer25", DEFAULTS)
     chunk = ns.chunk if ns.chunk is not None else DEFAULT_CHUNK["tiny" if ns.random_weights == "tiny" else "full"]

@@ -1,9 +1,9 @@
 """LTX-2 video outpainting under a GPU budget: a clip placed on a larger canvas, the rest generated.
 
 examples:
-  python recipes/ltx2_outpaint.py --random-weights tiny
-  python recipes/ltx2_outpaint.py --random-weights tiny --canvas 96x64 --source-size 32x32 --frames 9 --steps 2
-  python recipes/ltx2_outpaint.py --model /models/LTX-2-Diffusers --input clip.mp4 --canvas 1280x704
+  flextensor-ltx2-outpaint --random-weights tiny
+  flextensor-ltx2-outpaint --random-weights tiny --canvas 96x64 --source-size 32x32 --frames 9 --steps 2
+  flextensor-ltx2-outpaint --model /models/LTX-2-Diffusers --input clip.mp4 --canvas 1280x704
 
 The source frames are placed at the centre of the canvas (offsets rounded down to the VAE's
 spatial factor, so that latent tokens line up with the source edge). The canvas is encoded by
@@ -30,13 +30,15 @@ from diffusers.pipelines.ltx2.pipeline_ltx2_condition import retrieve_latents
 from diffusers.utils.torch_utils import randn_tensor
 
 from ..engine.errors import FlexTensorError
-from ..models import ASSETS, build_pipeline, load_pipeline
-from ..video import VideoInfo, probe_mp4, read_mp4
+from ..reports.video import VideoInfo, probe_mp4, read_mp4
 from . import common
+from .models import ASSETS, build_pipeline, load_pipeline
 from .options import (
     OptionsError,
     RecipeOptions,
     SizeDefaults,
+    add_output,
+    command_name,
     common_values,
     existing_file,
     frames_of_form,
@@ -184,6 +186,7 @@ class OutpaintOptions(RecipeOptions):
 
 def parse_args(argv: list[str] | None = None) -> OutpaintOptions:
     parser = recipe_parser(
+        command_name("ltx2_outpaint"),
         __doc__,
         DEFAULTS,
         sizes=False,
@@ -201,7 +204,7 @@ def parse_args(argv: list[str] | None = None) -> OutpaintOptions:
     )
     parser.add_argument("--fps", type=int, default=24, help="frames per second of the mp4")
     parser.add_argument("--no-paste", action="store_true", help="keep decoded pixels inside the source area")
-    parser.add_argument("--output", type=Path, default=Path("ltx2-outpaint.mp4"), help="the mp4 to write")
+    add_output(parser, "ltx2-outpaint.mp4")
     ns = parser.parse_args(argv)
     tiny = ns.random_weights == "tiny"
     clip = probe_mp4(existing_file("--input", ns.input))

@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 
 from ..engine.config import format_bytes, parse_bytes
 from ..engine.errors import BudgetError, FlexTensorError
-from ..models import load_config
 from ..pipelines.compile import COMPILE_MODES
+from .models import load_config
 
 #: Units of ``--budget`` that are powers of ten (a spec sheet's GB), worth a note with the GiB value.
 DECIMAL_UNITS = ("kb", "mb", "gb", "tb")
@@ -77,7 +77,7 @@ class RecipeOptions:
     verbose: bool = False
     quiet: bool = False
 
-    #: The pipeline's name in models.py / assets/ (its architecture configs).
+    #: The pipeline's name in recipes/models.py and assets/ (its architecture configs).
     architecture: ClassVar[str] = ""
 
     @property
@@ -133,14 +133,32 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def recipe_parser(
-    description: str | None, defaults: dict[str, SizeDefaults], sizes: bool = True, frames_help: str | None = None
+    prog: str,
+    description: str | None,
+    defaults: dict[str, SizeDefaults],
+    sizes: bool = True,
+    frames_help: str | None = None,
 ) -> argparse.ArgumentParser:
     """The arguments every recipe shares; size-dependent ones default to None (filled by `common_values`).
 
-    ``sizes=False``: the recipe sets height and width itself (LTX-2's ``--canvas``).
+    ``prog``: the recipe's command (``flextensor-wan22-t2v``), named in usage lines however it was launched.
+    ``sizes=False``: the recipe sets height and width itself (LTX-2's ``--canvas``). Flags are never
+    abbreviated (``--frame`` is an error, not ``--frames``).
     """
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=HelpFormatter, allow_abbrev=False
+    )
+    add_generation(parser, defaults, sizes, frames_help)
+    add_memory(parser)
+    add_run(parser)
+    return parser
+
+
+def add_generation(
+    parser: argparse.ArgumentParser, defaults: dict[str, SizeDefaults], sizes: bool, frames_help: str | None
+) -> None:
+    """The weights and what to generate from them."""
     tiny, full = defaults["tiny"], defaults["full"]
-    parser = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", type=Path, help="local diffusers folder with the real weights (never downloaded)")
     source.add_argument(
@@ -169,6 +187,10 @@ def recipe_parser(
     )
     parser.add_argument("--guidance", type=float, default=4.0, help="classifier-free guidance scale (1: off)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the CPU generator (same seed, same video)")
+
+
+def add_memory(parser: argparse.ArgumentParser) -> None:
+    """Where the weights live: the GPU budget, host memory, compression, profiles."""
     parser.add_argument(
         "--budget", default="auto", help="GPU memory budget, e.g. 24GiB or 500MB; auto: the device's free memory"
     )
@@ -205,6 +227,10 @@ def recipe_parser(
         default=Path("profiles"),
         help="where profiles are kept; a matching one skips the profiling generation next time",
     )
+
+
+def add_run(parser: argparse.ArgumentParser) -> None:
+    """How the run goes: device, offload or not, compilation, GPUs, what it writes and says."""
     parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     parser.add_argument("--no-offload", action="store_true", help="run natively (everything on the device)")
     parser.add_argument(
@@ -226,10 +252,28 @@ def recipe_parser(
         default=1,
         help="split each generation across N GPUs of this host (context parallelism, launched with torchrun)",
     )
-    parser.add_argument("--json", type=Path, help="also write the run's summary as JSON here")
+    parser.add_argument(
+        "--json", type=Path, help="also write the run's summary here, a .json file (its folder is created)"
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     parser.add_argument("-v", "--verbose", action="store_true", help="log details; show tracebacks on errors")
-    return parser
+
+
+def command_name(recipe: str) -> str:
+    """The console script that runs ``recipe`` (``wan22_t2v`` -> ``flextensor-wan22-t2v``): the one way the
+    documentation launches it (pyproject.toml installs it)."""
+    return "flextensor-" + recipe.replace("_", "-")
+
+
+def add_output(parser: argparse.ArgumentParser, default: str) -> None:
+    """``--output``: where the mp4 goes, and what happens to what is there."""
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path(default),
+        help="the mp4 to write; missing folders are created, and a file already there is replaced once the new "
+        "one is complete",
+    )
 
 
 def common_values(ns: argparse.Namespace, recipe: str, defaults: dict[str, SizeDefaults]) -> dict[str, Any]:
@@ -269,16 +313,36 @@ def common_values(ns: argparse.Namespace, recipe: str, defaults: dict[str, SizeD
         raise OptionsError(
             "--compression-cache caches compressed copies, and there are none: add --compression lossless"
         )
-    for flag in ("--output", "--json", "--profile-dir", "--cache-dir"):
+    for flag in OUTPUT_SUFFIXES:
+        if getattr(ns, flag[2:], None) is not None:
+            check_output(flag, getattr(ns, flag[2:]))
+    for flag in FOLDER_FLAGS:
         value = getattr(ns, flag[2:].replace("-", "_"), None)
         if value is not None:
             writable(flag, value)
     return values
 
 
+#: Output flags and the suffix each file must have; folder flags name folders.
+OUTPUT_SUFFIXES = {"--output": ".mp4", "--json": ".json"}
+FOLDER_FLAGS = ("--profile-dir", "--cache-dir", "--out")
+
+
+def check_output(flag: str, path: Path) -> None:
+    """An output file's name, checked before anything loads: not a folder, the suffix of what is written
+    there, and a folder that can be made and written (missing folders are created when the file is written)."""
+    suffix = OUTPUT_SUFFIXES[flag]
+    if path.is_dir():
+        raise OptionsError(f"{flag} {path} is a folder: pass {flag} {path / ('NAME' + suffix)}")
+    if path.suffix.lower() != suffix:
+        raise OptionsError(f"{flag} {path}: the file written there is {suffix}: pass {flag} {path.with_suffix(suffix)}")
+    writable(flag, path)
+
+
 def writable(flag: str, path: Path) -> None:
-    """The first existing folder on the way to ``path`` must be writable (checked now, not after the run)."""
-    folder = path.absolute().parent if flag != "--profile-dir" else path.absolute()
+    """The first existing folder on the way to ``path`` (a file's folder; for folder flags, the folder itself)
+    must be writable: checked now, not after the run."""
+    folder = path.absolute() if flag in FOLDER_FLAGS else path.absolute().parent
     while not folder.exists():
         folder = folder.parent
     if not folder.is_dir() or not os.access(folder, os.W_OK):
@@ -357,8 +421,19 @@ def budget_note(text: str) -> str | None:
 
 
 def budget_suggestion(required_bytes: int) -> str:
-    """The smallest workable budget in GiB, rounded up to the hundredth so that it works as typed."""
-    return f"{math.ceil(required_bytes / 2**30 * 100) / 100:.2f}GiB"
+    """The smallest workable budget as a flag value that works as typed: in the unit `format_bytes` picks for
+    it, rounded up to the hundredth (``122.01KiB``, not a "0.01GiB" that hides the answer)."""
+    value, unit = float(required_bytes), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    if unit == "B":
+        return str(required_bytes)
+    hundredths = math.ceil(value * 100)
+    while parse_bytes(f"{hundredths / 100:.2f}{unit}") < required_bytes:  # float rounding, at most once
+        hundredths += 1
+    return f"{hundredths / 100:.2f}{unit}"
 
 
 def transformer_config(options: RecipeOptions) -> dict[str, Any] | None:

@@ -1,26 +1,27 @@
 """Wan2.2 text-to-video (A14B: two experts, UMT5, Wan VAE) under a GPU budget, to an mp4.
 
 examples:
-  python recipes/wan22_t2v.py --random-weights tiny
-  python recipes/wan22_t2v.py --random-weights tiny --frames 9 --height 32 --width 32 --steps 2 --output wan-t2v.mp4
-  python recipes/wan22_t2v.py --model /models/Wan2.2-T2V-A14B-Diffusers --budget 24GiB
+  flextensor-wan22-t2v --random-weights tiny
+  flextensor-wan22-t2v --random-weights tiny --frames 9 --height 32 --width 32 --steps 2 --output wan-t2v.mp4
+  flextensor-wan22-t2v --model /models/Wan2.2-T2V-A14B-Diffusers --budget 24GiB
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..models import build_pipeline, load_pipeline
 from . import common
+from .models import build_pipeline, load_pipeline
 from .options import (
     OptionsError,
     RecipeOptions,
     SizeDefaults,
+    add_output,
+    command_name,
     common_values,
     frames_of_form,
     multiple_of,
@@ -40,10 +41,10 @@ class WanOptions(RecipeOptions):
 
 
 def parse_args(argv: list[str] | None = None) -> WanOptions:
-    parser = recipe_parser(__doc__, DEFAULTS)
+    parser = recipe_parser(command_name("wan22_t2v"), __doc__, DEFAULTS)
     parser.set_defaults(prompt="a red fox running through a snowy forest, cinematic")
     parser.add_argument("--fps", type=int, default=16, help="frames per second of the mp4")
-    parser.add_argument("--output", type=Path, default=Path("wan-t2v.mp4"), help="the mp4 to write")
+    add_output(parser, "wan-t2v.mp4")
     options = WanOptions(**common_values(parser.parse_args(argv), "wan22_t2v", DEFAULTS))
     check_geometry(options)
     return options

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from .files import atomic_path
+
 logger = logging.getLogger(__name__)
 
 #: Tried in order: H.264 (what players expect), then MPEG-4 part 2 where libx264 is missing.
@@ -81,23 +83,31 @@ def yuv420p_to_rgb(planes: np.ndarray, height: int, width: int) -> np.ndarray:
 
 
 def write_mp4(path: str | Path, video: Any, fps: int = 16) -> str:
-    """Write frames to ``path`` as yuv420p; returns the codec used (H.264 unless unavailable)."""
-    import av
-
+    """Write frames to ``path`` as yuv420p, atomically (`files.atomic_path`: an interrupted or failed write
+    leaves the file that was there, or none); returns the codec used (H.264 unless unavailable)."""
     frames = to_uint8_frames(video)
     _, height, width, _ = frames.shape
     if height % 2 or width % 2:  # yuv420p needs even sizes
         frames = frames[:, : height - height % 2, : width - width % 2]
-        height, width = frames.shape[1:3]
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for codec in CODECS:
-        container = av.open(str(path), mode="w", options={"fflags": "+bitexact"})
+    with atomic_path(path) as temporary:
+        codec = next((c for c in CODECS if _encode(temporary, frames, fps, c)), None)
+        if codec is None:
+            raise RuntimeError(f"PyAV has none of the encoders {', '.join(CODECS)}: cannot write {path}")
+    if codec == "mpeg4":
+        logger.warning("no H.264 encoder in this PyAV build; wrote %s with MPEG-4 part 2 instead", path)
+    return codec
+
+
+def _encode(path: Path, frames: np.ndarray, fps: int, codec: str) -> bool:
+    """Encode ``frames`` into ``path`` with ``codec``; False when this PyAV build lacks the codec."""
+    import av
+
+    _, height, width, _ = frames.shape
+    with av.open(str(path), mode="w", options={"fflags": "+bitexact"}) as container:
         try:
             stream = container.add_stream(codec, rate=Fraction(fps))
         except (av.error.FFmpegError, ValueError):  # codec not in this build
-            container.close()
-            continue
+            return False
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.codec_context.thread_count = 1
         with contextlib.suppress(AttributeError):  # PyAV < 13 has no Flags enum; the muxer is still bitexact
@@ -114,11 +124,7 @@ def write_mp4(path: str | Path, video: Any, fps: int = 16) -> str:
             planes = rgb_to_yuv420p(frame)
             container.mux(stream.encode(av.VideoFrame.from_ndarray(planes, format="yuv420p")))
         container.mux(stream.encode())
-        container.close()
-        if codec == "mpeg4":
-            logger.warning("no H.264 encoder in this PyAV build; wrote %s with MPEG-4 part 2 instead", path)
-        return codec
-    raise RuntimeError(f"PyAV has none of the encoders {', '.join(CODECS)}: cannot write {path}")
+    return True
 
 
 def read_mp4(path: str | Path) -> np.ndarray:

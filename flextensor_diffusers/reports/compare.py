@@ -1,15 +1,16 @@
 """Native vs offloaded: the same generation twice, same seed, and a report of what differs and what it cost.
 
 examples:
-  python -m flextensor_diffusers.compare --recipe wan22_t2v --out report/ -- --random-weights tiny
-  python -m flextensor_diffusers.compare --recipe wan22_t2v --out report/ -- --random-weights tiny \\
+  flextensor-compare --recipe wan22_t2v --out report/ -- --random-weights tiny
+  flextensor-compare --recipe wan22_t2v --out report/ -- --random-weights tiny \\
       --frames 9 --height 32 --width 32 --steps 2
 
-Everything after ``--`` goes to the recipe (``python recipes/<recipe>.py --help`` lists it; its
+Everything after ``--`` goes to the recipe (``flextensor-wan22-t2v --help`` and the like list it; its
 ``--output`` is not used: the videos go into ``--out``). Writes ``native.mp4``, ``offloaded.mp4``,
 ``strip.png``, ``steps.png``, ``frames.png``, ``memory.png`` (on a GPU), ``report.json`` and a
-self-contained ``report.html`` into ``--out``. Both runs use the recipe's ``--compile`` mode. A
-native run that runs out of memory is a result ("native: out of memory at <stage>"), not a crash.
+self-contained ``report.html`` into ``--out``, each whole or not at all. Both runs use the recipe's
+``--compile`` mode. A native run that runs out of memory is a result ("native: out of memory at <stage>"),
+not a crash; an optional perceptual metric (LPIPS, ST-LPIPS) that cannot load is a note in the report.
 """
 
 from __future__ import annotations
@@ -23,15 +24,20 @@ import logging
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from . import quality
-from .recipes import common
-from .recipes.options import OptionsError, RecipeOptions
+from ..engine.config import format_bytes, parse_bytes
+from ..engine.errors import BudgetError
+from ..engine.setup_threads import progress_bars
+from ..recipes import common
+from ..recipes.interruption import RunProgress
+from ..recipes.options import OptionsError, RecipeOptions, writable
+from . import files, quality
 from .video import read_mp4, to_uint8_frames, write_mp4
 
 logger = logging.getLogger(__name__)
@@ -207,8 +213,6 @@ def _free(device: torch.device) -> None:
 
 def _cap(device: torch.device, cap: str | None) -> None:
     """Emulate a smaller card: the caching allocator refuses to grow past ``cap``."""
-    from .engine.config import parse_bytes
-
     if cap and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(cap) / total), device)
@@ -216,9 +220,6 @@ def _cap(device: torch.device, cap: str | None) -> None:
 
 def check_cap(flag: str, cap: str | None) -> None:
     """A memory cap must parse as a positive size (``abc`` is refused, not ignored)."""
-    from .engine.config import parse_bytes
-    from .engine.errors import BudgetError
-
     if cap is None:
         return
     try:
@@ -256,6 +257,36 @@ def video_identity(out: Path, videos: dict[str, np.ndarray]) -> dict[str, Any]:
     }
 
 
+def recipe_module(name: str) -> Any:
+    """The recipe's module (``flextensor_diffusers.recipes.NAME``); an unknown name names the known ones."""
+    if name not in RECIPES:
+        raise OptionsError(f"--recipe {name}: unknown recipe: pass one of {', '.join(RECIPES)}")
+    return importlib.import_module(f"flextensor_diffusers.recipes.{name}")
+
+
+def check_request(
+    recipe: Any, recipe_argv: list[str], out: Path, memory_cap: str | None, offload_memory_cap: str | None
+) -> RecipeOptions:
+    """The recipe's options, every flag checked before anything loads (``--out`` and the caps included)."""
+    check_cap("--memory-cap", memory_cap)
+    check_cap("--offload-memory-cap", offload_memory_cap)
+    check_out(out)
+    options = recipe.parse_args(recipe_argv)
+    if options.compile == "full":  # reached with --no-offload, which compare does not use
+        raise OptionsError(
+            "--compile full cannot be offloaded, and compare runs offloaded too: pass --compile regional"
+        )
+    return options
+
+
+def check_out(out: Path) -> None:
+    """``--out`` is a folder (made if missing) that can be written."""
+    if out.exists() and not out.is_dir():
+        folder = out.parent / "report"
+        raise OptionsError(f"--out {out} is a file; the report is a folder of files: pass --out {folder}")
+    writable("--out", out)
+
+
 def compare(
     recipe_name: str,
     recipe_argv: list[str],
@@ -267,85 +298,118 @@ def compare(
 
     ``memory_cap`` applies to both runs (a native OOM is then the expected headline result);
     ``offload_memory_cap`` only to the offloaded one, so that native output exists to compare with.
+    A Ctrl-C is raised as an `Interrupted` naming the stage and the files written and not written.
     """
-    if recipe_name not in RECIPES:
-        raise OptionsError(f"--recipe {recipe_name}: unknown recipe: pass one of {', '.join(RECIPES)}")
-    check_cap("--memory-cap", memory_cap)
-    check_cap("--offload-memory-cap", offload_memory_cap)
-    recipe = importlib.import_module(f"flextensor_diffusers.recipes.{recipe_name}")
-    options = recipe.parse_args(recipe_argv)
-    if options.compile == "full":  # reached with --no-offload, which compare does not use
-        raise OptionsError(
-            "--compile full cannot be offloaded, and compare runs offloaded too: pass --compile regional"
-        )
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    device = common.device_of(options)
-    if device.type != "cuda" and (memory_cap or offload_memory_cap):
-        print("note: --memory-cap and --offload-memory-cap have no effect on the CPU (there is no GPU to cap)")
-    with common.stage("loading weights", options.quiet):
-        pipe = recipe.load(options, device)
-    _free(device)  # random full-size weights are made on the GPU, then moved to the CPU: not part of the card
-    _cap(device, memory_cap)
-    compiled = common.compile_denoisers(pipe, options)  # both runs use the same compiled modules
+    recipe = recipe_module(recipe_name)
+    options = check_request(recipe, recipe_argv, out, memory_cap, offload_memory_cap)
+    progress = RunProgress("compare", [out / name for name in MAIN_FILES])
+    with progress.interruptible(), progress_bars(not options.quiet):
+        device = common.device_of(options)
+        if device.type != "cuda" and (memory_cap or offload_memory_cap):
+            print("note: --memory-cap and --offload-memory-cap have no effect on the CPU (there is no GPU to cap)")
+        with progress.during("loading the weights"), common.stage("loading weights", options.quiet):
+            pipe = recipe.load(options, device)
+        _free(device)  # random full-size weights are made on the GPU, then moved to the CPU: not part of the card
+        _cap(device, memory_cap)
+        with progress.during("compiling"):
+            compiled = common.compile_denoisers(pipe, options)  # both runs use the same compiled modules
+        with progress.during("the native generation"):
+            runs = {"native": native_run(recipe, pipe, options, device)}
+        _cap(device, offload_memory_cap or memory_cap)
+        runs["offloaded"] = offloaded_run(recipe, pipe, options, device, progress)
+        report = report_header(recipe_name, options, device, compiled, memory_cap, offload_memory_cap)
+        write_report(out, report, runs, options.fps, progress)
+    return report
 
-    runs: dict[str, dict[str, Any]] = {}
+
+def native_run(recipe: Any, pipe: Any, options: RecipeOptions, device: torch.device) -> dict[str, Any]:
+    """The generation with every weight on the device (out of memory is a result); the pipeline is left on
+    the CPU with VAE tiling off, as the offloaded run expects it."""
     try:
         common.place_natively(pipe, options, device)
         common.label_generation(pipe, "native generation", options.quiet)
-        runs["native"] = run_generation(recipe, pipe, options, device)
+        run = run_generation(recipe, pipe, options, device)
     except Exception as exc:
         if not _is_oom(exc):
             raise
-        runs["native"] = {"status": "out of memory", "stage": "loading weights", "error": str(exc).splitlines()[0]}
+        run = {"status": "out of memory", "stage": "loading weights", "error": str(exc).splitlines()[0]}
     pipe.to("cpu")
     if hasattr(pipe, "vae") and hasattr(pipe.vae, "disable_tiling"):
         pipe.vae.disable_tiling()
     _free(device)
+    return run
 
-    _cap(device, offload_memory_cap or memory_cap)
-    with common.stage("packing and pinning weights", options.quiet):
+
+def offloaded_run(
+    recipe: Any, pipe: Any, options: RecipeOptions, device: torch.device, progress: RunProgress
+) -> dict[str, Any]:
+    """Offload enabled, the profiling generation, then the recorded generation; offload disabled after."""
+    with progress.during("packing and pinning the weights"), common.stage("packing and pinning weights", options.quiet):
         common.enable_offload(pipe, options, device)
     common.label_generation(pipe, "offloaded: profiling generation", options.quiet)
-    start = time.perf_counter()
-    recipe.profiling_generation(pipe, options, device)
-    profiling_s = time.perf_counter() - start
+    with progress.during("the offloaded profiling generation"):
+        start = time.perf_counter()
+        recipe.profiling_generation(pipe, options, device)
+        profiling_s = time.perf_counter() - start
     common.label_generation(pipe, "offloaded generation", options.quiet)
-    runs["offloaded"] = run_generation(recipe, pipe, options, device)
-    runs["offloaded"]["profiling_s"] = round(profiling_s, 4)
+    with progress.during("the offloaded generation"):
+        run = run_generation(recipe, pipe, options, device)
+    run["profiling_s"] = round(profiling_s, 4)
     offload_report = pipe.flextensor_report()
     # The Recorder reset the allocator's peak counter at every stage, so the pipeline's own reading
     # covers the last stage only; the run's peak is the largest stage peak.
-    offload_report["peak_allocated_bytes"] = runs["offloaded"].get("peak_allocated_bytes")
-    runs["offloaded"]["offload_report"] = offload_report
-    pipe.disable_flextensor_offload()
+    offload_report["peak_allocated_bytes"] = run.get("peak_allocated_bytes")
+    run["offload_report"] = offload_report
+    with progress.during("disabling offload"):
+        pipe.disable_flextensor_offload()
+    return run
 
+
+def report_header(
+    recipe_name: str,
+    options: RecipeOptions,
+    device: torch.device,
+    compiled: list[str],
+    memory_cap: str | None,
+    offload_memory_cap: str | None,
+) -> dict[str, Any]:
+    """What was run, where and with which versions: the report's first fields."""
     import diffusers
 
-    report: dict[str, Any] = {
+    cuda = device.type == "cuda"
+    return {
         "recipe": recipe_name,
         "arguments": _arguments(options),
         "device": str(device),
         "device_name": device_name(device),
         "budget": options.budget,
         "compile": {"mode": options.compile, "components": compiled},
-        "memory_cap": memory_cap if device.type == "cuda" else None,
-        "offload_memory_cap": (offload_memory_cap or memory_cap) if device.type == "cuda" else None,
+        "memory_cap": memory_cap if cuda else None,
+        "offload_memory_cap": (offload_memory_cap or memory_cap) if cuda else None,
         "versions": {
             "torch": torch.__version__,
             "diffusers": diffusers.__version__,
             "python": platform.python_version(),
         },
-        "gpu_figures": "available" if device.type == "cuda" else "not available (CPU run)",
+        "gpu_figures": "available" if cuda else "not available (CPU run)",
     }
-    videos = {}
-    for name, run in runs.items():
-        if run["status"] == "completed":
-            videos[name] = run["frames"]
-            write_mp4(out / f"{name}.mp4", run["frames"], fps=options.fps)
+
+
+#: The report's main files, in the order they are written (the plots come between the videos and report.json).
+MAIN_FILES = ("native.mp4", "offloaded.mp4", "report.json", "report.html")
+
+
+def write_report(
+    out: Path, report: dict[str, Any], runs: dict[str, dict[str, Any]], fps: int, progress: RunProgress
+) -> None:
+    """The videos, the fidelity verdict, the plots, ``report.json`` and ``report.html``, each written whole."""
+    videos = {name: run["frames"] for name, run in runs.items() if run["status"] == "completed"}
+    for name, frames in videos.items():
+        write_file(out / f"{name}.mp4", progress, lambda path, frames=frames: write_mp4(path, frames, fps=fps))
     report["videos"] = {name: f"{name}.mp4" for name in videos}
     native, offloaded = runs["native"], runs["offloaded"]
-    if native["status"] == "completed" and offloaded["status"] == "completed":
+    if len(videos) == 2:
         report["fidelity"] = {
             "latents": quality.latent_metrics(native["latents"], offloaded["latents"]),
             "frames": quality.frame_metrics(native["frames"], offloaded["frames"]),
@@ -361,19 +425,32 @@ def compare(
     report["runs"] = {
         name: {k: v for k, v in run.items() if k not in ("frames", "latents")} for name, run in runs.items()
     }
+    images = plots(report, videos)
+    for name, data in images.items():
+        write_file(out / f"{name}.png", progress, lambda path, data=data: files.write_bytes(path, data))
+    write_file(out / "report.json", progress, lambda path: files.write_text(path, json.dumps(report, indent=1)))
+    html = quality.render_html(report, images)
+    write_file(out / "report.html", progress, lambda path: files.write_text(path, html))
+
+
+def plots(report: dict[str, Any], videos: dict[str, np.ndarray]) -> dict[str, bytes]:
+    """The report's PNGs: per-step times, per-frame fidelity, the memory timeline (GPU runs) and a frame strip."""
     images = {
         "steps": quality.plot_steps(report["runs"]),
         "frames": quality.plot_frames(report.get("fidelity", {}).get("frames")),
     }
-    if device.type == "cuda":  # the CPU has no allocator counters: the page says so instead of an empty plot
+    if report["device"].startswith("cuda"):  # the CPU has no allocator counters: the page says so instead
         images["memory"] = quality.plot_memory(report["runs"])
     if videos:
         images["strip"] = quality.frame_strip(videos)
-    for name, data in images.items():
-        (out / f"{name}.png").write_bytes(data)
-    (out / "report.json").write_text(json.dumps(report, indent=1))
-    (out / "report.html").write_text(quality.render_html(report, images))
-    return report
+    return images
+
+
+def write_file(path: Path, progress: RunProgress, write: Callable[[Path], object]) -> None:
+    """``write(path)`` as a named stage of ``progress``, then recorded as written."""
+    with progress.during(f"writing {path}"):
+        write(path)
+    progress.wrote(path)
 
 
 IMAGES = ("memory", "steps", "frames", "strip")
@@ -384,23 +461,34 @@ def rerender(out: str | Path) -> Path:
     out = Path(out)
     report = json.loads((out / "report.json").read_text())
     images = {name: (out / f"{name}.png").read_bytes() for name in IMAGES if (out / f"{name}.png").exists()}
-    path = out / "report.html"
-    path.write_text(quality.render_html(report, images))
-    return path
+    return files.write_text(out / "report.html", quality.render_html(report, images))
 
 
+#: The console script (pyproject.toml) that runs `cli`.
+COMMAND = "flextensor-compare"
 USAGE = (
-    "python -m flextensor_diffusers.compare --recipe {wan22_t2v,ltx2_outpaint,cosmos_transfer25} [--out DIR]\n"
+    f"{COMMAND} --recipe {{wan22_t2v,ltx2_outpaint,cosmos_transfer25}} [--out DIR]\n"
     "       [--memory-cap SIZE] [--offload-memory-cap SIZE] [-q] [-v] -- RECIPE_ARGS...\n"
-    "       python -m flextensor_diffusers.compare --rerender DIR"
+    f"       {COMMAND} --rerender DIR"
 )
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(usage=USAGE, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=COMMAND,
+        usage=USAGE,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     p.add_argument("--recipe", choices=RECIPES, help="which recipe to run twice")
     p.add_argument("--rerender", type=Path, help="only rebuild report.html in this folder")
-    p.add_argument("--out", type=Path, default=Path("report"), help="folder for the report (default: report)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("report"),
+        help="folder for the report, made if missing; its files replace those of an earlier report (default: report)",
+    )
     p.add_argument("--memory-cap", help="emulate a smaller card for both runs, e.g. 24GB (GPU only)")
     p.add_argument("--offload-memory-cap", help="emulate a smaller card for the offloaded run only (GPU only)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars (also passed to the recipe)")
@@ -429,7 +517,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    """`main` as a command: a deliberate error is one line on stderr and exit status 2."""
+    """`main` as a command: a deliberate error is one line on stderr and exit status 2, a Ctrl-C one line
+    (what was interrupted, which files were and were not written) and exit status 130."""
     argv = list(sys.argv[1:] if argv is None else argv)
     with common.user_errors(argv):
         main(argv)
@@ -442,7 +531,7 @@ def print_outcome(report: dict[str, Any], out: Path) -> None:
         line = f"{name}: {run['status']}"
         if run["status"] == "completed":
             line += f", {run['generation_s']:.2f} s, mean step {run['mean_step_s']} s"
-            line += f", peak {peak / 2**30:.2f} GiB" if peak is not None else ", peak n/a (CPU)"
+            line += f", peak {format_bytes(peak)}" if peak is not None else ", peak n/a (CPU)"
         else:
             line += f" at {run['stage']}"
         print(line)

@@ -9,11 +9,14 @@ import io
 import json
 import math
 import warnings
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from ..engine.config import format_bytes
 
 INF = "inf"  # JSON has no infinity: a PSNR of identical frames is written as this string
 
@@ -66,32 +69,76 @@ def lpips_network(random_backbone: bool = False) -> Any:
         return lpips.LPIPS(net="alex", pnet_rand=random_backbone, verbose=False).eval()
 
 
-def perceptual_metric() -> tuple[Any | None, str | None, str]:
-    """The perceptual metric this machine can compute offline: (model, its name, a note for the report).
+@dataclass(frozen=True)
+class PerceptualMetric:
+    """A perceptual metric this machine can compute offline, or none; ``note`` says which, and why not others."""
 
-    LPIPS when the lpips package and AlexNet's weights are local; else ST-LPIPS when the optional
+    model: Any | None
+    name: str | None  # the per-frame key: "lpips" or "st_lpips"
+    note: str
+
+
+#: What installs each optional metric (from the clone, editable, so the set-up's install stays as it is).
+LPIPS_INSTALL = 'pip install -e ".[lpips]"'
+ST_LPIPS_INSTALL = 'pip install -e ".[st-lpips]"'
+
+
+def perceptual_metric() -> PerceptualMetric:
+    """LPIPS when the lpips package and AlexNet's weights are local; else ST-LPIPS when the optional
     ``stlpips-pytorch`` package (which ships its full weights) is installed; else none, and why.
+
+    Optional metrics never stop a report: a package that is missing, fails to import (stlpips-pytorch imports
+    IPython and torchsummary) or fails to load its weights is a sentence in the note, not an exception.
     """
+    lpips_metric = _lpips()
+    if lpips_metric.model is not None:
+        return lpips_metric
+    st_metric = _st_lpips()
+    if st_metric.model is not None:
+        return replace(st_metric, note=f"{st_metric.note} (LPIPS not computed: {lpips_metric.note})")
+    return PerceptualMetric(
+        None,
+        None,
+        f"LPIPS not computed: {lpips_metric.note}; nor ST-LPIPS: {st_metric.note}. PSNR, SSIM and max-abs are reported",
+    )
+
+
+def _lpips() -> PerceptualMetric:
+    """LPIPS, or no model and why not."""
     checkpoint = Path(torch.hub.get_dir()) / "checkpoints" / ALEXNET_CHECKPOINT
-    have_lpips = importlib.util.find_spec("lpips") is not None
-    if have_lpips and checkpoint.exists():
-        return lpips_network(), "lpips", "LPIPS (AlexNet, v0.1) computed"
-    if importlib.util.find_spec("stlpips_pytorch") is not None:
+    if importlib.util.find_spec("lpips") is None:
+        return PerceptualMetric(None, None, f"the lpips package is not installed ({LPIPS_INSTALL})")
+    if not checkpoint.exists():
+        why = (
+            f"its AlexNet backbone weights are not in the local torch cache ({checkpoint}): copy {ALEXNET_CHECKPOINT} "
+            "there (nothing is downloaded)"
+        )
+        return PerceptualMetric(None, None, why)
+    try:
+        return PerceptualMetric(lpips_network(), "lpips", "LPIPS (AlexNet, v0.1) computed")
+    except Exception as exc:  # a third-party package and a file we did not write: any failure is a note
+        return PerceptualMetric(None, None, f"loading it failed ({failure(exc)})")
+
+
+def _st_lpips() -> PerceptualMetric:
+    """ST-LPIPS, or no model and why not."""
+    if importlib.util.find_spec("stlpips_pytorch") is None:
+        return PerceptualMetric(None, None, f"stlpips-pytorch is not installed ({ST_LPIPS_INSTALL})")
+    try:
         from stlpips_pytorch import stlpips
 
-        model = stlpips.LPIPS(net="alex", variant="shift_tolerant").eval()
-        return model, "st_lpips", "ST-LPIPS (shift-tolerant LPIPS, AlexNet; stlpips-pytorch) computed instead of LPIPS"
-    why = (
-        f"its AlexNet backbone weights are not in the local torch cache ({checkpoint}): copy {ALEXNET_CHECKPOINT} "
-        "there (nothing is downloaded)"
-        if have_lpips
-        else 'the lpips package is not installed (pip install "flextensor-diffusers[lpips]")'
-    )
-    return (
-        None,
-        None,
-        f"LPIPS not computed: {why}, or install stlpips-pytorch for ST-LPIPS. PSNR, SSIM and max-abs are reported",
-    )
+        model = stlpips.LPIPS(net="alex", variant="shift_tolerant", verbose=False).eval()
+    except Exception as exc:  # e.g. ModuleNotFoundError: IPython, which the package imports but does not declare
+        why = f"importing or loading stlpips-pytorch failed ({failure(exc)}; {ST_LPIPS_INSTALL} installs what it needs)"
+        return PerceptualMetric(None, None, why)
+    note = "ST-LPIPS (shift-tolerant LPIPS, AlexNet; stlpips-pytorch) computed instead of LPIPS"
+    return PerceptualMetric(model, "st_lpips", note)
+
+
+def failure(exc: BaseException) -> str:
+    """``ModuleNotFoundError: No module named 'IPython'``: an exception in one line."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def perceptual_distance(model: Any, a: np.ndarray, b: np.ndarray) -> float:
@@ -104,31 +151,43 @@ def perceptual_distance(model: Any, a: np.ndarray, b: np.ndarray) -> float:
         return float(model(to(a), to(b)).flatten()[0])
 
 
-def frame_metrics(reference: np.ndarray, test: np.ndarray, perceptual: tuple | None = None) -> dict[str, Any]:
+def frame_metrics(
+    reference: np.ndarray, test: np.ndarray, perceptual: PerceptualMetric | None = None
+) -> dict[str, Any]:
     """Per-frame PSNR, SSIM, max-abs (and LPIPS or ST-LPIPS when available) of two (F, H, W, 3) uint8 videos.
 
-    ``perceptual``: a `perceptual_metric()` result to use instead of finding one (tests pass a random-trunk net).
+    ``perceptual``: a metric to use instead of finding one (tests pass a random-trunk net). A perceptual
+    metric that fails on these frames is left out of every row and its failure said in the note.
     """
     if reference.shape != test.shape:
         raise ValueError(f"videos differ in shape: {reference.shape} vs {test.shape}")
-    model, name, note = perceptual or perceptual_metric()
-    rows = []
-    for ref, out in zip(reference, test, strict=True):
-        value = psnr(ref, out)
-        row = {
-            "psnr_db": INF if math.isinf(value) else round(value, 4),
-            "ssim": round(ssim(ref, out), 6),
-            "max_abs": int(np.max(np.abs(ref.astype(np.int16) - out.astype(np.int16)))),
-        }
-        if model is not None:
-            row[name] = round(perceptual_distance(model, ref, out), 6)
-        rows.append(row)
+    metric = perceptual or perceptual_metric()
+    rows = [pixel_metrics(ref, out) for ref, out in zip(reference, test, strict=True)]
+    if metric.model is not None:
+        try:
+            values = [perceptual_distance(metric.model, ref, out) for ref, out in zip(reference, test, strict=True)]
+        except Exception as exc:  # an optional metric never stops the report
+            why = f"{metric.name} not computed: it failed on these frames ({failure(exc)})"
+            metric = PerceptualMetric(None, None, f"{why}. PSNR, SSIM and max-abs are reported")
+        else:
+            for row, value in zip(rows, values, strict=True):
+                row[metric.name] = round(value, 6)
     return {
         "frames": rows,
-        "lpips_note": note,
-        "perceptual_metric": name,
+        "lpips_note": metric.note,
+        "perceptual_metric": metric.name,
         "identical": bool(np.array_equal(reference, test)),
         "measured_on": "uint8 RGB frames before encoding",
+    }
+
+
+def pixel_metrics(reference: np.ndarray, test: np.ndarray) -> dict[str, Any]:
+    """PSNR (``"inf"`` when identical), SSIM and max-abs of two (H, W, 3) uint8 frames."""
+    value = psnr(reference, test)
+    return {
+        "psnr_db": INF if math.isinf(value) else round(value, 4),
+        "ssim": round(ssim(reference, test), 6),
+        "max_abs": int(np.max(np.abs(reference.astype(np.int16) - test.astype(np.int16)))),
     }
 
 
@@ -314,9 +373,8 @@ def shrink_png(image: Any, width: int = STRIP_WIDTH) -> bytes:
 
 
 def _fmt_bytes(n: Any) -> str:
-    if n is None:
-        return "n/a"
-    return f"{n / 2**30:.2f} GiB"
+    """Sizes as the command line prints them (``12.50 KiB``, ``11.03 GiB``), so small components do not read 0."""
+    return "n/a" if n is None else format_bytes(n)
 
 
 def _img(data: bytes, alt: str) -> str:

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from .engine.errors import FlexTensorError
+from ..engine.errors import FlexTensorError
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SIZES = ("tiny", "full")
 
 
@@ -59,7 +59,7 @@ def _random(build: Any, init_device: str | torch.device, dtype: torch.dtype, see
         module = build()
     keep = getattr(module, "_keep_in_fp32_modules", None) or []
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        if t.is_floating_point():  # fp32 where from_pretrained(torch_dtype=...) would keep it
+        if t.is_floating_point():  # fp32 where from_pretrained(dtype=...) would keep it
             t.data = t.data.to(torch.float32 if any(k in name.split(".") for k in keep) else dtype)
     if torch.device(init_device).type not in ("cpu", "meta"):  # meta: shapes only, to attach to shared weights
         module = module.to("cpu")
@@ -196,5 +196,5 @@ def load_pipeline(path: str | Path, pipeline_class: Any, dtype: torch.dtype = to
             "or run with --random-weights tiny|full to use the built-in architectures with random weights"
         )
     return pipeline_class.from_pretrained(
-        str(path), torch_dtype=dtype, local_files_only=True, low_cpu_mem_usage=True, **kwargs
+        str(path), dtype=dtype, local_files_only=True, low_cpu_mem_usage=True, **kwargs
     )
