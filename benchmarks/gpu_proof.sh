@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call of GPU proof: the GPU tests and the chosen benchmarks, each bounded, logs and JSON under $OUT.
+# Usage on the device (carry .whl): bash benchmarks/gpu_proof.sh STEP... where STEP is one of
+#   tests        python3 -m pytest -q -m gpu tests            -> $OUT/gpu_tests_h200.log
+#   engine17     engine_bench.py, 17 frames, 3 budgets        -> $OUT/engine17_h200.json, .log
+#   engine       engine_bench.py, 81 and 17 frames, 3 budgets -> $OUT/engine_h200.json, .log
+#   compile17    compile_bench.py, 17 frames                  -> $OUT/compile17_h200.json, .log
+# Each step runs under its own time limit (seconds, env STEP_LIMIT_S, default 420) so that one hung step cannot
+# take the whole call; the code's commit is written to $OUT/code.txt.
+set -uo pipefail
+source benchmarks/device_setup.sh || exit 1
+limit=${STEP_LIMIT_S:-420}
+git rev-parse HEAD >"$OUT/code.txt" 2>/dev/null || echo "no git" >"$OUT/code.txt"
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv >>"$OUT/code.txt"
+for step in "$@"; do
+  start=$(date +%s)
+  case "$step" in
+    tests) timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -n 60 >"$OUT/gpu_tests_h200.log" ;;
+    engine17) timeout "$limit" python3 benchmarks/engine_bench.py --workloads 17f_480x272 --budgets 3 --reps 3 \
+        --out "$OUT/engine17_h200.json" >"$OUT/engine17_h200.log" 2>&1 ;;
+    engine) timeout "$limit" python3 benchmarks/engine_bench.py --budgets 3 --reps 2 \
+        --out "$OUT/engine_h200.json" >"$OUT/engine_h200.log" 2>&1 ;;
+    compile17) timeout "$limit" python3 benchmarks/compile_bench.py --workloads 17f_480x272 \
+        --out "$OUT/compile17_h200.json" >"$OUT/compile17_h200.log" 2>&1 ;;
+    *) echo "unknown step $step" ;;
+  esac
+  echo "step $step: exit $? after $(($(date +%s) - start)) s" | tee -a "$OUT/code.txt"
+done
