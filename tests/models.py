@@ -122,3 +122,16 @@ def enable_with_one_component_in_ram(pipe, budget: int, cache) -> None:
     largest = max(h.residency.packed_bytes for h in pipe._flextensor.handles.values())
     pipe.disable_flextensor_offload()
     pipe.enable_flextensor_offload(budget=budget, device="cpu", host_budget=largest + 1, cache_dir=cache)
+
+
+def device_headroom(device: str) -> int:
+    """Budget room beyond a small model's weights and slots. On the CPU, only rounding: nothing counts
+    activations there. On CUDA a budget bounds the whole process's peak of allocated memory, so it holds what
+    the process holds already (earlier tests' tensors, and the cuBLAS workspace that its first matrix product
+    allocates, made here first) and 64 KiB for the small model's own activations."""
+    if device != "cuda":
+        return 2048
+    square = torch.ones(8, 8, device="cuda")
+    square @ square  # the cuBLAS workspace now exists, as it will once the model computes
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() + 2048 + 64 * 1024

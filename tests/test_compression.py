@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from models import Stack, assert_same, snapshot, wan_latents
+from models import Stack, assert_same, device_headroom, snapshot, wan_latents
 from torch import nn
 
 import flextensor_diffusers as ft
@@ -146,7 +146,7 @@ def test_the_payload_cache_is_read_back_and_refused_when_the_weights_changed(
         handle = ft.offload(
             model,
             include_patterns=["blocks.*"],
-            gpu_budget=int((3.8 if device == "cpu" else 4.2) * unit),  # the H200's activations need more
+            gpu_budget=int(3.8 * unit) + device_headroom(device),
             device=device,
             compression="lossless",
             compression_cache=True,
@@ -259,7 +259,11 @@ def test_compressed_streaming_on_a_gpu_is_bitwise_equal_and_decodes_on_its_own_s
     unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
     # Two slots with room to stage a payload (~1.7 units each) and the activations (~0.4 units on the H200).
     handle = ft.offload(
-        model, include_patterns=["blocks.*"], gpu_budget=int(4.2 * unit), device="cuda", compression="lossless"
+        model,
+        include_patterns=["blocks.*"],
+        gpu_budget=int(4.2 * unit) + device_headroom("cuda"),
+        device="cuda",
+        compression="lossless",
     )
     with torch.inference_mode():
         outs = [model(x).cpu() for _ in range(6)]

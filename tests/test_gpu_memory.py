@@ -124,6 +124,7 @@ def wan_budgets(wan) -> dict[str, int]:
     smallest = max(s for s, _ in per_component)
     everything = max(e for _, e in per_component)
     assert smallest < everything  # the transformers stream at the smallest
+    smallest += smallest // 100  # activations measured again vary by some KiB between runs of one process
     return {"smallest": smallest, "middle": (smallest + everything) // 2, "everything": everything}
 
 

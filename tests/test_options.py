@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import Stack, assert_same, snapshot
+from models import Stack, assert_same, device_headroom, snapshot
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import Phase
@@ -22,9 +22,7 @@ def unit_bytes(device: str) -> int:
 BLOCKS = ["blocks.*"]
 
 
-def headroom(device: str) -> int:
-    """Budget beyond weights: activations on CUDA (the CPU allocator reports none) and rounding."""
-    return 2048 + (64 * 1024 if device == "cuda" else 0)
+headroom = device_headroom
 
 
 def make(depth: int = 4) -> tuple[Stack, torch.Tensor]:
