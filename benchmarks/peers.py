@@ -212,14 +212,14 @@ def same_as_native(method: str, out: torch.Tensor, scratch: Path) -> bool:
 def transfer_figures(handle: Any) -> dict[str, Any]:
     """What our streamed run moved: weights, host bytes kept, bytes over the link per forward, and the
     link's profiled bandwidth (for the raw-bytes lower bound). The host bytes and a compressed load's bytes
-    are read from the handle's residency: the engine's public face does not give them per unit yet."""
+    are read from the handle's host copies (`handle.host`, part of the engine's public face)."""
     stats = handle.stats()
     report = {k: v for k, v in vars(stats).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     profile = handle.profile
     return {
         "stats": report,
         "weights_bytes": sum(u.nbytes for u in handle.units) + handle.resident_weight_bytes,
-        "stored_host_bytes": handle.residency.host_ram_bytes,
+        "stored_host_bytes": handle.host.host_ram_bytes,
         "payload_cache": stats.payload_cache,
         "bandwidth_bytes_per_ms": profile.bandwidth_bytes_per_ms if profile is not None else None,
         "streamed_units": len(handle.plan.streamed) if handle.plan is not None else None,
@@ -227,7 +227,7 @@ def transfer_figures(handle: Any) -> dict[str, Any]:
         # what the plan's loads move: the payload for a unit it decodes, the raw bytes for the others
         "streamed_transfer_bytes": (
             sum(
-                handle.residency.transfer_bytes(i) if i in handle.plan.compressed else handle.units[i].nbytes
+                handle.host.transfer_bytes(i) if i in handle.plan.compressed else handle.units[i].nbytes
                 for i in handle.plan.streamed
             )
             if handle.plan

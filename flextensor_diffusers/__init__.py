@@ -20,7 +20,7 @@ from .engine import (
     offload,
     offload_shared,
 )
-from .pipelines import FlexTensorPipelineMixin, attach_to_diffusers
+from .pipelines import FlexTensorPipelineMixin, PipelineOffload, attach_to_diffusers, pipeline_offload
 
 __version__ = "0.1.0"
 
@@ -40,10 +40,12 @@ __all__ = [
     "OffloadStateError",
     "OffloadStats",
     "PatternError",
+    "PipelineOffload",
     "ProfileMismatchError",
     "SharedHostMemory",
     "__version__",
     "attach_to_diffusers",
     "offload",
     "offload_shared",
+    "pipeline_offload",
 ]

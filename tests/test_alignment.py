@@ -263,11 +263,10 @@ def test_views_keep_classes_and_strides_and_unit_sizes_do_not_depend_on_them() -
     for model in models:
         before = placements(model)
         handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**7, device="cpu")
-        residency = handle.residency
-        flats = [residency.copies.base, *residency.copies.resident.values(), *residency.copies.slots]
-        flats += [u.host for u in [residency.base, *residency.units]]
+        buffers, positions = handle.device_copies.buffers, handle.host.positions
+        flats = [buffers.base, *buffers.resident.values(), *buffers.slots, *(u.host for u in positions)]
         assert all(flat.data_ptr() % ALIGNMENT == 0 for flat in flats)
-        for unit in [residency.base, *residency.units]:
+        for unit in positions:
             for packed in unit.tensors:
                 prefix = f"{unit.name}." if unit.index >= 0 else ""
                 address, stride = before[prefix + packed.names[0]][:2]
@@ -276,7 +275,7 @@ def test_views_keep_classes_and_strides_and_unit_sizes_do_not_depend_on_them() -
                 assert packed.origin.alignment_class == address
                 assert packed.tensor.data_ptr() % CPU_ALIGNMENT == address % CPU_ALIGNMENT  # active copy
                 assert packed.view_of(unit.host).data_ptr() % CPU_ALIGNMENT == address % CPU_ALIGNMENT
-        sizes.append([u.nbytes for u in [residency.base, *residency.units]])
+        sizes.append([u.nbytes for u in positions])
         handle.remove()
     assert sizes[0] == sizes[1]  # the same tensors at other classes: the same sizes
     spans = {p.names[0]: p.nbytes for p in handle.units[0].tensors}
@@ -338,7 +337,7 @@ def test_compressed_copies_describe_strided_spans_and_decode_bitwise() -> None:
     handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=budget, device="cpu", compression="lossless")
     assert all(torch.equal(out, native[0]) for out in outputs(model))
     for unit in handle.units:
-        encoded = handle.residency.encoded[unit.index]
+        encoded = handle.host.encoded[unit.index]
         assert [(s.offset, s.nbytes, s.dtype) for s in encoded.segments] == [
             (p.offset, p.nbytes, p.dtype) for p in unit.tensors
         ]

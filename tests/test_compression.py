@@ -11,7 +11,7 @@ from models import Stack, assert_same, device_headroom, snapshot, wan_latents
 from torch import nn
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.engine import Phase, compressed_copies, runtime
+from flextensor_diffusers.engine import Phase, compressed_copies, planning
 from flextensor_diffusers.engine.codec import DEVICE_SLICE_BYTES, CodecMismatch, encode_unit
 from flextensor_diffusers.engine.planner import Call, WorkloadProfile, plan_residency, simulate
 from flextensor_diffusers.recipes.models import build_pipeline
@@ -33,7 +33,7 @@ def planned_from_fixed_figures(monkeypatch, compute_ms: float) -> None:
     that are close is a coin toss on a busy CPU (`test_the_planner_*` check the planner itself on set figures).
     ``compute_ms=10``: compute-bound, every load hides, so only the bytes each plan moves decide between them;
     ``compute_ms=0.01``: transfer-bound, every resident unit shortens the step."""
-    real = runtime.plan_residency
+    real = planning.plan_residency
 
     def plan_residency_on_fixed_figures(profile: WorkloadProfile, *args: object) -> object:
         calls = [dataclasses.replace(c, compute_ms=compute_ms, gap_before_ms=0.0) for c in profile.calls]
@@ -43,7 +43,7 @@ def planned_from_fixed_figures(monkeypatch, compute_ms: float) -> None:
         )
         return real(fixed, *args)
 
-    monkeypatch.setattr(runtime, "plan_residency", plan_residency_on_fixed_figures)
+    monkeypatch.setattr(planning, "plan_residency", plan_residency_on_fixed_figures)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -63,11 +63,11 @@ def test_compressed_loads_are_bitwise_equal_and_move_fewer_bytes(dtype: torch.dt
         outs = [model(x) for _ in range(5)]
     assert all(torch.equal(o, ref) for o in outs)
     assert handle.phase is Phase.STEADY and len(handle.plan.streamed) > 0
-    stored = [handle.residency.transfer_bytes(u.index) for u in handle.units]
+    stored = [handle.host.transfer_bytes(u.index) for u in handle.units]
     assert all(s < u.nbytes for s, u in zip(stored, handle.units, strict=True))  # every block compressed
     assert handle.profile.transfer_bytes == stored
     decoding = frozenset(handle.plan.streamed) if dtype == torch.bfloat16 else frozenset()
-    assert handle.plan.compressed == decoding == handle.residency.decoding
+    assert handle.plan.compressed == decoding == handle.device_copies.decoding
     assert (handle.plan.staging_bytes > 0) == bool(decoding)
     stats = handle.stats()
     assert "compress" in stats.setup_ms and stats.transfer_unit_bytes == sum(stored) < stats.unit_bytes
@@ -110,8 +110,8 @@ def test_the_tiny_pipeline_with_compression_is_bitwise_equal(raw_copies: str, tm
     assert all(torch.equal(wan_latents(pipe), ref) for _ in range(3))
     handles = pipe._flextensor.handles
     transformer = handles["transformer"]
-    assert transformer.residency.encoded and transformer.plan.streamed  # streamed compressed
-    on_disk = {name for name, h in handles.items() if h.residency.spilled_to is not None}
+    assert transformer.host.encoded and transformer.plan.streamed  # streamed compressed
+    on_disk = {name for name, h in handles.items() if h.host.spilled_to is not None}
     assert on_disk == (set(handles) if raw_copies == "disk" else set())
     pipe.disable_flextensor_offload()
     assert not any(tmp_path.iterdir())
@@ -159,7 +159,7 @@ def test_the_payload_cache_is_read_back_and_refused_when_the_weights_changed(
             # figures, BF16 blocks move fewer bytes compressed and every load hides). On the H200 the plan loads
             # units this small raw (a measured decode costs more than the bytes it saves), so there the payloads
             # read back are proven by the set-up's check alone.
-            assert handle.residency.encoded.keys() == set(range(len(handle.units)))
+            assert handle.host.encoded.keys() == set(range(len(handle.units)))
             assert handle.plan.compressed or device == "cuda"
             return handle.stats().payload_cache
         finally:
@@ -269,11 +269,11 @@ def test_compressed_streaming_on_a_gpu_is_bitwise_equal_and_decodes_on_its_own_s
         outs = [model(x).cpu() for _ in range(6)]
     assert all(torch.equal(o, ref) for o in outs)
     assert all(u.pinned_in_place for u in handle.units)  # locked in place, not copied
-    assert handle.residency.encoded and all(e.payload.is_pinned() for e in handle.residency.encoded.values())
+    assert handle.host.encoded and all(e.payload.is_pinned() for e in handle.host.encoded.values())
     block = handle.units[3]  # the device encoder's payload is the host encoder's (same slices), byte for byte
     segments = compressed_copies.segments_of(block)
-    on_host = encode_unit(handle.residency.host_of(block), segments, slice_bytes=DEVICE_SLICE_BYTES)
-    assert torch.equal(handle.residency.encoded[block.index].payload, on_host.payload)
+    on_host = encode_unit(handle.host.host_of(block), segments, slice_bytes=DEVICE_SLICE_BYTES)
+    assert torch.equal(handle.host.encoded[block.index].payload, on_host.payload)
     profile, plan = handle.profile, handle.plan
     why = (
         f"decode_ms={profile.decode_ms} unit_bytes={profile.unit_bytes} transfer_bytes={profile.transfer_bytes} "
@@ -347,9 +347,9 @@ def test_raw_copies_on_disk_leave_only_compressed_copies_in_ram(tmp_path) -> Non
     handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=int(3.8 * unit), **config)
     with torch.inference_mode():
         assert all(torch.equal(model(x), ref) for _ in range(5))
-    weights = handle.residency.packed_bytes
-    payloads = sum(e.payload.numel() for e in handle.residency.encoded.values())
-    assert handle.residency.host_ram_bytes == payloads < 0.75 * weights
+    weights = handle.host.packed_bytes
+    payloads = sum(e.payload.numel() for e in handle.host.encoded.values())
+    assert handle.host.host_ram_bytes == payloads < 0.75 * weights
     assert handle.plan.compressed == frozenset(handle.plan.streamed) == frozenset(range(5))
     assert len(list(tmp_path.iterdir())) == 1
     assert_residents_decoded(handle, model, x, ref)
@@ -366,17 +366,17 @@ def test_raw_copies_on_disk_leave_only_compressed_copies_in_ram(tmp_path) -> Non
 
 def assert_residents_decoded(handle, model, x, ref) -> None:
     """At activation, resident units come from their compressed copies, not from the mapped file."""
-    residency = handle.residency
+    host = handle.host
     read: list[str] = []
-    original = residency.host_of
-    residency.host_of = lambda unit: (read.append(unit.name), original(unit))[1]
+    original = host.host_of
+    host.host_of = lambda unit: (read.append(unit.name), original(unit))[1]
     try:
         handle.release()
         handle.activate()
         with torch.inference_mode():
             assert torch.equal(model(x), ref)
     finally:
-        del residency.host_of
+        del host.host_of
     assert not {handle.units[i].name for i in handle.plan.resident} & set(read)
 
 

@@ -274,7 +274,7 @@ def test_autograd_is_refused_with_the_fix() -> None:
 def test_failure_during_set_up_leaves_model_as_it_was(monkeypatch: pytest.MonkeyPatch, compression: str) -> None:
     """A unit that fails to pack ends set-up with its error and the model as it was; with compression the
     encoder is at work on the units packed meanwhile (it waits for each at the host gate)."""
-    from flextensor_diffusers.engine import residency as runtime  # where set-up packs
+    from flextensor_diffusers.engine import host_copies as runtime  # where set-up packs
 
     model, _ = make()
     before = snapshot(model)
@@ -297,7 +297,7 @@ def test_failure_during_set_up_leaves_model_as_it_was(monkeypatch: pytest.Monkey
 
 
 def test_failure_during_remove_keeps_model_working(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flextensor_diffusers.engine import residency as runtime  # where teardown restores
+    from flextensor_diffusers.engine import host_copies as runtime  # where removal restores
 
     model, x = make()
     ref = native(model, x, "cpu")
@@ -355,7 +355,7 @@ def test_release_and_activate_keep_the_plan_and_the_numbers(device: str) -> None
     plans = handle.counters["plans"]
     handle.release()
     assert not handle.active and all(p.device.type == "cpu" for p in model.parameters())
-    assert handle.residency.copies.slots == [] and handle.residency.copies.base is None
+    assert handle.device_copies.buffers.slots == [] and handle.device_copies.buffers.base is None
     outs = run(model, x, device, 2)  # the forward re-activates
     assert handle.active and handle.counters["plans"] == plans and handle.counters["activations"] == 2
     assert all(torch.equal(o, ref) for o in outs)
@@ -434,12 +434,12 @@ def test_ctrl_c_while_set_up_waits_for_the_packing_threads_leaves_every_tensor_i
     each in a storage of its own as before, bit for bit."""
     import threading
 
-    from flextensor_diffusers.engine import residency, setup_threads
+    from flextensor_diffusers.engine import host_copies, setup_threads
 
     model, x = make(depth=8)
     ref = native(model, x, "cpu")
     before = snapshot(model)
-    real_pack, real_wait = residency.pack_unit, setup_threads.wait
+    real_pack, real_wait = host_copies.pack_unit, setup_threads.wait
     changed = threading.Condition()
     began: list[str] = []
     ended: list[str] = []
@@ -463,7 +463,7 @@ def test_ctrl_c_while_set_up_waits_for_the_packing_threads_leaves_every_tensor_i
         raise KeyboardInterrupt
 
     monkeypatch.setattr(setup_threads, "PACK_THREADS", 2)
-    monkeypatch.setattr(residency, "pack_unit", held_pack)
+    monkeypatch.setattr(host_copies, "pack_unit", held_pack)
     monkeypatch.setattr(setup_threads, "wait", interrupted_wait)
     with pytest.raises(KeyboardInterrupt):
         ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**9, device="cpu")

@@ -39,7 +39,7 @@ def host_copies_only(monkeypatch):
 
 
 def packed_sizes(pipe) -> dict[str, int]:
-    return {name: h.residency.packed_bytes for name, h in pipe._flextensor.handles.items()}
+    return {name: h.host.packed_bytes for name, h in pipe._flextensor.handles.items()}
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +232,7 @@ def test_a_cache_dir_that_is_a_file_is_refused_and_the_model_left_as_it_was(tmp_
 
 def test_a_full_disk_while_moving_a_component_out_is_a_clear_error(tmp_path, monkeypatch) -> None:
     """Writing the cache fails (disk full): the error names the fix and the model still computes."""
-    from flextensor_diffusers.engine import residency
+    from flextensor_diffusers.engine import cache_files
 
     pipe = build_pipeline("wan22_t2v", "tiny")
     reference = wan_latents(pipe)
@@ -243,7 +243,7 @@ def test_a_full_disk_while_moving_a_component_out_is_a_clear_error(tmp_path, mon
             raise OSError(28, "No space left on device")
         return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(residency, "open", full_disk, raising=False)
+    monkeypatch.setattr(cache_files, "open", full_disk, raising=False)
     with pytest.raises(ft.FlexTensorError, match=r"No space left.*cache_dir"):
         pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget=400_000, cache_dir=tmp_path)
     assert getattr(pipe, "_flextensor", None) is None
@@ -257,7 +257,7 @@ def test_ctrl_c_while_a_cache_file_is_written_leaves_the_model_and_the_cache_fol
     """Ctrl-C while set-up writes a component's cache file (seconds for an expert): the interrupt reaches
     the caller, the pipeline is as it was (every tensor, bit for bit, same objects), the half-written file
     is gone, and enabling again works."""
-    from flextensor_diffusers.engine import residency
+    from flextensor_diffusers.engine import cache_files
 
     pipe = build_pipeline("wan22_t2v", "tiny")
     before = {name: snapshot(getattr(pipe, name)) for name in ("text_encoder", "transformer", "transformer_2")}
@@ -284,7 +284,7 @@ def test_ctrl_c_while_a_cache_file_is_written_leaves_the_model_and_the_cache_fol
         file = real_open(path, mode, *args, **kwargs)
         return InterruptedWrite(file) if "w" in mode and str(path).endswith(".tmp") else file
 
-    monkeypatch.setattr(residency, "open", interrupted, raising=False)
+    monkeypatch.setattr(cache_files, "open", interrupted, raising=False)
     with pytest.raises(KeyboardInterrupt):
         enable_with_one_component_in_ram(pipe, BUDGET, tmp_path)
     assert getattr(pipe, "_flextensor", None) is None
@@ -485,7 +485,7 @@ def measure_anonymous_memory(folder: str, out: str, part: float = 0.0) -> None:
         "host_budget": budget,
         "weights_budget": tier.weights_budget,
         "gpu_budget": gpu,
-        "expert": max(h.residency.packed_bytes for h in pipe._flextensor.handles.values()),
+        "expert": max(h.host.packed_bytes for h in pipe._flextensor.handles.values()),
         "cache_files": [p.name for p in cache.iterdir()],
         "partly_ahead": any(0 < s.read_ahead_bytes < s.nbytes for s in tier.switches if s.component == "transformer_2"),
         "tier_peak": tier.peak_ram_bytes,
@@ -848,7 +848,7 @@ def test_part_of_the_next_expert_is_read_ahead_and_the_rest_after_the_switch(wid
     assert len(low) == 3 and all(0 < s["read_ahead_bytes"] < s["nbytes"] and s["complete"] for s in low), low
     assert all(s["gbps"] > 0 for s in low)
     assert all(r["kind"] == "read ahead" for r in report["reading"])  # every unit of the active one arrived
-    assert all(h.residency.host_gate is None for h in pipe._flextensor.handles.values())  # so no gate is left
+    assert all(h.host.host_gate is None for h in pipe._flextensor.handles.values())  # so no gate is left
     assert "read ahead" in pipe.flextensor_report(as_text=True)
     pipe.disable_flextensor_offload()
     assert torch.equal(wan_latents(pipe), reference)
@@ -896,9 +896,7 @@ def test_the_report_forecasts_each_switch_from_disk(saved, tmp_path) -> None:
     forecasts = {f["component"]: f for f in tier.report()["forecasts"]}
     assert {"transformer", "transformer_2"} <= set(forecasts) and forecasts["transformer_2"]["after"] == "transformer"
     for name, f in forecasts.items():
-        assert tier.handles[name].residency.packed_bytes + tier.handles[f["after"]].residency.packed_bytes > (
-            tier.weights_budget
-        )
+        assert tier.handles[name].host.packed_bytes + tier.handles[f["after"]].host.packed_bytes > (tier.weights_budget)
         assert 0 <= f["read_ahead_bytes"] < f["nbytes"] and f["disk_gbps"] > 0 and f["forward_s"] > 0, f
         if f["wait_s"] > 0:
             assert f["hidden_from_host_budget"] > host_budget_bytes, f
@@ -1128,7 +1126,7 @@ def test_a_failed_read_is_raised_at_the_next_gate_and_the_expert_stays_on_disk(s
     assert "disable_flextensor_offload()" in message and "\n" not in message
     report = tier_of(pipe).report()
     assert "transformer_2" in report["on_disk"] and reading(pipe, "transformer_2") is None
-    assert pipe._flextensor.handles["transformer_2"].residency.host_gate is None
+    assert pipe._flextensor.handles["transformer_2"].host.host_gate is None
     monkeypatch.undo()
     assert all(torch.equal(wan_latents(pipe), reference) for _ in range(2))
     pipe.disable_flextensor_offload()

@@ -188,7 +188,7 @@ def test_ctrl_c_during_disable_keeps_outputs_native_and_disable_finishes_later(
     """Ctrl-C while `disable_flextensor_offload` puts the weights back (in the second expert, say): the
     interrupt reaches the caller as it is, the pipeline still computes bitwise as natively (the units not
     restored yet stream on demand), and calling disable again finishes the job, every tensor as before."""
-    from flextensor_diffusers.engine import residency
+    from flextensor_diffusers.engine import host_copies
 
     pipe = build_pipeline("wan22_t2v", "tiny")
     reference = latents(pipe)
@@ -199,7 +199,7 @@ def test_ctrl_c_during_disable_keeps_outputs_native_and_disable_finishes_later(
     else:
         pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
     latents(pipe)
-    real_restore = residency.restore_unit
+    real_restore = host_copies.restore_unit
     second_expert = set(pipe.transformer_2.modules())
     interrupted = []
 
@@ -209,10 +209,10 @@ def test_ctrl_c_during_disable_keeps_outputs_native_and_disable_finishes_later(
             raise KeyboardInterrupt
         real_restore(unit)
 
-    monkeypatch.setattr(residency, "restore_unit", interrupted_restore)
+    monkeypatch.setattr(host_copies, "restore_unit", interrupted_restore)
     with pytest.raises(KeyboardInterrupt):
         pipe.disable_flextensor_offload()
-    monkeypatch.setattr(residency, "restore_unit", real_restore)
+    monkeypatch.setattr(host_copies, "restore_unit", real_restore)
     assert interrupted and pipe._flextensor is not None
     assert all(torch.equal(latents(pipe), reference) for _ in range(2))
     pipe.disable_flextensor_offload()

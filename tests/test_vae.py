@@ -88,7 +88,7 @@ def test_a_small_vae_is_resident_while_it_is_profiled() -> None:
     out = pipe(**kw, output_type="np", generator=torch.Generator().manual_seed(0)).frames
     vae = pipe._flextensor.handles["vae"]
     assert vae.phase is Phase.PROFILING  # decoded once: discovery only
-    assert sum(vae.residency.loads) == 0
+    assert sum(vae.device_copies.loads) == 0
     assert {u.placement for u in vae.stats().units} == {"resident (until planned)"}
     assert (out == ref).all()
     pipe.disable_flextensor_offload()

@@ -11,8 +11,9 @@ from .errors import (
     PatternError,
     ProfileMismatchError,
 )
+from .handle import OffloadHandle, offload, offload_shared
+from .phases import Phase
 from .planner import Call, Plan, WorkloadProfile, plan_residency, simulate
-from .runtime import OffloadHandle, Phase, offload, offload_shared
 from .shared_host import SharedHostMemory
 from .stats import OffloadStats
 

@@ -167,6 +167,8 @@ class OffloadConfig:
             first time and read them back on later set-ups of the same weights instead of encoding
             (`payload_cache`); every payload read is decoded and compared with the weights first.
         cache_dir: the folder for cache files (default: ``flextensor-cache`` in the temp dir).
+        active_after_setup: take device memory at the end of set-up. A pipeline passes False: its
+            components take device memory one at a time, when each first runs.
     """
 
     include_patterns: list[str]
@@ -188,6 +190,7 @@ class OffloadConfig:
     raw_copies: str = "ram"
     compression_cache: bool = False
     cache_dir: str | Path | None = None
+    active_after_setup: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.include_patterns, str):

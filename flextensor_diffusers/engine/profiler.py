@@ -116,6 +116,15 @@ class Profiler:
         self.clock.release(*(m for c in self._marks for m in c.marks()))
         self.observed, self._marks, self._open = [], [], None
 
+    def observe(self, unit: int) -> None:
+        """``unit`` was called in a discovery forward (loaded on demand, not timed)."""
+        self.observed.append(unit)
+
+    def restart(self) -> None:
+        """Forget every profiled run: what they measured no longer holds (other inputs, compiled units)."""
+        self.abandon()
+        self.runs = []
+
     def before_unit(self, unit: int, load: Callable[[Callable[[], None]], bool], nbytes: int) -> None:
         """Time ``load(on_staged)`` (returns whether it copied; calls ``on_staged`` between a compressed
         copy and its decode) as the load of ``unit``, ``nbytes`` over the link."""

@@ -21,9 +21,9 @@ from typing import Any, Literal
 
 import torch
 
+from .device_copies import DeviceCopies
 from .planner import Plan
 from .profiler import Clock
-from .residency import Residency
 
 
 @dataclass(frozen=True)
@@ -54,11 +54,11 @@ class SteadySchedule:
     the start of the next forward.
     """
 
-    def __init__(self, residency: Residency, clock: Clock, measure_stalls: bool, totals: TransferTotals) -> None:
-        self.residency = residency
+    def __init__(self, copies: DeviceCopies, clock: Clock, measure_stalls: bool, totals: TransferTotals) -> None:
+        self.copies = copies
         self.clock = clock
-        self.cuda = residency.cuda
-        self.device = residency.device
+        self.cuda = copies.cuda
+        self.device = copies.device
         self.measure_stalls = measure_stalls
         self.totals = totals
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -80,7 +80,7 @@ class SteadySchedule:
             compute = torch.cuda.current_stream(self.device)
             self.copy_stream.wait_stream(compute)
             self.decode_stream.wait_stream(compute)
-            self._ready = [torch.cuda.Event(enable_timing=self.measure_stalls) for _ in self.residency.units]
+            self._ready = [torch.cuda.Event(enable_timing=self.measure_stalls) for _ in self.copies.units]
             self._free = [torch.cuda.Event() for _ in range(plan.num_slots)]
             self._arrived = [torch.cuda.Event() for _ in range(plan.num_slots)]
             self._staging_free = [torch.cuda.Event() for _ in range(plan.num_slots)]
@@ -89,7 +89,7 @@ class SteadySchedule:
         """Issue the first load of every slot (those not already holding their first unit)."""
         assert self.plan is not None
         for slot, index in self.plan.first_loads:
-            if self.residency.slot_owner[slot] != index:
+            if self.copies.slot_owner[slot] != index:
                 self.issue(slot, index)
         self.primed = True
 
@@ -130,31 +130,31 @@ class SteadySchedule:
     def issue(self, slot: int, index: int) -> None:
         """Load ``index`` into ``slot`` on the copy stream once the slot's last reader has finished
         (a compressed load: see the module docstring)."""
-        residency = self.residency
-        residency.evict(slot)  # on the host, before the copy's time is marked
-        if self.cuda and index in residency.decoding:
+        copies = self.copies
+        copies.evict(slot)  # on the host, before the copy's time is marked
+        if self.cuda and index in copies.decoding:
             self._issue_compressed(slot, index)
         elif self.cuda:
             stream = self.copy_stream
             with torch.cuda.stream(stream):
                 stream.wait_event(self._free[slot])
                 start = self.clock.mark(stream) if self.measure_stalls else None
-                residency.stage(index, slot)
+                copies.stage(index, slot)
                 self._ready[index].record(stream)
                 if start is not None:
                     self._pending.append(PendingTiming("copy", index, start, self.clock.mark(stream)))
         else:
             start = time.perf_counter()
-            residency.copy_in(index, slot)
+            copies.copy_in(index, slot)
             self.totals.copy_ms += (time.perf_counter() - start) * 1e3
-        residency.note_load(slot, index)
+        copies.note_load(slot, index)
 
     def _issue_compressed(self, slot: int, index: int) -> None:
         copy, decode = self.copy_stream, self.decode_stream
         with torch.cuda.stream(copy):
             copy.wait_event(self._staging_free[slot])
             start = self.clock.mark(copy) if self.measure_stalls else None
-            self.residency.stage(index, slot)
+            self.copies.stage(index, slot)
             self._arrived[slot].record(copy)
             if start is not None:
                 self._pending.append(PendingTiming("copy", index, start, self.clock.mark(copy)))
@@ -162,7 +162,7 @@ class SteadySchedule:
             decode.wait_event(self._arrived[slot])
             decode.wait_event(self._free[slot])
             start = self.clock.mark(decode) if self.measure_stalls else None
-            self.residency.decode_staged(index, slot)
+            self.copies.decode_staged(index, slot)
             self._ready[index].record(decode)
             self._staging_free[slot].record(decode)
             if start is not None:

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from .config import format_bytes
+
+if TYPE_CHECKING:
+    from .handle import OffloadHandle
 
 
 @dataclass
@@ -82,3 +87,57 @@ class OffloadStats:
                 f"{compute:>10}  {u.loads:>5}  {u.stall_ms:>8.2f}"
             )
         return "\n".join(lines)
+
+
+def collect_stats(handle: OffloadHandle) -> OffloadStats:
+    """A snapshot of ``handle`` (its pending timings harvested already)."""
+    calls: dict[int, int] = {}
+    compute: dict[int, float] = {}
+    if handle.profile is not None:
+        for call in handle.profile.calls:
+            calls[call.unit] = calls.get(call.unit, 0) + 1
+            compute[call.unit] = compute.get(call.unit, 0.0) + call.compute_ms
+    copies, host = handle.device_copies, handle.host
+    units = [
+        UnitStats(
+            name=unit.name,
+            nbytes=unit.nbytes,
+            placement=_placement(handle, unit.index),
+            calls_per_forward=calls.get(unit.index, 0),
+            compute_ms_per_forward=compute.get(unit.index),
+            loads=copies.loads[unit.index],
+            stall_ms=handle.totals.unit_stall_ms[unit.index],
+        )
+        for unit in handle.units
+    ]
+    return OffloadStats(
+        phase=handle.phase.value,
+        device=str(handle.device),
+        budget_bytes=handle.budget_bytes,
+        resident_weight_bytes=handle.resident_weight_bytes,
+        forwards=dict(handle.counters),
+        bytes_streamed=copies.bytes_streamed,
+        loads=sum(copies.loads),
+        copy_ms=handle.totals.copy_ms,
+        decode_ms=handle.totals.decode_ms,
+        stall_ms=handle.totals.stall_ms,
+        measured_forwards=handle.measured_forwards,
+        peak_allocated_bytes=torch.cuda.max_memory_allocated(handle.device) if handle.cuda else None,
+        plan=handle.plan.summary() if handle.plan else None,
+        setup_ms=handle.setup_times.as_dict(),
+        payload_cache=handle.payload_cache.describe() if handle.payload_cache is not None else None,
+        transfer_unit_bytes=sum(host.transfer_bytes(u.index) for u in handle.units),
+        unit_bytes=sum(u.nbytes for u in handle.units),
+        units=units,
+    )
+
+
+def _placement(handle: OffloadHandle, index: int) -> str:
+    layout = handle.phases.current.layout()
+    if layout is None:
+        return "on demand"
+    if handle.phase.value not in ("steady", "desynced"):
+        return "resident (until planned)"
+    if index in layout.resident:
+        return "resident"
+    return f"slot {layout.slot_of[index]}"

@@ -4,7 +4,7 @@ A component waiting on disk (`host_tier`) is read back by a `ReadJob` on the `Re
 the order the component will need them (`read_order`: the base, the plan's resident units, then the profiled
 call order; unit order before a profile exists), up to `READ_THREADS` at once, each into its own (pinned)
 buffer, never past the bytes the host budget allows it (a read ahead pauses there). The engine asks
-`Residency.host_gate` before it reads a unit's host bytes; `FillGate` is that gate while units arrive: it
+`HostCopies.host_gate` before it reads a unit's host bytes; `FillGate` is that gate while units arrive: it
 blocks until the reader delivered the unit, then adopts the buffer on the main thread. A read that fails is
 raised at the next gate as a one-line error (`read_error`).
 
@@ -32,7 +32,7 @@ from ..engine.errors import FlexTensorError
 
 if TYPE_CHECKING:
     from ..engine import OffloadHandle
-    from ..engine.residency import Residency
+    from ..engine.host_copies import HostCopies
     from ..engine.units import Unit
 
 #: Units read at once: a disk serves several large reads in flight faster than one, and a unit's
@@ -100,18 +100,18 @@ class ReadJob:
     """
 
     def __init__(
-        self, component: str, residency: Residency, order: list[int], plan: Callable[[], HowToRead], pin: bool
+        self, component: str, host_copies: HostCopies, order: list[int], plan: Callable[[], HowToRead], pin: bool
     ) -> None:
         self.component = component
-        self.residency = residency
+        self.host_copies = host_copies
         self.order = order
         self.pin = pin
-        self.hosts = residency.spilled_hosts()  # what reads copy from; what a given-up fill points back at
-        self.nbytes = [u.nbytes for u in [residency.base, *residency.units]]
+        self.hosts = host_copies.spilled_hosts()  # what reads copy from; what a given-up fill points back at
+        self.nbytes = [u.nbytes for u in host_copies.positions]
         self.ends = list(itertools.accumulate(self.nbytes[p] for p in order))  # bytes up to each unit, in order
         self.how: HowToRead | None = None
         self.allowed = 0  # main thread: bytes of the order the reader may read
-        self.taken_bytes = 0  # main thread: of those, what the residency adopted (counted there)
+        self.taken_bytes = 0  # main thread: of those, what the host copies adopted (counted there)
         self.running = False  # the reader thread began it
         self.delivered: dict[int, Unit] = {}
         self.read_bytes = 0
@@ -130,7 +130,7 @@ class ReadJob:
 
     @property
     def reserved_bytes(self) -> int:
-        """Host RAM this job may hold, not yet counted by the residency: its allowed units, less those taken."""
+        """Host RAM this job may hold, not yet counted by the host copies: its allowed units, less those taken."""
         count = self.units_within(self.allowed)
         return (self.ends[count - 1] if count else 0) - self.taken_bytes
 
@@ -222,7 +222,7 @@ class ReadJob:
 
     def _read_one(self, position: int) -> None:
         assert self.how is not None
-        read = functools.partial(self.residency.read_unit, position, self.hosts[position], self.pin, self.how.read)
+        read = functools.partial(self.host_copies.read_unit, position, self.hosts[position], self.pin, self.how.read)
         try:
             unit = read_hooks.read(self, position, read)
         except BaseException as exc:
@@ -247,7 +247,7 @@ class ReadJob:
                 self.read_bytes += unit.nbytes
             self._cond.notify_all()
         if drop is not None:
-            self.residency.drop_read([drop])
+            self.host_copies.drop_read([drop])
         read_hooks.changed(self)
 
 
@@ -277,7 +277,7 @@ class Reader:
         """Stop ``job`` between units, wait for the units in flight and free everything it read and no one took."""
         job.stop()
         job.wait_finished()
-        job.residency.drop_read(job.take_all())
+        job.host_copies.drop_read(job.take_all())
 
     def close(self) -> None:
         """Join the threads (every job was given up or finished first)."""
@@ -290,7 +290,7 @@ class Reader:
 
 
 class FillGate:
-    """`Residency.host_gate` while a component's units arrive: one list lookup for a unit already taken;
+    """`HostCopies.host_gate` while a component's units arrive: one list lookup for a unit already taken;
     for another, ``arrive(position)`` waits for the reader and adopts the unit's buffer."""
 
     def __init__(self, positions: int, arrive: Callable[[int], None]) -> None:

@@ -20,7 +20,7 @@ Where a component waits:
 
 Reading back is progressive, unit by unit (`disk_reads`: a `ReadJob` on the `Reader`'s threads): the
 units are read in the order the component will need them, a few at once, each into its own (pinned)
-buffer, and the component starts at once. The engine asks `Residency.host_gate` before it reads a
+buffer, and the component starts at once. The engine asks `HostCopies.host_gate` before it reads a
 unit's host bytes (`FillGate`): the gate blocks until the reader delivered that unit, then adopts the
 buffer on the main thread, so the first blocks compute while the last ones are still being read. The time
 blocked there (plus `bring_in`'s own) is the switch's exposed disk time, ``wait_s``; the reader's own
@@ -296,7 +296,7 @@ class HostTier:
         """Host RAM of the host copies now, and what the reads under way may hold (reserved ahead)."""
         with self._lock:
             jobs = [r.job for r in self._readings()]
-            return sum(h.residency.host_ram_bytes for h in self.handles.values()) + sum(j.reserved_bytes for j in jobs)
+            return sum(h.host.host_ram_bytes for h in self.handles.values()) + sum(j.reserved_bytes for j in jobs)
 
     # ------------------------------------------------------------------------------------ set-up
 
@@ -307,11 +307,11 @@ class HostTier:
             self.handles[name] = handle
             self.recency.append(name)
             folders = component_folders(name, handle.model, self.weights_root)
-            residency = handle.residency
-            source = WeightSource.find(name, folders, [residency.base, *residency.units]) if folders else None
+            host_copies = handle.host
+            source = WeightSource.find(name, folders, host_copies.positions) if folders else None
             if source is not None:
                 self.sources[name] = source
-                residency.mark_spill_current()
+                host_copies.mark_spill_current()
             self._make_room({name}, 0)  # it is in RAM already: the others move out until all fit
             self._note_peak()
 
@@ -337,7 +337,7 @@ class HostTier:
                 return  # activated again while its units arrive: the gate still serves them
             self._finish_fill()
             switch = None
-            if handle.residency.spilled_to is not None:
+            if handle.host.spilled_to is not None:
                 self._give_up_ahead_of(name)
                 switch = self._start_fill(name)
             self._note_peak()
@@ -367,15 +367,15 @@ class HostTier:
     def _new_job(self, name: str) -> ReadJob:
         """A read of ``name``'s units (on disk now), in the order it will need them; nothing allowed yet."""
         handle = self.handles[name]
-        residency = handle.residency
+        host_copies = handle.host
         source = self.sources.get(name)
-        plan = functools.partial(self._how_to_read, source, residency.spill_is_current)
-        return ReadJob(name, residency, read_order(handle), plan, self.pin)
+        plan = functools.partial(self._how_to_read, source, host_copies.spill_is_current)
+        return ReadJob(name, host_copies, read_order(handle), plan, self.pin)
 
     def _start_fill(self, name: str) -> Switch:
         """``name`` waits on disk and becomes active: room for all of it, its read going on (from its read
         ahead, unless that is stale) and its gate set; no byte is waited for here."""
-        residency = self.handles[name].residency
+        host_copies = self.handles[name].host
         source = self.sources.get(name)
         ahead = self._ahead.pop(name, None)
         try:
@@ -393,15 +393,15 @@ class HostTier:
         if fresh:  # a new job runs after those queued: none may pause before it
             self._give_up_ahead()
             job = self._new_job(name)
-        switch = Switch(name, residency.packed_bytes, read_ahead_bytes=job.read_bytes)
+        switch = Switch(name, host_copies.packed_bytes, read_ahead_bytes=job.read_bytes)
         fill = Fill(job, switch, source)
         fill.gate = FillGate(len(job.nbytes), functools.partial(self._arrive, fill))
         self._fill = fill
-        residency.host_gate = fill.gate
+        host_copies.host_gate = fill.gate
         self.switches.append(switch)
         try:
-            self._make_room({name}, residency.packed_bytes - job.reserved_bytes)
-            job.allow(residency.packed_bytes)
+            self._make_room({name}, host_copies.packed_bytes - job.reserved_bytes)
+            job.allow(host_copies.packed_bytes)
             if fresh:
                 self._reader.start(job)
         except BaseException:
@@ -418,7 +418,7 @@ class HostTier:
     def _stale(self, job: ReadJob, source: WeightSource | None) -> bool:
         """A read ahead whose bytes may no longer be the component's: an edit since it began (the edit is in
         the stand-ins), a direct write into the weight-file views it did not read from, or a failure."""
-        if job.error is not None or not job.residency.spill_is_current:
+        if job.error is not None or not job.host_copies.spill_is_current:
             return True
         how = job.how
         if how is None or how.read is None or source is None:
@@ -445,7 +445,7 @@ class HostTier:
                 raise error from exc
             fill.switch.wait_s += disk_reads.clock() - begin
             assert unit is not None, "a read back stopped while its component still needs it"
-            fill.job.residency.take_unit(unit)
+            fill.job.host_copies.take_unit(unit)
             fill.job.taken_bytes += unit.nbytes
             gate.took(position)
             if gate.left == 0:
@@ -454,8 +454,8 @@ class HostTier:
     def _end_fill(self, fill: Fill) -> None:
         job, switch = fill.job, fill.switch
         self._fill = None
-        if job.residency.host_gate is fill.gate:
-            job.residency.host_gate = None
+        if job.host_copies.host_gate is fill.gate:
+            job.host_copies.host_gate = None
         switch.read_s, switch.complete = job.read_s, True
         if fill.source is not None:
             fill.source.read_done()
@@ -507,11 +507,11 @@ class HostTier:
         fill, self._fill = self._fill, None
         if fill is None:
             return
-        residency = fill.job.residency
-        if residency.host_gate is fill.gate:
-            residency.host_gate = None
+        host_copies = fill.job.host_copies
+        if host_copies.host_gate is fill.gate:
+            host_copies.host_gate = None
         self._reader.give_up(fill.job)
-        residency.untake_units(fill.job.hosts)
+        host_copies.untake_units(fill.job.hosts)
         fill.switch.read_s = fill.job.read_s
         logger.info("host tier: the read of %s from disk was given up; it stays on disk", fill.job.component)
 
@@ -542,10 +542,10 @@ class HostTier:
         if list(self._ahead) != wanted[: len(self._ahead)]:
             self._give_up_ahead()  # out of order: a paused one would hold a later one up
         for position, name in enumerate(wanted):
-            residency = self.handles[name].residency
+            host_copies = self.handles[name].host
             ahead = self._ahead.get(name)
             if position == 0:  # never moves out one expected before it
-                missing = residency.packed_bytes - (ahead.job.reserved_bytes if ahead is not None else 0)
+                missing = host_copies.packed_bytes - (ahead.job.reserved_bytes if ahead is not None else 0)
                 try:
                     self._make_room({active, *chain[: chain.index(name) + 1]}, missing)
                 except FlexTensorError as exc:  # reading ahead is optional: the component is read when it runs
@@ -565,15 +565,15 @@ class HostTier:
                 "host tier: reading %s ahead while %s runs (%s of %s)",
                 name,
                 active,
-                format_bytes(min(room, residency.packed_bytes)),
-                format_bytes(residency.packed_bytes),
+                format_bytes(min(room, host_copies.packed_bytes)),
+                format_bytes(host_copies.packed_bytes),
             )
 
     def _may_read_ahead(self, name: str) -> bool:
         """``name`` waits on disk, not active, unedited since it moved out, and its files unchanged."""
         handle = self.handles[name]
-        residency = handle.residency
-        if residency.spilled_to is None or handle.active or not residency.spill_is_current:
+        host_copies = handle.host
+        if host_copies.spilled_to is None or handle.active or not host_copies.spill_is_current:
             return False
         source = self.sources.get(name)
         return source is None or source.changed_file() is None  # a changed one is refused when it is needed
@@ -586,12 +586,12 @@ class HostTier:
 
     def _movable(self, name: str, keep: set[str]) -> bool:
         handle = self.handles[name]
-        return name not in keep and handle.residency.spilled_to is None and not handle.active
+        return name not in keep and handle.host.spilled_to is None and not handle.active
 
     def _freed_by_moving(self, name: str) -> int:
         source = self.sources.get(name)
         held = source.ram_bytes if source is not None else 0
-        return self.handles[name].residency.host_ram_bytes - held
+        return self.handles[name].host.host_ram_bytes - held
 
     def _make_room(self, keep: set[str], nbytes: int, required: bool = True) -> bool:
         """Move least recently used components out (never those in ``keep`` nor an active one) until
@@ -609,12 +609,12 @@ class HostTier:
 
     def _move_out(self, name: str) -> None:
         handle = self.handles[name]
-        residency = handle.residency
+        host_copies = handle.host
         source = self.sources.get(name)
-        if source is not None and residency.spill_is_current:
-            hosts = source.hosts([residency.base, *residency.units])
+        if source is not None and host_copies.spill_is_current:
+            hosts = source.hosts(host_copies.positions)
             if hosts is not None:
-                residency.spill(source.where, hosts=list(hosts), held_bytes=source.ram_bytes)
+                host_copies.spill(source.where, hosts=list(hosts), held_bytes=source.ram_bytes)
                 logger.info("host tier: %s moved out to its weight files (%s)", name, source.where)
                 return
             logger.warning(
@@ -624,10 +624,10 @@ class HostTier:
         if source is not None:  # edited since (or its files changed): they no longer hold its bytes
             del self.sources[name]
         path = self.folder / f"{name}-{handle.fingerprint['sha256'][:16]}-{os.getpid()}.bin"
-        residency.spill(path)
+        host_copies.spill(path)
         if path not in self._files:
             self._files.append(path)
-        logger.info("host tier: %s moved to disk (%s)", name, format_bytes(residency.packed_bytes))
+        logger.info("host tier: %s moved to disk (%s)", name, format_bytes(host_copies.packed_bytes))
 
     def _note_peak(self) -> None:
         self.peak_ram_bytes = max(self.peak_ram_bytes, self.ram_bytes())
@@ -648,8 +648,8 @@ class HostTier:
             for name, handle in self.handles.items():
                 mine = [s for s in self.switches if s.component == name]
                 components[name] = {
-                    "bytes": handle.residency.packed_bytes,
-                    "host": "disk" if handle.residency.spilled_to is not None else "ram",
+                    "bytes": handle.host.packed_bytes,
+                    "host": "disk" if handle.host.spilled_to is not None else "ram",
                     "source": WEIGHTS_FILES if name in self.sources else CACHE_FILE,
                     "reads": len(mine),
                     "disk_read_s": round(sum(s.read_s for s in mine), 4),
@@ -688,7 +688,7 @@ class HostTier:
             before_of = {after: name for name, after in self._seen.seen_after.items()}
             forecasts = []
             for name, handle in self.handles.items():
-                nbytes = handle.residency.packed_bytes
+                nbytes = handle.host.packed_bytes
                 after, passed = before_of.get(name), {name}
                 while after is not None and after not in passed and self._bytes(after) + nbytes <= self.weights_budget:
                     passed.add(after)  # small enough to run next to it: the read ahead goes on meanwhile
@@ -700,7 +700,7 @@ class HostTier:
             return forecasts
 
     def _bytes(self, name: str) -> int:
-        return self.handles[name].residency.packed_bytes
+        return self.handles[name].host.packed_bytes
 
     def _reading(self, reading: Fill | ReadAhead) -> dict[str, Any]:
         """A read under way: the component, whether it is active, and bytes read, allowed and in all."""
@@ -725,7 +725,7 @@ class HostTier:
             self._give_up_fill()  # first: a read ahead queued behind it is then skipped at once
             self._give_up_ahead()
             for name, source in self.sources.items():
-                if self.handles[name].residency.spilled_to is None:
+                if self.handles[name].host.spilled_to is None:
                     continue
                 truncated = source.truncated_file()
                 if truncated is not None:

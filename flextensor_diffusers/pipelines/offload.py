@@ -127,12 +127,12 @@ class PipelineOffload:
                 "overlap_pct": None if stats.overlap_pct is None else round(stats.overlap_pct, 2),
                 "forwards": stats.forwards,
                 "plan": stats.plan,
-                "host": "disk" if handle.residency.spilled_to is not None else "ram",
+                "host": "disk" if handle.host.spilled_to is not None else "ram",
                 "unit_bytes": stats.unit_bytes,
                 "transfer_unit_bytes": stats.transfer_unit_bytes,
                 "payload_cache": stats.payload_cache,  # compression_cache: read, written or refused, and where
                 # host copies in RAM now (raw copies, and compressed copies where kept)
-                "host_ram_bytes": handle.residency.host_ram_bytes,
+                "host_ram_bytes": handle.host.host_ram_bytes,
             }
         cuda = self.device.type == "cuda"
         return {
@@ -327,6 +327,7 @@ def enable(
                 entry_methods=[m for m in ENTRY_METHODS if callable(getattr(module, m, None))],
                 edit_methods=[m for m in EDIT_METHODS if callable(getattr(module, m, None))],
                 cache_dir=cache_dir,
+                active_after_setup=False,  # nothing on the device until the component runs
                 **config,
             )
             if tier is not None:
@@ -341,7 +342,6 @@ def enable(
             handle.on_activate = state.activate
             handle.defer_budget_errors = True  # reported for all components at once, by check_budget
             state.handles[name] = handle
-            handle.release()  # nothing on the device until the component runs
             if tier is not None:
                 tier.add(name, handle)
             module._hf_hook = _ExecutionDevice(device)
@@ -459,6 +459,12 @@ class FlexTensorPipelineMixin:
             raise OffloadStateError("flextensor offload is not enabled on this pipeline")
         state.disable()
         self._flextensor = None
+
+
+def pipeline_offload(pipeline: Any) -> PipelineOffload | None:
+    """The offload state of ``pipeline`` (its handles, host tier and report), or None when offload is not
+    enabled: the public way to look at what `enable` set up (it returns the same object)."""
+    return getattr(pipeline, "_flextensor", None)
 
 
 def attach_to_diffusers() -> bool:

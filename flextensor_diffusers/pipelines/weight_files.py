@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
+from ..engine.cache_files import drop_cached_pages
 from ..engine.errors import FlexTensorError
-from ..engine.residency import drop_cached_pages
 from ..engine.units import Unit
 
 logger = logging.getLogger(__name__)

@@ -34,9 +34,10 @@ from typing import Any
 import torch
 
 from ..engine import Phase, format_bytes
+from ..engine.config import resolve_budget
 from ..engine.errors import BudgetError, FlexTensorError, HostBudgetError
 from ..engine.setup_threads import progress_bars
-from ..pipelines.offload import check_setup_budget, format_report, resolve_budget, resolve_vae_tiling
+from ..pipelines.offload import check_setup_budget, format_report, pipeline_offload, resolve_vae_tiling
 from ..reports import files
 from ..reports.video import to_uint8_frames, write_mp4
 from . import parallel
@@ -138,7 +139,7 @@ def timed(device: torch.device, fn: Callable[[], Any]) -> Timed:
 
 def workload_key(pipe: Any, device: torch.device, **shape: Any) -> str:
     """A digest of the components' fingerprints, the device and the generation's shapes."""
-    state = getattr(pipe, "_flextensor", None)
+    state = pipeline_offload(pipe)
     prints = {name: h.fingerprint["sha256"] for name, h in state.handles.items()} if state else {}
     payload = {"pipeline": type(pipe).__name__, "device": str(device), "components": prints, "shape": shape}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
@@ -165,7 +166,7 @@ FORWARD_PHASES = ("discovery", "profiling", "steady")
 def all_steady(pipe: Any) -> bool:
     """Every component the profiling generation ran has its plan (the VAE, not run by a latents-only
     generation, profiles itself during the real one and keeps its own profile)."""
-    state = getattr(pipe, "_flextensor", None)
+    state = pipeline_offload(pipe)
     return state is None or all(
         h.phase is Phase.STEADY or not any(h.stats().forwards.get(k) for k in FORWARD_PHASES)
         for h in state.handles.values()
@@ -206,7 +207,7 @@ def summary(
     profiling_s: float | None,
     pipe: Any,
 ) -> dict[str, Any]:
-    state = getattr(pipe, "_flextensor", None)
+    state = pipeline_offload(pipe)
     return {
         "recipe": options.recipe,
         "weights": str(options.model) if options.model else f"random ({options.random_weights})",
@@ -244,7 +245,8 @@ def offload_and_profile(
     if placement.rank.leader:
         where = options.profile_dir or "nowhere (no --profile-dir)"
         then = "found: no profiling generation" if found else "none yet: a short profiling generation first"
-        print(f"offload: budget {format_bytes(pipe._flextensor.budget_bytes)} on {device}; profile in {where}: {then}")
+        budget = format_bytes(pipeline_offload(pipe).budget_bytes)
+        print(f"offload: budget {budget} on {device}; profile in {where}: {then}")
     if found:
         return None
     label_generation(pipe, "profiling generation", options.quiet)

@@ -1,0 +1,72 @@
+"""Calls of streamed units that could not stay bitwise native, refused at the first one with the fix.
+
+A streamed unit computes in a slot that the next unit loaded into it overwrites. So it may not be differentiated
+through (backward would read the overwritten weights), return a view of its own weights (the view would change),
+or call another unit while it runs (that unit's load could overwrite it). Each is found at the call that would
+go wrong, before anything is wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import FlexTensorError, InferenceOnlyError
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors of a call's arguments or output: the value itself, or the items of a tuple, list or dict."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+def nested_call_error(inner: str, outer: str) -> FlexTensorError:
+    return FlexTensorError(
+        f"unit {inner!r} was called inside unit {outer!r}, which holds it through a plain reference, not as a "
+        f"submodule: loading {inner!r} could overwrite the weights {outer!r} is computing with. Stream only one "
+        f"of them: exclude_patterns=[{inner!r}] (or [{outer!r}])"
+    )
+
+
+def refuse_autograd(name: str, grads: list[nn.Parameter], streamed: bool, args: tuple, kwargs: dict) -> None:
+    """Called with autograd on: weights that require grad are refused; a streamed unit whose inputs require
+    grad is refused too (only resident units keep the weights backward reads)."""
+    if grads and any(p.requires_grad for p in grads):
+        raise InferenceOnlyError(
+            f"unit {name!r} has parameters that require grad and autograd is on: streamed weights "
+            "are for inference only. Run under torch.no_grad() or torch.inference_mode(), or call "
+            "model.requires_grad_(False)"
+        )
+    if streamed and any(t.requires_grad for t in tensors_in([*args, *kwargs.values()])):
+        raise InferenceOnlyError(
+            f"autograd records through unit {name!r} (an input requires grad), which streams through a reused "
+            "GPU slot: backward would read weights another block has overwritten. Run it under torch.no_grad() or "
+            f"torch.inference_mode(), or keep it on the device: exclude_patterns=[{name!r}]"
+        )
+
+
+def refuse_views_of(slot: torch.Tensor, name: str, output: Any) -> None:
+    """A streamed unit's output must not be a view of its slot, which the next unit it holds overwrites."""
+    storage = slot.untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() == storage for t in tensors_in(output)):
+        raise FlexTensorError(
+            f"unit {name!r} returned a view of its own weights or buffers, which live in a GPU slot that the "
+            f"next streamed unit overwrites: keep it on the device with exclude_patterns=[{name!r}], or return "
+            "a copy (.clone())"
+        )
+
+
+def outside_a_call_error(model: str, exc: BaseException) -> FlexTensorError:
+    """What a device mismatch in a forward means here: a streamed unit's weights were used outside its call."""
+    return FlexTensorError(
+        f"{model} used weights of a streamed unit outside that unit's call ({exc}); between its calls a streamed "
+        "unit's weights stay in host memory. Call the unit as a module (block(x), not block.forward(x)), or keep "
+        "it on the device with exclude_patterns=[...]"
+    )

@@ -1,0 +1,310 @@
+"""`DeviceCopies`: the device memory of an active model, and the loads that fill it.
+
+While a model is *active* the device holds copies of host bytes (`host_copies`): the base's, one per resident
+unit, and the *slots* streamed units take turns in (with, per slot, a staging buffer where a compressed load
+lands before it is decoded into the slot). ``slot_owner[s]`` is the unit whose bytes slot ``s`` holds or is
+being loaded with; a slot is written only by `load_now` here or by the schedule's copy stream, which orders the
+write after the slot's last reader. Which unit's tensors view which buffer is the `Binding`'s business: a
+streamed unit views its slot from its call until the slot is handed on (`evict`).
+
+Tensors of the model that are not packed (``loose``: they share storage with another tensor; ``foreign``: added
+after set-up, e.g. LoRA adapters) follow the model with ``.to()`` on activate and release, so they are always
+on the device the model computes on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .binding import Binding
+from .codec import decode_into
+from .errors import OffloadStateError
+from .host_copies import HostCopies
+from .planner import CUDA_ALLOCATION_GRANULE, Plan, allocated
+from .units import Unit, UnitLayout, aligned_buffer
+
+
+@dataclass
+class Buffers:
+    """The device buffers of an active model."""
+
+    base: torch.Tensor | None = None
+    resident: dict[int, torch.Tensor] = field(default_factory=dict)
+    slots: list[torch.Tensor] = field(default_factory=list)
+    staging: list[torch.Tensor] = field(default_factory=list)  # per slot: a compressed load before decoding
+
+    def nbytes(self) -> int:
+        copies = [self.base, *self.resident.values(), *self.slots, *self.staging]
+        return sum(c.numel() for c in copies if c is not None)
+
+
+class DeviceCopies:
+    """Device buffers by the plan (or one profiling slot before there is one), and every load into them."""
+
+    def __init__(
+        self, model: nn.Module, layout: UnitLayout, device: torch.device, host: HostCopies, binding: Binding
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.host = host
+        self.binding = binding
+        self.units = layout.units
+        self.base = layout.base
+        #: (tensor, device it came from) for tensors moved with ``.to()`` instead of packed.
+        self.loose: list[tuple[torch.Tensor, torch.device]] = [(t, t.device) for t in layout.loose]
+        self._packed_ids = {id(p.tensor) for u in host.positions for p in u.tensors} | {id(t) for t, _ in self.loose}
+        self.foreign: list[tuple[torch.Tensor, torch.device]] = []
+        self.active = False
+        self.buffers = Buffers()
+        self.slot_of: list[int | None] = [0] * len(self.units)
+        self.slot_owner: list[int | None] = []
+        self._dst: list[torch.Tensor | None] = [None] * len(self.units)  # a streamed unit's bytes in its slot
+        self.loads = [0] * len(self.units)
+        self.bytes_streamed = 0
+        #: The encoded units whose loads move the payload and decode it: all of them before a plan exists
+        #: (profiling measures their decodes), then the plan's choice (`Plan.compressed`).
+        self.decoding: frozenset[int] = frozenset()
+
+    @property
+    def allocation_granule(self) -> int:
+        """What the device's allocator rounds every buffer up to (and counts): 512 bytes on CUDA."""
+        return CUDA_ALLOCATION_GRANULE if self.cuda else 1
+
+    @property
+    def resident_weight_bytes(self) -> int:
+        """Weights on the device whenever the model is active, whatever the plan: base and loose tensors, each
+        as the allocator counts it."""
+        granule = self.allocation_granule
+        loose = sum(allocated(t.numel() * t.element_size(), granule) for t, _ in self.loose)
+        return allocated(self.base.nbytes, granule) + loose
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory held now (base, resident copies, slots, staging)."""
+        return self.buffers.nbytes()
+
+    # ------------------------------------------------------------------------------------ activity
+
+    def activate(self, plan: Plan | None) -> None:
+        """Take device memory: the base, loose and foreign tensors, then resident units and slots."""
+        if self.active:
+            return
+        self.check_tensors_are_ours()
+        self.binding.sweep()  # edits made while inactive reach the copies made below
+        with torch.no_grad(), torch.inference_mode(False):
+            buffer = aligned_buffer(self.base.nbytes, self.device)
+            buffer.copy_(self.host.host_of(self.base), non_blocking=True)
+            self.binding.to_device(self.base, buffer)
+            self.buffers.base = buffer
+            self.foreign = self.find_foreign()
+            for t, _ in [*self.loose, *self.foreign]:
+                t.data = t.data.to(self.device)
+        self.active = True
+        self.lay_out(plan)
+
+    def release(self) -> None:
+        """Give back all device memory; every tensor views its host copy until `activate`."""
+        if not self.active:
+            return
+        self._drop_unit_buffers()
+        if self.base.host is not None:
+            self.binding.to_host(self.base)
+        with torch.no_grad(), torch.inference_mode(False):
+            for t, origin in [*self.loose, *self.foreign]:
+                t.data = t.data.to(origin)
+        self.buffers.base = None
+        self.active = False
+
+    def find_foreign(self) -> list[tuple[torch.Tensor, torch.device]]:
+        """Tensors added to the model after set-up (adapters), with the device they are on when inactive."""
+        found = {}
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            if id(t) not in self._packed_ids and id(t) not in found:
+                found[id(t)] = (t, t.device if t.device != self.device else torch.device("cpu"))
+        return list(found.values())
+
+    def check_tensors_are_ours(self) -> None:
+        """Refuse to go on when a packed tensor is no longer in the model: it was swapped for another object
+        (in-place quantization, ``module.weight = nn.Parameter(...)``) outside ``editing()``, so its new value
+        would never reach the device. Identity, not names: adapters re-wrap layers."""
+        present = {id(t) for t in [*self.model.parameters(), *self.model.buffers()]}
+        for unit in self.host.positions:
+            if unit.host is None:
+                continue
+            for packed in unit.tensors:
+                if id(packed.tensor) not in present:
+                    name = f"{unit.name}.{packed.names[0]}" if unit.index >= 0 else packed.names[0]
+                    raise OffloadStateError(
+                        f"{name!r} was replaced by another tensor while offloaded, so its new value would "
+                        "never reach the device: make such edits inside handle.editing() (pipelines: the "
+                        "LoRA/state-dict methods do it for you), or disable offload, edit, and enable again"
+                    )
+
+    # ------------------------------------------------------------------------------------ layout
+
+    def _drop_unit_buffers(self) -> None:
+        """Point the units at their host copies (edits made in device copies copied back first) and drop their
+        slots and resident copies."""
+        for unit in self.units:
+            if unit.host is not None:  # during a failed set-up, not every unit is packed yet
+                self.binding.to_host(unit)
+        self.buffers.resident, self.buffers.slots, self.buffers.staging = {}, [], []
+        self._dst = [None] * len(self.units)
+        self.slot_owner = []
+
+    def lay_out(self, plan: Plan | None) -> None:
+        """Device buffers for the units: per the plan, or one shared profiling slot before a plan exists."""
+        self._drop_unit_buffers()  # old device buffers go before new ones are taken
+        if not self.units:
+            return
+        with torch.no_grad(), torch.inference_mode(False):
+            if plan is None:
+                self._lay_out_profiling()
+            else:
+                self._lay_out_plan(plan)
+        self.slot_owner = [None] * len(self.buffers.slots)
+
+    def _lay_out_profiling(self) -> None:
+        packed = [u for u in self.units if u.host is not None]  # remove() may have restored some
+        slot = aligned_buffer(max((u.nbytes for u in packed), default=0), self.device)
+        self.buffers.slots = [slot]
+        self.slot_of = [0 if u.host is not None else None for u in self.units]
+        self.decoding = frozenset(self.host.encoded)
+        self._allocate_staging(1)
+        for unit in packed:
+            self._dst[unit.index] = slot[: unit.nbytes]
+
+    def _lay_out_plan(self, plan: Plan) -> None:
+        self.buffers.slots = [aligned_buffer(plan.slot_bytes, self.device) for _ in range(plan.num_slots)]
+        self.decoding = plan.compressed & frozenset(self.host.encoded)
+        self._allocate_staging(plan.num_slots)
+        for index in sorted(plan.resident):
+            unit = self.units[index]
+            buffer = aligned_buffer(unit.nbytes, self.device)
+            self._fill_resident(index, buffer)
+            self.binding.to_device(unit, buffer)
+            self.buffers.resident[index] = buffer
+        for index, slot in enumerate(plan.slot_of):
+            if slot is not None:
+                self._dst[index] = self.buffers.slots[slot][: self.units[index].nbytes]
+        self.slot_of = list(plan.slot_of)
+
+    def _fill_resident(self, index: int, buffer: torch.Tensor) -> None:
+        """A resident unit's device copy, on the current stream: decoded from its compressed copy through a
+        staging buffer when its raw copy waits on disk (reading the mapped file would be a pageable, possibly
+        disk-bound copy), else copied from its host copy. Every later use of the staging buffer is ordered
+        after these decodes (the schedule's streams wait for this stream when they follow a plan)."""
+        encoded = self.host.encoded.get(index)
+        room = self.buffers.staging[0].numel() if self.buffers.staging else 0
+        if self.host.spilled_to is not None and encoded is not None and encoded.payload.numel() <= room:
+            staging = self.buffers.staging[0][: encoded.payload.numel()]
+            staging.copy_(encoded.payload, non_blocking=True)
+            decode_into(encoded, staging, buffer)
+            return
+        buffer.copy_(self.host.host_of(self.units[index]), non_blocking=True)
+
+    def _allocate_staging(self, num_slots: int) -> None:
+        """Per slot, room for the largest payload a load decodes (none without such loads)."""
+        size = max((self.host.encoded[i].payload.numel() for i in self.decoding), default=0)
+        if size:
+            self.buffers.staging = [aligned_buffer(size, self.device) for _ in range(num_slots)]
+
+    # ------------------------------------------------------------------------------------ loading
+
+    def bind_for_call(self, index: int) -> None:
+        """Point a streamed unit that is about to be called at its slot (its load was issued: on demand, or by
+        the schedule, whose event the compute stream waited for). An edit of its host copy since the load was
+        issued makes the load stale: it is loaded again, now, on the compute stream."""
+        slot = self.slot_of[index]
+        if slot is None:  # resident: it views its resident copy already
+            return
+        unit, buffer = self.units[index], self.buffers.slots[slot]
+        if self.binding.on_device(unit) is buffer:
+            return
+        self.binding.check(unit)  # an edit on the host since the load drops this slot's ownership
+        self.load_now(index)
+        self.binding.to_device(unit, buffer)
+
+    def load_now(self, index: int, on_staged: Callable[[], None] | None = None) -> bool:
+        """On-demand load on the compute stream (ordered after whatever last read the slot); True when it
+        copied. ``on_staged`` runs between a compressed load's copy and its decode (the profiler's mark)."""
+        slot = self.slot_of[index]
+        if slot is None or self.slot_owner[slot] == index:
+            return False
+        if self.stage(index, slot):
+            if on_staged is not None:
+                on_staged()
+            self.decode_staged(index, slot)
+        self.note_load(slot, index)
+        return True
+
+    def copy_in(self, index: int, slot: int) -> None:
+        """Enqueue ``index``'s whole load into ``slot`` on the current stream (`stage`, then `decode_staged`)."""
+        if self.stage(index, slot):
+            self.decode_staged(index, slot)
+
+    def stage(self, index: int, slot: int) -> bool:
+        """Enqueue the copy part of a load on the current stream: the raw bytes into the slot, or the
+        compressed payload into the slot's staging buffer. True when a decode must follow. The slot's previous
+        occupant is pointed back at its host copy first."""
+        self.evict(slot)
+        if index not in self.decoding:
+            self._dst[index].copy_(self.host.host_of(self.units[index]), non_blocking=True)  # type: ignore[union-attr]
+            return False
+        encoded = self.host.encoded[index]
+        self.buffers.staging[slot][: encoded.payload.numel()].copy_(encoded.payload, non_blocking=True)
+        return True
+
+    def decode_staged(self, index: int, slot: int) -> None:
+        """Enqueue the decode of ``index``'s staged payload into its slot on the current stream."""
+        encoded = self.host.encoded[index]
+        decode_into(encoded, self.buffers.staging[slot][: encoded.payload.numel()], self._dst[index])  # type: ignore[arg-type]
+
+    def make_room_for(self, index: int) -> None:
+        """`evict` the unit in ``index``'s slot, unless it is ``index`` itself."""
+        slot = self.slot_of[index]
+        if slot is not None and self.slot_owner and self.slot_owner[slot] != index:
+            self.evict(slot)
+
+    def evict(self, slot: int | None) -> None:
+        """The unit whose tensors view ``slot`` views its host copy from now on (its edits copied back). Done
+        before a load is timed or issued, so that the load's time is the copy's alone."""
+        if slot is None or not self.slot_owner:
+            return
+        owner = self.slot_owner[slot]
+        if owner is not None and self.binding.on_device(self.units[owner]) is self.buffers.slots[slot]:
+            self.binding.to_host(self.units[owner])
+
+    def note_load(self, slot: int, index: int) -> None:
+        self.slot_owner[slot] = index
+        self.loads[index] += 1
+        self.bytes_streamed += self.units[index].nbytes
+
+    # ------------------------------------------------------------------------------------ edits and removal
+
+    def stale_copies_of(self, unit: Unit, on_device: bool) -> None:
+        """``unit``'s host copy was edited: a slot loaded with it ahead of its call (an edit made on the host)
+        loads it again, and a payload that outgrew its staging room loads raw until the next layout."""
+        if unit.index < 0:
+            return
+        payload = self.host.encoded.get(unit.index)
+        room = self.buffers.staging[0].numel() if self.buffers.staging else 0
+        if unit.index in self.decoding and (payload is None or payload.payload.numel() > room):
+            self.decoding = self.decoding - {unit.index}
+        if not on_device:
+            self.slot_owner = [None if owner == unit.index else owner for owner in self.slot_owner]
+
+    def restored(self, unit: Unit) -> None:
+        """``unit`` has its own storage again (`HostCopies.restore`): it loads nowhere any more."""
+        if unit.index >= 0:
+            self.slot_of[unit.index] = None
+
+    def restore_loose(self) -> None:
+        with torch.no_grad(), torch.inference_mode(False):
+            for t, origin in self.loose:
+                t.data = t.data.to(origin)

@@ -1,0 +1,383 @@
+"""`OffloadHandle`: one offloaded model, and the public face of the engine.
+
+The handle wires together the objects that each own one thing, and routes the model's boundary calls to them:
+
+* `HostCopies` (host_copies.py): the host bytes, the weights' truth; packing, compressed copies, spilling;
+* `DeviceCopies` (device_copies.py): device buffers laid out by the plan, and every load into them;
+* `Binding` (binding.py) and `Edits` (edits.py): what each tensor views, and edits reaching the host copies;
+* `Planning` (planning.py): the budget, the workloads' profiles and the plan in force;
+* the current phase (phases.py): what a forward does at its start, around each unit call and at its end;
+* `SteadySchedule` (schedule.py): the planned loads on the copy stream; `Profiler`: the measured forwards;
+* `SetUp` (setup.py): everything offloading adds to a model, and its undoing.
+
+Set-up packs every unit into host memory; then the first forward of a workload discovers the order of the units,
+the next ones profile it, and a plan is made under the budget. `release` gives all device memory back and
+`activate` takes it again with the same plan: that is how a pipeline keeps only its active component on the GPU.
+
+What other layers may use: `offload`, `offload_shared`, the handle's public methods and properties, and its
+``host`` (`HostCopies`), which the pipelines' host tiers move between RAM and disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .boundaries import refuse_if_inside_whole_model_compile, refuse_whole_model_compile
+from .call_guards import nested_call_error, outside_a_call_error, refuse_autograd, refuse_views_of
+from .config import OffloadConfig, resolve_budget, resolve_device
+from .errors import BudgetError, FlexTensorError, OffloadStateError
+from .phases import Discovery, OnDemand, Phase, Phases, Removed, Steady
+from .planner import Plan, WorkloadProfile
+from .planning import Planning
+from .profile import model_fingerprint, workload_signature
+from .profiler import Clock, Profiler
+from .schedule import SteadySchedule, TransferTotals
+from .setup import SetUp, SetupTimes, assemble
+from .shared_host import SharedHostMemory
+from .stats import OffloadStats, collect_stats
+from .units import find_units, plan_layout
+
+logger = logging.getLogger(__name__)
+
+#: Every module that is part of an offloaded model, so that offloading it again is refused.
+_OFFLOADED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+class OffloadHandle:
+    """Streams the units of ``model`` under ``config.gpu_budget``; see the module docstring.
+
+    Args:
+        model: the module to offload; its units are the submodules ``config.include_patterns`` select.
+        config: budget, patterns, compression, profiles (`OffloadConfig`).
+    """
+
+    def __init__(self, model: nn.Module, config: OffloadConfig) -> None:
+        started = time.perf_counter()
+        self._refuse_model(model, config)
+        self.model, self.config = model, config
+        self.device = resolve_device(config.device)
+        self.cuda = self.device.type == "cuda"
+        # Another process packed these weights into shared memory: point at them, copy nothing.
+        self.attaching = config.shared_host is not None and not config.shared_host.create
+        selected = find_units(model, config.include_patterns, config.exclude_patterns)
+        # Weights shared between processes are laid out alike in each (canonically); others keep their placement.
+        layout = plan_layout(
+            model, selected, self.device, meta_ok=self.attaching, canonical=config.shared_host is not None
+        )
+        copies = assemble(model, layout, self.device)
+        self.host, self.device_copies, self.binding, self.edits = (
+            copies.host,
+            copies.device,
+            copies.binding,
+            copies.edits,
+        )
+        self.units = layout.units
+        self.resident_weight_bytes = self.device_copies.resident_weight_bytes
+        # A compressed model loads other bytes (and needs staging room): its profiles are its own.
+        marker = [f"compression={config.compression}"] if config.compression != "none" else []
+        self.fingerprint = model_fingerprint(model, [u.name for u in self.units] + marker)
+        self.set_up = SetUp(self)
+        self.planning = Planning(self, resolve_budget(config.gpu_budget, self.device))
+        self.planning.check_budget(self.budget_bytes)
+        given = self.planning.profiles.given
+        if given is not None:  # measured activations known now: check before packing anything
+            self.planning.check_budget(self.budget_bytes, given.profile)
+        self.setup_times = SetupTimes(layout=1e3 * (time.perf_counter() - started))
+        self._start_state()
+        try:
+            self.set_up.run()
+            if config.active_after_setup:
+                self.activate()
+        except BaseException:
+            self._undo()
+            raise
+        _OFFLOADED.update(model.modules())
+
+    @staticmethod
+    def _refuse_model(model: nn.Module, config: OffloadConfig) -> None:
+        refuse_whole_model_compile(model)
+        if any(m in _OFFLOADED for m in model.modules()):
+            raise OffloadStateError(
+                f"{type(model).__name__} (or a module inside it) is already offloaded: call remove() on "
+                "the existing handle before offloading again"
+            )
+        for name in config.entry_methods:
+            if not callable(getattr(model, name, None)):
+                raise FlexTensorError(f"entry method {name!r} is not a method of {type(model).__name__}")
+
+    def _start_state(self) -> None:
+        """What changes from call to call: the phase, counters, the position in the current forward."""
+        self.phases = Phases(self, Discovery if self.units else Steady)
+        #: A pipeline reports shortfalls of all its components at once: forwards then go on, on demand.
+        self.defer_budget_errors = False
+        #: Called with this handle before it takes device memory (a pipeline releases the others).
+        self.on_activate: Callable[[OffloadHandle], None] | None = None
+        self.counters = {"discovery": 0, "profiling": 0, "steady": 0, "desyncs": 0, "plans": 0, "activations": 0}
+        self.measured_forwards = 0
+        self._depth = 0  # nesting of entry calls (AutoencoderKL.forward calls encode and decode)
+        self._pos = 0  # unit calls so far in the current workload call
+        self._open_unit: int | None = None  # the unit being called now (units never nest)
+        self.clock = Clock(self.device)
+        self.profiler = Profiler(self.device, self.clock)
+        self.totals = TransferTotals(unit_stall_ms=[0.0] * len(self.units))
+        self.schedule = SteadySchedule(self.device_copies, self.clock, self.config.measure_stalls, self.totals)
+
+    def _undo(self) -> None:
+        """Give every tensor its own storage again and remove what set-up added (failed set-up, removal)."""
+        self.device_copies.release()
+        self.host.restore(self.device_copies.restored)
+        self.device_copies.restore_loose()
+        self.set_up.undo()
+
+    # ------------------------------------------------------------------------------------ state
+
+    @property
+    def phase(self) -> Phase:
+        return self.phases.kind
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.planning.budget_bytes
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.planning.plan
+
+    @property
+    def profile(self) -> WorkloadProfile | None:
+        return self.planning.profile
+
+    @property
+    def shortfall(self) -> BudgetError | None:
+        """The measured minimum exceeded the budget (phase over budget): the error, raised before the next
+        forward unless ``defer_budget_errors``."""
+        return self.planning.shortfall
+
+    @property
+    def raw_on_disk(self) -> bool:
+        """``raw_copies="disk"``: the raw host copies wait in a cache file; loads decode compressed copies."""
+        return self.set_up.raw_file is not None
+
+    @property
+    def payload_cache(self) -> Any:
+        return self.set_up.payload_cache
+
+    @property
+    def active(self) -> bool:
+        return self.device_copies.active
+
+    def smallest_budget(self, profile: WorkloadProfile | None = None) -> int:
+        """The least budget for ``profile`` (default: the current one; none yet: the set-up minimum)."""
+        return self.planning.smallest_budget(profile)
+
+    def set_budget(self, budget: int | str) -> Plan | None:
+        """Change the budget; with a measured profile the workload is planned again at once. A budget under
+        the minimum is refused and the handle keeps its plan."""
+        return self.planning.set_budget(budget)
+
+    def save_profile(self, path: str | Path) -> Path:
+        """Write the measured profile, for ``OffloadConfig(profile=path)`` on a later run."""
+        return self.planning.save(path)
+
+    def stats(self) -> OffloadStats:
+        """Totals since set-up (synchronises the device to read pending events)."""
+        self.schedule.harvest(wait=True)
+        return collect_stats(self)
+
+    # ------------------------------------------------------------------------------------ device memory
+
+    def activate(self) -> None:
+        """Take device memory: the base, then the plan's resident units and slots (or the profiling slot)."""
+        if self.active:
+            return
+        if self.on_activate is not None:
+            self.on_activate(self)
+        self.device_copies.activate(self.phases.current.layout())
+        self.planning.follow()
+        self.counters["activations"] += 1
+
+    def release(self) -> None:
+        """Give back all device memory; tensors point at their host copies until `activate`."""
+        if not self.active:
+            return
+        self.schedule.leave()
+        self.device_copies.release()
+
+    @contextmanager
+    def editing(self) -> Iterator[None]:
+        """Edit weights (fuse a LoRA, load a state dict, ``param.data.copy_()``) so that the edit reaches the
+        host copies, which every later load copies from. See `Edits.editing`."""
+        if self.phase is Phase.REMOVED:
+            raise OffloadStateError("this handle was removed: edit the model directly")
+        was_active = self.active
+        self.release()
+        try:
+            with self.edits.editing():
+                yield
+        finally:
+            if was_active:
+                self.activate()
+
+    # ------------------------------------------------------------------------------------ workload calls
+
+    def enter_forward(self, args: tuple, kwargs: dict) -> None:
+        refuse_if_inside_whole_model_compile(self.model)
+        self._enter(args, kwargs, "forward")
+
+    def entry(self, name: str) -> Callable[[tuple, dict], None]:
+        def enter(args: tuple, kwargs: dict) -> None:
+            self._enter(args, kwargs, name)
+
+        return enter
+
+    def _enter(self, args: tuple, kwargs: dict, entry: str) -> None:
+        self._depth += 1
+        if self._depth > 1:  # inside another entry call of this model: one workload
+            return
+        if self.phase is Phase.OVER_BUDGET and not self.defer_budget_errors:
+            self._depth = 0
+            raise self.planning.shortfall_error()
+        if not self.active:
+            self.activate()
+        elif self.binding.sweep():  # edits since the last forward: slots loaded ahead may be stale
+            self.schedule.leave()
+        self._pos, self._open_unit = 0, None
+        if self.phase in (Phase.ON_DEMAND, Phase.REMOVED) or not self.units:
+            return
+        signature = workload_signature(args, kwargs)
+        self.planning.enter_workload(signature if entry == "forward" else f"{entry}:{signature}")
+        self.phases.current.start()
+
+    def exit_workload(self, output: Any = None) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.phases.current.end()
+
+    def fail_workload(self, exc: BaseException) -> BaseException | None:
+        """The workload raised: forget its partial records and resynchronise at the next one. A device
+        mismatch is what using a streamed unit's weights outside its call gives on CUDA (they view their host
+        copy then): that is said, with the fix."""
+        self._depth, self._open_unit = 0, None
+        self.profiler.abandon()
+        self.phases.current.fail()
+        logger.debug("a forward of %s raised; resynchronising at the next one", type(self.model).__name__)
+        if isinstance(exc, RuntimeError) and "same device" in str(exc) and self.cuda:
+            return outside_a_call_error(type(self.model).__name__, exc)
+        return None
+
+    def units_compiled(self) -> None:
+        """A unit was compiled after set-up: its compute times change, so every workload is measured again,
+        after a warm-up forward (which compiles), and planned from the compiled times."""
+        self.planning.forget_workloads()
+        self.phases.rediscover()
+
+    # ------------------------------------------------------------------------------------ unit calls
+
+    def unit_entry(self, index: int) -> Callable[[tuple, dict], None]:
+        unit = self.units[index]
+        grads = [p for p in unit.module.parameters() if p.requires_grad]
+
+        def enter(args: tuple, kwargs: dict) -> None:
+            if self._open_unit is not None:
+                outer, self._open_unit = self.units[self._open_unit].name, None
+                raise nested_call_error(unit.name, outer)
+            if torch.is_grad_enabled():
+                streamed = self.device_copies.slot_of[index] is not None
+                refuse_autograd(unit.name, grads, streamed, args, kwargs)
+            if not self.active:
+                self.activate()  # a unit called on its own, outside the model's forward
+            pos, self._pos = self._pos, self._pos + 1
+            self.phases.current.before_unit(index, pos, self._depth > 0)
+            self.device_copies.bind_for_call(index)
+            self._open_unit = index
+
+        return enter
+
+    def unit_exit(self, index: int) -> Callable[[Any], None]:
+        name = self.units[index].name
+
+        def exit_(output: Any) -> None:
+            self._open_unit = None
+            slot = self.device_copies.slot_of[index]
+            if slot is not None and self.device_copies.buffers.slots:
+                refuse_views_of(self.device_copies.buffers.slots[slot], name, output)
+            self.phases.current.after_unit(index, self._pos - 1, self._depth > 0)
+
+        return exit_
+
+    def unit_failed(self, exc: BaseException) -> None:
+        self._open_unit = None
+
+    # ------------------------------------------------------------------------------------ removal
+
+    def remove(self) -> None:
+        """Undo everything: every tensor bit-exact on the device it came from, classes and hooks back.
+
+        Units are restored one by one, each all-or-nothing; if one fails (out of memory, say), the units not
+        yet restored keep streaming on demand, the model still computes correctly, and ``remove()`` may be
+        called again.
+        """
+        if self.phase is Phase.REMOVED:
+            raise OffloadStateError("this handle was already removed")
+        self.schedule.leave()
+        self.phases.switch(OnDemand)
+        self.planning.drop()
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        self._undo()
+        for module in self.model.modules():
+            _OFFLOADED.discard(module)
+        self.phases.switch(Removed)
+
+
+def offload(model: nn.Module, config: OffloadConfig | None = None, **kwargs: Any) -> OffloadHandle:
+    """Stream ``model``'s units from host memory under a GPU budget; returns the handle.
+
+    ``offload(model, include_patterns=["blocks.*"], gpu_budget="24GiB")`` is the same as passing an
+    `OffloadConfig`. ``model``'s blocks may be compiled (``compile_repeated_blocks``, or ``block.compile()`` on
+    each unit) before or after; whole-model compilation is refused (see `boundaries`).
+    """
+    if config is None:
+        config = OffloadConfig(**kwargs)
+    elif kwargs:
+        raise TypeError("pass either an OffloadConfig or keyword arguments, not both")
+    return OffloadHandle(model, config)
+
+
+def offload_shared(
+    model: nn.Module, config: OffloadConfig, namespace: str, group: Any = None, root: str | Path = "/dev/shm"
+) -> OffloadHandle:
+    """`offload` on every process of a ``torch.distributed`` job, with one host copy per host.
+
+    The process with ``LOCAL_RANK`` 0 (or rank 0 when unset) packs; all wait at a barrier; then the others
+    attach. Build the model on the meta device in the attaching processes to skip their own copy of the weights.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise FlexTensorError("offload_shared needs torch.distributed: call init_process_group first")
+    creator = int(os.environ.get("LOCAL_RANK", dist.get_rank(group))) == 0
+    shared = SharedHostMemory(namespace, create=creator, root=root)
+    handle, error = None, None
+    if creator:
+        try:
+            handle = offload(model, dataclasses.replace(config, shared_host=shared))
+        except Exception as exc:  # reach the barrier anyway, so that the others fail instead of waiting
+            error = exc
+    dist.barrier(group)
+    if error is not None:
+        raise error
+    if handle is None:  # raises "no shared weights" when the creator failed
+        handle = offload(model, dataclasses.replace(config, shared_host=shared))
+    return handle

@@ -1,0 +1,304 @@
+"""`HostCopies`: the one owner of every unit's host bytes, the weights' truth, wherever they are.
+
+Every parameter and buffer of a unit (and of the *base*, the weights outside units) lives in one flat host
+buffer from set-up to removal; device memory only ever holds copies of it. A unit's host bytes are in one of
+these places, and this object alone knows which:
+
+* **RAM, raw**: a flat buffer of its own (page-locked for CUDA), packed at set-up (`start_packing`);
+* **RAM, compressed** as well, when compression is on (`compressed`, a `CompressedCopies`): loads may move the
+  payload and decode it on the device; the raw bytes stay the truth;
+* **a cache file** (`spill`): a shared mapping of one file for all units, written once and kept, unwritten
+  again, until an edit;
+* **the weight files** the model was loaded from (`spill` with stand-ins): private copy-on-write views, so an
+  edit made while a unit waits there lands in anonymous memory, never in the user's files;
+* **arriving**: read back from disk unit by unit while the model already computes. Another thread reads each
+  unit into a new buffer (`read_unit`); the main thread adopts it (`take_unit`); the last one taken ends the
+  spill. Until then ``host_gate`` is set, and every read of a unit's host bytes (a load, the copies made at
+  activation, edits, ``state_dict``, spilling, removal) asks it first with `host_of`: the gate returns once
+  the unit's final buffer is adopted. With nothing arriving the gate is None: one check per load.
+
+Which components wait where is policy, and lives with the caller (the pipelines' host tier); this object only
+moves bytes and says where they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .binding import Binding
+from .cache_files import drop_cached_pages, map_cache_file, write_cache_file
+from .codec import EncodedUnit
+from .compressed_copies import CompressedCopies
+from .errors import OffloadStateError
+from .host_memory import host_buffer, page_locked
+from .setup_threads import ThreadedWork
+from .shared_host import SharedHostMemory
+from .units import Unit, pack_unit, pin_unit, restore_unit, unpin_unit
+
+logger = logging.getLogger(__name__)
+
+#: ``read(position, buffer)``: fills one unit's new buffer (position 0: the base) straight from where its
+#: stand-in's bytes live, e.g. large reads of a weight file instead of page faults through a mapping.
+ReadInto = Callable[[int, torch.Tensor], None]
+
+
+class Packing:
+    """Units being packed on threads (`HostCopies.start_packing`): the host gate meanwhile."""
+
+    def __init__(self, host: HostCopies, work: ThreadedWork[Unit], positions: dict[int, int]) -> None:
+        self._host = host
+        self._work = work
+        self._positions = positions
+
+    def gate(self, unit: Unit) -> None:
+        self._work.wait_for(self._positions[unit.index])
+
+    def finish(self) -> float:
+        """Wait for every unit, lift the gate, raise the first failure; seconds the packing took."""
+        try:
+            return self._work.finish()
+        finally:
+            if self._host.host_gate == self.gate:  # bound methods compare by instance
+                self._host.host_gate = None
+
+
+class HostCopies:
+    """Where each unit's host bytes are, and the verbs that move them (see the module docstring).
+
+    Units are numbered by *position*: 0 is the base, ``i + 1`` is unit ``i``. Re-pointing tensors from one
+    host buffer to another goes through ``binding``, so that a unit computing on the device keeps its device
+    copy and every edit found on the way reaches the truth first.
+    """
+
+    def __init__(self, base: Unit, units: list[Unit], device: torch.device, binding: Binding) -> None:
+        self.base = base
+        self.units = units
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.binding = binding
+        #: Units kept compressed as well (`CompressedCopies.make`; payloads pinned for CUDA).
+        self.compressed = CompressedCopies(units, device, self.host_of)
+        #: Called on the main thread with a unit before its host bytes are read while units arrive (see the
+        #: module docstring); None when every host copy is final.
+        self.host_gate: Callable[[Unit], None] | None = None
+        #: Where the host copies wait while they are out of RAM (a cache file, or the weight files' folder).
+        self.spilled_to: Path | None = None
+        self._current = False  # where they spill to holds their bytes (no edit since)
+        self._held_bytes: int | None = None  # while on stand-ins: what those keep in RAM
+        self._taken: set[int] = set()  # positions already taken back into RAM during a spill
+
+    @property
+    def positions(self) -> list[Unit]:
+        """The base, then the units: position ``p`` is unit ``p - 1``."""
+        return [self.base, *self.units]
+
+    # ------------------------------------------------------------------------------------ packing
+
+    def start_packing(self, pin: bool, shared: SharedHostMemory | None, attaching: bool) -> Packing:
+        """Start copying every unit and the base into flat host buffers (or attaching them to shared ones),
+        each page-locked by the task that packed it when ``pin``; set-up goes on meanwhile, and `host_of` waits
+        for the unit it asks for (the device encoder codes the first blocks while the last are packed).
+
+        One task per unit on a few threads: a copy into host memory is bound by one core's memory bandwidth,
+        and the copies and ``cudaHostRegister`` release the GIL, so one thread's registration overlaps the
+        others' copies. Host memory grows by at most one unit per thread. A failure is raised by
+        `Packing.finish` once every task has ended: the caller restores whatever was packed."""
+
+        def pack_one(unit: Unit) -> None:
+            with torch.no_grad():
+                pack_unit(unit, host=shared.buffer(unit.index) if shared is not None else None, filled=attaching)
+            if pin:
+                pin_unit(unit, attached=attaching)
+
+        units = self.positions
+        verb = "attaching to shared weights" if attaching else "packing weights"
+        work = ThreadedWork(pack_one, units, f"{verb} and pinning them" if pin else verb)
+        packing = Packing(self, work, {unit.index: position for position, unit in enumerate(units)})
+        self.host_gate = packing.gate
+        return packing
+
+    # ------------------------------------------------------------------------------------ reading host bytes
+
+    def host_of(self, unit: Unit) -> torch.Tensor:
+        """``unit.host`` once it holds the unit's final bytes (`host_gate` is asked first, when set)."""
+        gate = self.host_gate
+        if gate is not None:
+            gate(unit)
+        return unit.host  # type: ignore[return-value]
+
+    def gate_all(self) -> None:
+        """Every host copy final: units still arriving are waited for, one by one."""
+        if self.host_gate is not None:
+            for unit in self.positions:
+                self.host_of(unit)
+
+    @property
+    def encoded(self) -> dict[int, EncodedUnit]:
+        """The compressed copy of each unit kept compressed, by unit index."""
+        return self.compressed.encoded
+
+    def transfer_bytes(self, index: int) -> int:
+        """What a load of unit ``index`` moves over the link when it loads compressed (its raw bytes when it is
+        not kept compressed)."""
+        encoded = self.encoded.get(index)
+        return encoded.payload.numel() if encoded is not None else self.units[index].nbytes
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of all host copies (base and units), wherever they are."""
+        return sum(u.nbytes for u in self.positions)
+
+    @property
+    def host_ram_bytes(self) -> int:
+        """Host RAM the host copies take now: all of them in RAM; while spilled, what stand-ins keep in RAM and
+        the units already taken back; and the compressed copies."""
+        payloads = self.compressed.payload_bytes
+        if self.spilled_to is None:
+            return payloads + self.packed_bytes
+        taken = sum(self.positions[p].nbytes for p in self._taken)
+        return payloads + (self._held_bytes or 0) + taken
+
+    # ------------------------------------------------------------------------------------ edits
+
+    def edited(self, unit: Unit) -> None:
+        """An edit reached ``unit``'s host copy: where it spills to no longer holds its bytes, and its
+        compressed copy is made again."""
+        self._current = False
+        if unit.index >= 0 and unit.index in self.encoded:
+            self.compressed.refresh(unit)
+
+    def mark_spill_current(self) -> None:
+        """Say that where the host copies spill to holds their bytes now (the caller checked: e.g. the weight
+        files they were loaded from). An edit clears it: `spill_is_current` turns false."""
+        self._current = True
+
+    def mark_spill_stale(self) -> None:
+        """The host copies may change (an edit begins): the next spill writes them."""
+        self._current = False
+
+    @property
+    def spill_is_current(self) -> bool:
+        """No edit since the last spill or `mark_spill_current`: where the copies spill to still holds them."""
+        return self._current
+
+    # ------------------------------------------------------------------------------------ spilling
+
+    def spill(self, path: Path, hosts: list[object] | None = None, held_bytes: int = 0) -> None:
+        """Move the host copies out of RAM (the model must be inactive: no tensor views a device copy): into
+        the cache file ``path``, or, given ``hosts``, onto bytes that are already elsewhere, writing nothing
+        (``path`` then names that place).
+
+        ``hosts``: per position, a stand-in for the unit's flat host buffer that gives a tensor's bytes when
+        sliced at the tensor's range, as `PackedTensor.view_of` slices (e.g. private mappings of the weight
+        files the model was loaded from); ``held_bytes`` of them stay in RAM. The caller vouches that they hold
+        the current bytes (`mark_spill_current`, and `spill_is_current` since).
+
+        A cache file is written completely before any tensor points at it, so a full or unwritable disk
+        raises with the copies still in RAM; writing is skipped when the file holds these bytes already
+        (spilled before, no edit since). Units still arriving are waited for first."""
+        self.gate_all()
+        if self.spilled_to is not None:
+            return
+        if any(self.binding.on_device(unit) is not None for unit in self.positions):
+            raise OffloadStateError("spill() needs an inactive model: release() it first")
+        self.binding.sweep()  # an edit since the last spill means the file must be written again
+        held = None if hosts is None else held_bytes
+        if hosts is None:
+            if not (self._current and path.exists()):
+                write_cache_file(path, self.positions, [self.host_of(u) for u in self.positions])
+            hosts = map_cache_file(path, self.positions)  # type: ignore[assignment]
+        if self.cuda:  # copies issued before release may still be reading the buffers about to be freed
+            torch.cuda.synchronize(self.device)
+        for unit, host in zip(self.positions, hosts, strict=True):  # type: ignore[arg-type]
+            self.binding.to_host(unit, host)  # type: ignore[arg-type]
+            unpin_unit(unit)
+            unit.host = host  # type: ignore[assignment]
+        self.spilled_to, self._held_bytes, self._taken, self._current = path, held, set(), True
+
+    def spilled_hosts(self) -> list[object]:
+        """The stand-ins of a spill, per position: what `read_unit` reads from and what `untake_units` points
+        units back at. Taken with the model spilled and nothing taken yet."""
+        assert self.spilled_to is not None and not self._taken, "spilled_hosts() needs a spill with nothing taken"
+        return [u.host for u in self.positions]
+
+    def read_unit(self, position: int, host: object, pin: bool, read: ReadInto | None = None) -> Unit:
+        """One spilled unit's bytes in a new RAM buffer, as a copy of the unit for `take_unit`: from
+        ``read(position, buffer)`` when given, else copied from its stand-in ``host``. Page-locked when ``pin``
+        (in place where CUDA allows, else a pinned copy), so that taking it back does no heavy work. Changes
+        nothing of the model: runs on any thread, while the model waits or computes."""
+        unit = self.positions[position]
+        buffer = host_buffer(unit.nbytes)
+        if read is not None:
+            read(position, buffer)
+        elif not isinstance(host, torch.Tensor):  # a stand-in is sliced per tensor only
+            for packed in unit.tensors:
+                end = packed.offset + packed.nbytes
+                buffer[packed.offset : end].copy_(host[packed.offset : end])  # type: ignore[index]
+        else:
+            buffer.copy_(host)
+        buffer, in_place = page_locked(buffer) if pin else (buffer, False)
+        return dataclasses.replace(unit, host=buffer, pinned_in_place=in_place)
+
+    def take_unit(self, new: Unit) -> None:
+        """Adopt one unit's buffer that `read_unit` filled, on the main thread, while the model is spilled
+        (active or not): ``unit.host`` becomes it, and tensors that viewed the stand-in follow. No copy still
+        reads the stand-in: every read of host bytes passes `host_gate`, which adopts first. The last unit
+        taken ends the spill; a cache file is kept for the next one, its pages dropped from the page cache."""
+        position = new.index + 1
+        unit = self.positions[position]
+        assert self.spilled_to is not None and position not in self._taken, f"{unit.name} is not waiting to be taken"
+        self.binding.rehost(unit, new.host)  # type: ignore[arg-type]
+        unit.host, unit.pinned_in_place = new.host, new.pinned_in_place
+        self._taken.add(position)
+        if len(self._taken) == len(self.positions):
+            if self._held_bytes is None:
+                drop_cached_pages(self.spilled_to)
+            self.spilled_to, self._held_bytes, self._taken = None, None, set()
+
+    def untake_units(self, hosts: list[object]) -> None:
+        """Undo `take_unit` for every unit taken so far in this spill, pointing them back at their stand-ins
+        ``hosts`` (`spilled_hosts`), which still hold their bytes: a read back given up leaves the model spilled
+        as before. The taken buffers are freed, so copies that may still read them finish first."""
+        if not self._taken:
+            return
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        for position in sorted(self._taken):
+            unit = self.positions[position]
+            self.binding.rehost(unit, hosts[position])  # type: ignore[arg-type]
+            unpin_unit(unit)
+            unit.host = hosts[position]  # type: ignore[assignment]
+        self._taken = set()
+
+    @staticmethod
+    def drop_read(read: list[Unit]) -> None:
+        """Free what `read_unit` read without adopting it (a read given up, or made stale by an edit)."""
+        for unit in read:
+            unpin_unit(unit)
+
+    # ------------------------------------------------------------------------------------ removal
+
+    def restore(self, on_restored: Callable[[Unit], None]) -> None:
+        """Give every tensor its own storage again, bit-exact, on the device it came from (the model is
+        inactive), telling ``on_restored`` of each unit done. Units go one by one, each all-or-nothing: if one
+        fails (out of memory, say), those not restored yet stay packed and correct, and `restore` may be
+        called again."""
+        self.gate_all()
+        with torch.no_grad(), torch.inference_mode(False):
+            for unit in [*self.units, self.base]:
+                if unit.host is None:
+                    continue
+                try:
+                    restore_unit(unit)
+                except Exception as exc:  # Ctrl-C goes on as it is: the user asked to stop, not a fault to explain
+                    raise OffloadStateError(
+                        f"could not restore {unit.name!r} ({exc}); the rest still streams on demand. "
+                        "Free memory and call remove() again"
+                    ) from exc
+                on_restored(unit)
+        self.compressed.release()

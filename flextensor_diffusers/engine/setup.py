@@ -1,0 +1,182 @@
+"""Set-up: everything offloading adds to a model, done in one place and undone in one place.
+
+In order: host buffers packed (or attached to another process's shared ones) and page-locked, compressed copies
+made while later units are still packed, the raw copies moved to a cache file (``raw_copies="disk"``), the
+boundaries that route the model's and its units' calls to the handle, ``state_dict`` hooks that read host
+copies. Any failure undoes all of it (`SetUp.undo`, with the host copies restored by the handle), so a model
+that could not be offloaded is left as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from .binding import Binding
+from .boundaries import Boundaries, Crossing, hidden
+from .config import cache_folder
+from .device_copies import DeviceCopies
+from .edits import Edits
+from .errors import FlexTensorError
+from .host_copies import HostCopies
+from .payload_cache import PayloadCache, weights_key
+from .units import Unit, UnitLayout
+
+if TYPE_CHECKING:
+    import torch
+
+    from .handle import OffloadHandle
+
+
+@dataclass
+class SetupTimes:
+    """Where set-up time went (ms): unit layout, copies into the flat buffers and their page-locking (with
+    compression they overlap ``compress``), hooks."""
+
+    layout: float = 0.0
+    pack: float = 0.0
+    hooks: float = 0.0
+    compress: float | None = None  # only with compression
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in vars(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Copies:
+    """The objects that own an offloaded model's bytes: where they are, on the host and on the device, what
+    each tensor views, and the edits that reach them."""
+
+    host: HostCopies
+    device: DeviceCopies
+    binding: Binding
+    edits: Edits
+
+
+def assemble(model: nn.Module, layout: UnitLayout, device: torch.device) -> Copies:
+    """The four owners of a model's bytes, wired to each other (nothing is packed yet)."""
+    positions = [layout.base, *layout.units]
+    parts: dict[str, Any] = {}
+    binding = Binding(
+        positions, device, lambda unit: parts["host"].host_of(unit), lambda u, on: parts["edits"].found(u, on)
+    )
+    host = HostCopies(layout.base, layout.units, device, binding)
+    device_copies = DeviceCopies(model, layout, device, host, binding)
+    edits = Edits(host, device_copies, binding)
+    parts.update(host=host, edits=edits)
+    return Copies(host, device_copies, binding, edits)
+
+
+class SetUp:
+    """Runs the set-up steps for ``handle`` and undoes them."""
+
+    def __init__(self, handle: OffloadHandle) -> None:
+        self.handle = handle
+        self.boundaries = Boundaries()
+        self.raw_file: Path | None = None  # raw_copies="disk": the cache file of the raw host copies
+        self.payload_cache: PayloadCache | None = None  # compression_cache: the file of the compressed copies
+        self._state_dict_hooks: list[Any] = []
+
+    def run(self) -> None:
+        h = self.handle
+        shared = h.config.shared_host
+        if shared is not None:
+            self._open_shared(shared)
+        pin = h.cuda and h.config.pin_memory
+        packing = h.host.start_packing(pin=pin, shared=shared, attaching=h.attaching)
+        try:
+            if h.config.compression == "lossless":  # units are compressed as they are packed
+                start = time.perf_counter()
+                self.payload_cache = self._payload_cache() if h.config.compression_cache else None
+                h.host.compressed.make(pin, self.payload_cache)
+                h.setup_times.compress = 1e3 * (time.perf_counter() - start)
+        finally:
+            h.setup_times.pack = 1e3 * packing.finish()
+        h.binding.record()  # packing re-pointed tensors; edits count from here
+        if h.config.compression == "lossless" and h.config.raw_copies == "disk":
+            self._raw_copies_to_disk()
+        if shared is not None and shared.create:
+            shared.publish(h.fingerprint["sha256"])
+        hooking = time.perf_counter()
+        self._hook()
+        h.setup_times.hooks = 1e3 * (time.perf_counter() - hooking)
+
+    def undo(self) -> None:
+        """Undo what set-up added besides packing: boundaries, state-dict hooks, shared files, the raw file."""
+        self.boundaries.remove()
+        for hook in self._state_dict_hooks:
+            hook.remove()
+        self._state_dict_hooks = []
+        if self.handle.config.shared_host is not None:
+            self.handle.config.shared_host.unlink()
+        if self.raw_file is not None:
+            self.raw_file.unlink(missing_ok=True)
+            self.raw_file = None
+
+    def _open_shared(self, shared: Any) -> None:
+        h = self.handle
+        if h.device_copies.loose:
+            raise FlexTensorError(
+                f"shared host memory cannot hold tensors that share storage ({len(h.device_copies.loose)} here, "
+                "e.g. weights tied outside one unit): offload without shared_host"
+            )
+        shared.open(h.fingerprint["sha256"], {u.index: u.nbytes for u in h.host.positions})
+
+    def _raw_copies_to_disk(self) -> None:
+        """The raw host copies wait in a cache file; RAM keeps the compressed ones, which every load decodes."""
+        h = self.handle
+        given = h.planning.profiles.given
+        h.planning.check_budget(h.budget_bytes, given.profile if given is not None else None)  # staging room now
+        name = f"{type(h.model).__name__}-{h.fingerprint['sha256'][:16]}-{os.getpid()}-{id(h):x}.raw"
+        self.raw_file = cache_folder(h.config.cache_dir) / name
+        h.host.spill(self.raw_file)
+
+    def _payload_cache(self) -> PayloadCache:
+        """This model's payload file: named by its structure and sampled bytes of every unit."""
+        h = self.handle
+        hosts = {unit.index: h.host.host_of(unit) for unit in h.units}
+        key = weights_key(h.fingerprint["sha256"], h.units, hosts)
+        return PayloadCache(cache_folder(h.config.cache_dir), type(h.model).__name__, key)
+
+    def _hook(self) -> None:
+        """Route the model's calls, its entry methods' and its units' through the handle; edit methods run
+        inside ``editing()``; ``state_dict`` reads host copies."""
+        h, boundaries = self.handle, self.boundaries
+        workload = Crossing(hidden(h.enter_forward), hidden(h.exit_workload), hidden(h.fail_workload))
+        boundaries.border(h.model, workload)
+        for name in h.config.entry_methods:
+            entry = Crossing(enter=hidden(h.entry(name)), exit=workload.exit, fail=workload.fail)
+            boundaries.wrap_entry(h.model, name, entry)
+        for name in h.config.edit_methods:
+            if callable(getattr(h.model, name, None)):
+                boundaries.wrap_edit(h.model, name, h.editing)
+        unit_failed = hidden(h.unit_failed)
+        for unit in h.units:
+            enter, exit_ = hidden(h.unit_entry(unit.index)), hidden(h.unit_exit(unit.index))
+            boundaries.border_unit(unit.module, Crossing(enter, exit_, unit_failed, h.units_compiled))
+        self._state_dict_hooks = [
+            unit.module._register_state_dict_hook(self._state_dict_hook(unit)) for unit in h.host.positions
+        ]
+
+    def _state_dict_hook(self, unit: Unit) -> Callable[..., None]:
+        """``state_dict()`` reads host copies, the weights' truth, after an edit made in a device copy reached
+        them; units still arriving from disk are waited for."""
+        h = self.handle
+
+        def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+            if unit.host is None:
+                return
+            h.binding.check(unit)
+            host = h.host.host_of(unit)
+            for packed in unit.tensors:
+                for rel in packed.names:
+                    if prefix + rel in state_dict:
+                        state_dict[prefix + rel] = packed.view_of(host)
+
+        return hook
