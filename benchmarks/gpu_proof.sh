@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call of GPU proof: the GPU tests and the chosen benchmarks, each bounded, logs and JSON under $OUT.
 # Usage on the device (carry .whl): bash benchmarks/gpu_proof.sh STEP... where STEP is one of
-#   tests        python3 -m pytest -q -m gpu tests            -> $OUT/gpu_tests_h200.log
+#   tests        python3 -m pytest -q -m gpu tests (or $TESTS) -> $OUT/gpu_tests_h200.log
 #   engine17     engine_bench.py, 17 frames, 3 budgets        -> $OUT/engine17_h200.json, .log
 #   engine       engine_bench.py, 81 and 17 frames, 3 budgets -> $OUT/engine_h200.json, .log
 #   compile17    compile_bench.py, 17 frames                  -> $OUT/compile17_h200.json, .log
@@ -15,7 +15,8 @@ nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv >>"$OUT/code.t
 for step in "$@"; do
   start=$(date +%s)
   case "$step" in
-    tests) timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -n 60 >"$OUT/gpu_tests_h200.log" ;;
+    tests) timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf ${TESTS:-tests} \
+        >"$OUT/gpu_tests_h200.log" 2>&1 ;;
     engine17) timeout "$limit" python3 benchmarks/engine_bench.py --workloads 17f_480x272 --budgets 3 --reps 3 \
         --out "$OUT/engine17_h200.json" >"$OUT/engine17_h200.log" 2>&1 ;;
     engine) timeout "$limit" python3 benchmarks/engine_bench.py --budgets 3 --reps 2 \

@@ -288,9 +288,10 @@ class CallsItsPeer(MLPBlock):
 
 def test_a_unit_calling_another_unit_through_a_plain_reference_is_refused(device: str) -> None:
     _, model = twins(lambda: MLPStack(CallsItsPeer))
+    budget = smallest_budget(model, device)  # measured first: a probe with the reference would be refused too
     object.__setattr__(model.blocks[0], "peer", model.blocks[2])  # not a submodule: a plain attribute
     before = snapshot(model)
-    handle = offload(model, "smallest", device)
+    handle = ft.offload(model, include_patterns=PATTERNS, gpu_budget=budget, device=device)
     with pytest.raises(FlexTensorError, match=r"blocks\.2.*inside.*blocks\.0"), torch.no_grad():
         model(inputs(1, device)[0])
     handle.remove()
