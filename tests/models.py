@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -124,14 +126,28 @@ def enable_with_one_component_in_ram(pipe, budget: int, cache) -> None:
     pipe.enable_flextensor_offload(budget=budget, device="cpu", host_budget=largest + 1, cache_dir=cache)
 
 
-def device_headroom(device: str) -> int:
-    """Budget room beyond a small model's weights and slots. On the CPU, only rounding: nothing counts
-    activations there. On CUDA a budget bounds the whole process's peak of allocated memory, so it holds what
-    the process holds already (earlier tests' tensors, and the cuBLAS workspace that its first matrix product
-    allocates, made here first) and 64 KiB for the small model's own activations."""
+def device_headroom(device: str, model: nn.Module, x: torch.Tensor, **config: object) -> int:
+    """Budget room beyond a small model's weights and two slots. On the CPU, only rounding: nothing counts
+    activations there. On CUDA a budget bounds the whole process's peak of allocated memory, with the engine's
+    activation margin on all of it: what the process holds already (earlier tests' tensors, the cuBLAS workspace)
+    and the model's own activations. So it is measured: a copy of ``model`` (units ``blocks.*``, ``config`` as the
+    test's) runs ``x`` twice with room to spare; the room is its smallest budget less the set-up minimum that a
+    1-byte budget names, plus 8 KiB for activations measured again."""
     if device != "cuda":
         return 2048
-    square = torch.ones(8, 8, device="cuda")
-    square @ square  # the cuBLAS workspace now exists, as it will once the model computes
-    torch.cuda.synchronize()
-    return torch.cuda.memory_allocated() + 2048 + 64 * 1024
+    import flextensor_diffusers as ft
+
+    probe = copy.deepcopy(model).to("cpu")
+    try:
+        ft.offload(probe, include_patterns=["blocks.*"], gpu_budget=1, device="cuda", **config)
+        raise AssertionError("a 1-byte budget was accepted")
+    except ft.BudgetError as refused:
+        setup_minimum = refused.required_bytes
+    assert setup_minimum is not None
+    handle = ft.offload(probe, include_patterns=["blocks.*"], gpu_budget=2**30, device="cuda", **config)
+    with torch.inference_mode():
+        for _ in range(2):
+            probe(x.to("cuda"))
+    need = handle.smallest_budget()
+    handle.remove()
+    return need - setup_minimum + 8192

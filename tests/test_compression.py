@@ -146,7 +146,7 @@ def test_the_payload_cache_is_read_back_and_refused_when_the_weights_changed(
         handle = ft.offload(
             model,
             include_patterns=["blocks.*"],
-            gpu_budget=int(3.8 * unit) + device_headroom(device),
+            gpu_budget=int(3.8 * unit) + device_headroom(device, model, x, compression="lossless"),
             device=device,
             compression="lossless",
             compression_cache=True,
@@ -261,7 +261,7 @@ def test_compressed_streaming_on_a_gpu_is_bitwise_equal_and_decodes_on_its_own_s
     handle = ft.offload(
         model,
         include_patterns=["blocks.*"],
-        gpu_budget=int(4.2 * unit) + device_headroom("cuda"),
+        gpu_budget=int(4.2 * unit) + device_headroom("cuda", model, x, compression="lossless"),
         device="cuda",
         compression="lossless",
     )

@@ -45,7 +45,7 @@ def test_outputs_bitwise_equal_and_restore_exact(device: str, dtype: torch.dtype
     ref = native(model, x, device)
     before = snapshot(model)
     resident = 14_848 if dtype == torch.float32 else 7_680  # tied embedding + pos buffer, outside units
-    budget = int(resident + budget_units * UNITS[device, dtype]) + device_headroom(device)
+    budget = int(resident + budget_units * UNITS[device, dtype]) + device_headroom(device, model, x)
     handle = ft.offload(model, ft.OffloadConfig(include_patterns=["blocks.*"], gpu_budget=budget, device=device))
     assert handle.resident_weight_bytes == resident
     outs = run(model, x, device, 5)
@@ -349,7 +349,7 @@ def test_no_cuda_device_error_names_the_fix() -> None:
 def test_release_and_activate_keep_the_plan_and_the_numbers(device: str) -> None:
     model, x = make()
     ref = native(model, x, device)
-    budget = 400_000 + device_headroom(device) - 2048
+    budget = 400_000 + device_headroom(device, model, x) - 2048
     handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=budget, device=device)
     run(model, x, device, 3)
     plans = handle.counters["plans"]
@@ -406,8 +406,9 @@ def test_a_forward_interrupted_inside_a_block_leaves_later_forwards_native(
         if next(calls) == forward:
             raise KeyboardInterrupt
 
-    hook = model.blocks[3].register_forward_pre_hook(interrupt)
-    budget = 7_680 + int(2.5 * UNITS[device, torch.bfloat16]) + device_headroom(device)
+    room = device_headroom(device, model, x, compression=compression)
+    budget = 7_680 + int(2.5 * UNITS[device, torch.bfloat16]) + room
+    hook = model.blocks[3].register_forward_pre_hook(interrupt)  # after the probe copied the model
     handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=budget, device=device, compression=compression)
     try:
         outs = []

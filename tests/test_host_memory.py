@@ -114,7 +114,7 @@ def test_a_handle_dropped_without_remove_leaves_no_lock_behind(caplog) -> None:
         with torch.inference_mode():
             ref = model.to("cuda")(x.cuda()).cpu()
         model.to("cpu")
-        budget = 300_000 + device_headroom("cuda")
+        budget = 300_000 + device_headroom("cuda", model, x)
         handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=budget, device="cuda")
         with torch.inference_mode():
             outs = [model(x.cuda()).cpu() for _ in range(4)]

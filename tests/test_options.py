@@ -172,7 +172,7 @@ def test_measure_stalls_off_keeps_numerics_and_records_no_stall(device: str) -> 
     """measure_stalls=False: native outputs; on CUDA no stall or copy time is recorded."""
     model, x = make(depth=6)
     ref = native(model, x, device)
-    budget = BASE + 3 * unit_bytes(device) + headroom(device)  # streams most blocks
+    budget = BASE + 3 * unit_bytes(device) + headroom(device, model, x)  # streams most blocks
     handle = ft.offload(model, include_patterns=BLOCKS, gpu_budget=budget, measure_stalls=False, device=device)
     assert all_equal(run(model, x, 5, device), ref)
     assert handle.phase is Phase.STEADY and handle.plan.num_slots >= 2
@@ -266,7 +266,7 @@ def test_pin_memory_off_works_and_pins_nothing(device: str) -> None:
     model, x = make()
     ref = native(model, x, device)
     before = snapshot(model)
-    budget = BASE + 2 * unit_bytes(device) + headroom(device)
+    budget = BASE + 2 * unit_bytes(device) + headroom(device, model, x)
     handle = ft.offload(model, include_patterns=BLOCKS, gpu_budget=budget, pin_memory=False, device=device)
     assert not any(u.pinned_in_place or u.host.is_pinned() for u in handle.host.units)
     assert all_equal(run(model, x, 4, device), ref)
