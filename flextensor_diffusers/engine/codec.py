@@ -2,10 +2,11 @@
 # ruff: noqa: ANN001, ANN202
 """Exactly lossless compression of a unit's flat buffer, decoded on the device into the unit's slot.
 
-Streaming a short workload is bound by the host→device link (~55 GB/s), not by the GPU. Floating-point
-weights waste bits there: of a BF16 value's 8 exponent bits only ~2.7 bits of information remain, because
-weights sit within a few octaves of their scale. This codec moves fewer bytes over the link and rebuilds the
-exact bytes on the GPU, at several hundred GB/s, into the same slot the uncompressed copy would fill.
+Streaming a short workload is bound by the host→device link, not by the GPU. Floating-point weights waste
+bits there: of a BF16 value's 8 exponent bits only about a third carry information, because weights sit within
+a few octaves of their scale. This codec moves fewer bytes over the link and rebuilds the exact bytes on the
+GPU, into the same slot the uncompressed copy would fill. That pays only while decoding outpaces the link, which
+`worth_compressing` checks per unit (measured link and decode rates: see benchmarks/results/README.md).
 
 The scheme keeps decode embarrassingly parallel. Each float word is split by a bit shuffle into
 
@@ -20,14 +21,14 @@ bytes per chunk; 7 for the usual ``b = 3``) and code ``2^b − 1`` *escapes* to 
 escape stream; ``b = 8`` codes the symbol itself and never escapes. Element ``i`` finds its code at bit
 ``i·b`` without reading any other element's, and its escape (if any) at the chunk's escape offset plus the
 number of escapes before it in the chunk (a prefix sum inside the chunk). On normal-random BF16 weights
-the usual choice is ``b = 3`` with ~2–3 % escapes: ~11.2 of 16 bits, a ratio ~0.70 (the exponent entropy
-would allow ~0.67).
+the usual choice is ``b = 3`` with few escapes, close to what the exponents' entropy allows (measured ratios,
+random and trained weights: see benchmarks/results/README.md).
 
 Segments of other dtypes (int64 buffers, …), of misaligned placement, or too small to be worth a chunk's
 metadata are stored raw and copied verbatim by the same kernel.
 
 The encoder (:func:`encode_unit`) is made of torch ops vectorised over the chunks of a slice of the unit, so
-it runs on the host or, much faster, on a CUDA device (``device=``): per-chunk histograms by one
+it runs on the host or on a CUDA device (``device=``): per-chunk histograms by one
 ``bincount`` over ``256 · chunk + symbol``, a stable sort of each chunk's 256 counts, the size of each
 ``b`` from their cumulative sums, codes by a lookup in per-chunk code tables, escapes by a boolean index,
 and codes packed eight at a time into ``b`` bytes with shifts. On the H200, an encoder that page-locked each
@@ -497,22 +498,12 @@ def encode_unit(
     """
     if chunk <= 0 or chunk % 16:
         raise CodecError(f"chunk={chunk} must be a positive multiple of 16")
-    device = torch.device("cpu") if device is None else torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _coding_device(device)
     segments = list(segments)
     _check_segments(flat, segments, device)
     if slice_bytes is None:
         slice_bytes = HOST_SLICE_BYTES if device.type == "cpu" else DEVICE_SLICE_BYTES
-    by_width: dict[int, list[Segment]] = {2: [], 4: []}
-    verbatim: list[Segment] = []
-    for seg in segments:
-        if not seg.nbytes:
-            continue
-        if _is_coded(seg, min_elements):
-            by_width[CODED_DTYPES[seg.dtype]].append(seg)
-        else:
-            verbatim.append(seg)
+    by_width, verbatim = _sort_segments(segments, min_elements)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         source = flat.to(device, non_blocking=True)  # on the device: one transfer; on the host: ``flat`` itself
         classes = [_encode_class(source, by_width[w], w, chunk, device, slice_bytes) for w in (2, 4)]
@@ -522,29 +513,48 @@ def encode_unit(
     return dataclasses.replace(encoded, payload=_download(encoded.payload, pin))
 
 
-def _assemble(
-    source: torch.Tensor,
-    segments: list[Segment],
-    classes: list[list[_Slice]],
-    by_width: dict[int, list[Segment]],
-    verbatim: list[Segment],
-    chunk: int,
-    device: torch.device,
-    verify: bool,
-) -> EncodedUnit:
-    """The payload of the coded ``classes`` and the ``verbatim`` segments of ``source`` (the unit's bytes where
-    they were coded), laid out as the module docstring says, on ``device``; checked there when ``verify``."""
-    slices = [s for c in classes for s in c]
+def _coding_device(device: torch.device | str | None) -> torch.device:
+    """The device ``encode_unit`` codes on, a CUDA one with its index: ``flat`` may already lie there, and a
+    tensor's device always has an index, so ``cuda`` alone would never compare equal to it."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
-    pieces = [
-        (seg.offset + start, min(VERBATIM_PIECE, seg.nbytes - start), seg, start)
-        for seg in verbatim
-        for start in range(0, seg.nbytes, VERBATIM_PIECE)
-    ]
-    n_rows = sum(len(s.rows) for s in slices) + len(pieces)
 
-    # Section placement: each slice's tables, codes and escapes follow the previous slice's in their section;
-    # each slice has its own planes (its rows' plane stride).
+def _sort_segments(segments: list[Segment], min_elements: int) -> tuple[dict[int, list[Segment]], list[Segment]]:
+    """The non-empty ``segments`` that are coded, by word width (each width has its own rows and its own branch
+    of the decode kernel), and those stored verbatim; both in the unit's order, which the payload keeps."""
+    by_width: dict[int, list[Segment]] = {2: [], 4: []}
+    verbatim: list[Segment] = []
+    for seg in segments:
+        if not seg.nbytes:
+            continue
+        if _is_coded(seg, min_elements):
+            by_width[CODED_DTYPES[seg.dtype]].append(seg)
+        else:
+            verbatim.append(seg)
+    return by_width, verbatim
+
+
+@dataclass(frozen=True)
+class _Sections:
+    """Byte offsets of the payload's sections (see the module docstring); ``planes`` has one entry per slice,
+    ``verbatim`` one per verbatim segment; ``total`` is the payload's size."""
+
+    tables: int
+    codes: int
+    escapes: int
+    planes: list[int]
+    verbatim: dict[Segment, int]
+    total: int
+
+
+def _place_sections(slices: list[_Slice], verbatim: list[Segment], n_rows: int) -> _Sections:
+    """Lay the sections out after the ``n_rows`` rows, each 64-byte aligned: each slice's tables, codes and
+    escapes follow the previous slice's in their section, while each slice keeps a block of planes of its own
+    (its rows' plane stride). Then the verbatim segments, each at an aligned offset; the total is rounded up to
+    a multiple of 512 bytes."""
     pos = _align(n_rows * ROW_WORDS * 8)
     tables_off, pos = pos, _align(pos + sum(s.tables.numel() for s in slices))
     codes_off = pos
@@ -560,19 +570,47 @@ def _assemble(
     for seg in verbatim:
         verbatim_off[seg] = pos
         pos = _align(pos + seg.nbytes)
-    total = _align(pos, 512)
+    return _Sections(tables_off, codes_off, escapes_off, planes_off, verbatim_off, _align(pos, 512))
 
-    payload = torch.empty(total, dtype=torch.uint8, device=device) if device.type == "cuda" else host_buffer(total)
-    written: list[tuple[int, int]] = []
 
-    def put(at: int, data: torch.Tensor) -> None:
-        payload[at : at + data.numel()].copy_(data.reshape(-1), non_blocking=True)
-        written.append((at, at + data.numel()))
+def _verbatim_pieces(verbatim: list[Segment]) -> list[tuple[int, int, Segment, int]]:
+    """``(out_off, nbytes, segment, start)`` of each verbatim copy: segments cut into `VERBATIM_PIECE` bytes,
+    one decode program each, so that a large raw segment is copied by many programs at once."""
+    return [
+        (seg.offset + start, min(VERBATIM_PIECE, seg.nbytes - start), seg, start)
+        for seg in verbatim
+        for start in range(0, seg.nbytes, VERBATIM_PIECE)
+    ]
 
-    all_rows = np.zeros((n_rows, ROW_WORDS), dtype=np.int64)
+
+class _PayloadWriter:
+    """Copies sections into ``payload`` and remembers the spans written, so that the bytes between them
+    (alignment, the code window's pad byte) can be zeroed: a unit's payload is then the same, byte for byte,
+    in every run (payload caches and checks compare payloads)."""
+
+    def __init__(self, payload: torch.Tensor) -> None:
+        self.payload = payload
+        self.written: list[tuple[int, int]] = []
+
+    def put(self, at: int, data: torch.Tensor) -> None:
+        self.payload[at : at + data.numel()].copy_(data.reshape(-1), non_blocking=True)
+        self.written.append((at, at + data.numel()))
+
+    def zero_gaps(self, total: int) -> None:
+        end = 0
+        for start, stop in [*sorted(self.written), (total, total)]:
+            if start > end:
+                self.payload[end:start].zero_()
+            end = max(end, stop)
+
+
+def _write_slices(slices: list[_Slice], at: _Sections, all_rows: np.ndarray, writer: _PayloadWriter) -> int:
+    """Copy each slice's tables, codes, escapes and planes to their places and its rows into ``all_rows`` with
+    offsets made relative to the payload; returns the next free row. Each slice's tensors are dropped once
+    copied, so the coded slices do not stay on the device beside the whole payload."""
     row = 0
-    table_pos, code_pos, esc_pos = tables_off, codes_off, escapes_off
-    for s, plane_pos in zip(slices, planes_off, strict=True):
+    table_pos, code_pos, esc_pos = at.tables, at.codes, at.escapes
+    for s, plane_pos in zip(slices, at.planes, strict=True):
         rows = all_rows[row : row + len(s.rows)]
         rows[:] = s.rows
         rows[:, 2] += plane_pos
@@ -580,24 +618,43 @@ def _assemble(
         rows[:, 5] += esc_pos
         rows[:, 6] += table_pos
         row += len(s.rows)
-        for at, data in zip((table_pos, code_pos, esc_pos, plane_pos), s.pieces, strict=True):
-            put(at, data)
+        for pos, data in zip((table_pos, code_pos, esc_pos, plane_pos), s.pieces, strict=True):
+            writer.put(pos, data)
         table_pos += s.tables.numel()
         code_pos += s.codes.numel()
         esc_pos += s.escapes.numel()
-        s.tables = s.codes = s.escapes = s.planes = payload[:0]  # freed once copied: less device memory
+        s.tables = s.codes = s.escapes = s.planes = writer.payload[:0]  # freed once copied: less device memory
+    return row
+
+
+def _assemble(
+    source: torch.Tensor,
+    segments: list[Segment],
+    classes: list[list[_Slice]],
+    by_width: dict[int, list[Segment]],
+    verbatim: list[Segment],
+    chunk: int,
+    device: torch.device,
+    verify: bool,
+) -> EncodedUnit:
+    """The payload of the coded ``classes`` and the ``verbatim`` segments of ``source`` (the unit's bytes where
+    they were coded), laid out as the module docstring says, on ``device``; checked there when ``verify``."""
+    slices = [s for c in classes for s in c]
+    pieces = _verbatim_pieces(verbatim)
+    n_rows = sum(len(s.rows) for s in slices) + len(pieces)
+    at = _place_sections(slices, verbatim, n_rows)
+    total = at.total
+    payload = torch.empty(total, dtype=torch.uint8, device=device) if device.type == "cuda" else host_buffer(total)
+    writer = _PayloadWriter(payload)
+    all_rows = np.zeros((n_rows, ROW_WORDS), dtype=np.int64)
+    row = _write_slices(slices, at, all_rows, writer)
     for out_off, nbytes, seg, start in pieces:
-        all_rows[row] = (out_off, nbytes, verbatim_off[seg] + start, 0, 0, 0, 0, 0)
+        all_rows[row] = (out_off, nbytes, at.verbatim[seg] + start, 0, 0, 0, 0, 0)
         row += 1
     for seg in verbatim:
-        put(verbatim_off[seg], source[seg.offset : seg.offset + seg.nbytes])
-    put(0, torch.from_numpy(all_rows.reshape(-1).view(np.uint8)))
-    # Zero what lies between the sections (alignment, the code window's pad byte): payloads are deterministic.
-    end = 0
-    for start, stop in [*sorted(written), (total, total)]:
-        if start > end:
-            payload[end:start].zero_()
-        end = max(end, stop)
+        writer.put(at.verbatim[seg], source[seg.offset : seg.offset + seg.nbytes])
+    writer.put(0, torch.from_numpy(all_rows.reshape(-1).view(np.uint8)))
+    writer.zero_gaps(total)
     encoded = EncodedUnit(
         payload=payload,
         raw_nbytes=source.numel(),

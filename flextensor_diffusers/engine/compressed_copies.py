@@ -53,8 +53,8 @@ class CompressedCopies:
         file (`payload_cache`). Otherwise units are encoded (on the GPU where there is one: `_encode_all`)
         and the file is written. On a CUDA device the encoder decodes every new payload once there and
         compares it with the weights too (``verify``). Payloads are page-locked in place
-        (``cudaHostRegister`` on their own mapping, ~10x faster than ``pin_memory()``'s copy) and
-        unregistered before they are dropped (`release`)."""
+        (``cudaHostRegister`` on their own mapping, which locks the pages where they are instead of copying them
+        as ``pin_memory()`` does) and unregistered before they are dropped (`release`)."""
         self.release()
         self.pinned = pin
         if cache is None or not self._keep_cached(cache.read(PACK_THREADS), pin, cache):
@@ -188,9 +188,9 @@ class CompressedCopies:
 
         A wrong payload would make every later load silently compute with wrong weights; this costs one
         copy of the unit and of its payload, one decode and one synchronisation at set-up (`check_decodes`,
-        the encoder's own check). The CPU decoder is a slow reference (a few MB/s), so on the CPU the payload
-        is compared with a fresh encoding of the weights instead (the encoder is deterministic): as exact, at
-        encoding speed."""
+        the encoder's own check). The CPU decoder is a reference, far slower than the encoder, so on the CPU the
+        payload is compared with a fresh encoding of the weights instead (the encoder is deterministic): as
+        exact, at encoding speed."""
         host = self._host_of(unit)
         if not self.cuda:
             fresh = encode_unit(host, list(encoded.segments), chunk=encoded.chunk)

@@ -1,19 +1,17 @@
 """Encoding a model's units on the GPU at set-up, with the copies both ways hidden behind the coding.
 
-One unit's trip through the device encoder has four parts (measured for a 703 MB Wan2.2 block on the H200,
-``benchmarks/results/encode_profile_h200.json``): the raw bytes over the link (13 ms), coding and the
-on-device check (~37 ms), and the payload back to host memory. Copied straight into a new pageable buffer
-that last part took 127 ms (2.8 GB/s: the driver stages it, and every page of the new buffer faults on first
-touch); through a page-locked staging buffer it is a 9 ms transfer plus an 18 ms host copy, and the buffer
-then page-locks at 39 GB/s instead of 4.5 GB/s, its pages being present.
+One unit's trip through the device encoder has four parts: the raw bytes over the link, coding and the
+on-device check, and the payload back to host memory. Copied straight into a new pageable buffer, that last
+part is the slowest of them: the driver stages the copy, and every page of the new buffer faults on first
+touch. Through a page-locked staging buffer it is a transfer at the link's rate plus a host copy, and the
+buffer, its pages then present, page-locks far faster than a fresh one.
 
 `DeviceEncoder` runs the parts of successive units side by side: the next unit's raw bytes cross on a
 copy stream while the current one is coded, and a host thread moves the previous payload from its staging
-buffer into its own buffer and page-locks it there while the device codes the next. On its own that took
-82.3 ms a block, of which 56.1 ms device work (``benchmarks/results/device_encoder_h200.json``). In the
-package's set-up its calls take 94 ms a block once packing is over and 135 ms beside it
-(``setup_profile_h200.json``); neither coding after packing, a shorter thread switch interval nor fewer device
-synchronisations changed that, and what does is not yet measured.
+buffer into its own buffer and page-locks it there while the device codes the next. Even so, its calls take
+longer than the device work alone, and longer still while units are being packed beside them; neither coding
+after packing, a shorter thread switch interval nor fewer device synchronisations changed that, and what does
+is not yet known. Measured times of each part and of the encoder: see benchmarks/results/README.md.
 """
 
 from __future__ import annotations
@@ -47,9 +45,9 @@ class _Staging:
     """A page-locked buffer a payload comes back into, and the host copy out of it still in flight.
 
     The buffer is the package's own host buffer, written once (so its pages are present) and then locked in
-    place: 38.8 GB/s on the H200 (``encode_profile_h200.json``), where ``pin_memory()`` ran at ~1.1 GB/s
-    (``setup_h200.json``). Every buffer the package locks is locked with its pages present; the encoder that
-    locked fresh ones is the one that made later device allocations fail on the H200 (see `codec`)."""
+    place, which is far faster than ``pin_memory()``'s copy into new locked memory (see
+    benchmarks/results/README.md). Every buffer the package locks is locked with its pages present; the encoder
+    that locked fresh ones is the one that made later device allocations fail on the H200 (see `codec`)."""
 
     buffer: torch.Tensor
     locked: bool = False

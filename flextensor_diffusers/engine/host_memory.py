@@ -5,8 +5,8 @@ read back from disk) comes from `host_buffer`: an anonymous mapping of its own, 
 
 * **Set-up speed.** Large buffers are advised to use transparent huge pages (``MADV_HUGEPAGE``, 2 MiB pages
   from a 2 MiB boundary). Filling a buffer then takes 512x fewer page faults, and ``cudaHostRegister``
-  locks 512x fewer page-table entries: on the H200 machine, filling and registering 11.2 GB on 8 threads
-  took 0.95 s instead of 2.69 s with ``torch.empty`` (``benchmarks/results/setup_h200.json``).
+  locks 512x fewer page-table entries, so filling and registering take a fraction of their time on
+  ``torch.empty``'s 4 KiB pages (measured: see benchmarks/results/README.md).
 * **Registration that cannot collide.** ``cudaHostRegister`` locks whole pages. A heap buffer shares its
   first and last page with its neighbours, so registering two neighbours fails, and a heap range that was
   freed while still registered fails the next registration over it. A mapping of its own starts on a page

@@ -1,9 +1,9 @@
 """A file of a model's compressed copies, so that a later set-up of the same model reads them back
 instead of encoding every unit again (``OffloadConfig(compression="lossless", compression_cache=True)``).
 
-Encoding runs on the host at a few hundred MB/s per thread, so compressing a 28 GB model takes far longer
-than packing it; reading its ~20 GB of payloads back is disk-bound instead. The file is named after what
-identifies the weights cheaply: the model's structural fingerprint (every tensor's name, shape and dtype)
+Encoding on the host takes far longer than packing the same weights; reading the payloads back is disk-bound
+instead (measured set-up times with and without the file: see benchmarks/results/README.md). The file is named
+after what identifies the weights cheaply: the model's structural fingerprint (every tensor's name, shape and dtype)
 and a digest of a few sampled KiB of every unit's bytes, with the codec's version. That key tells models
 apart, but not every edit of a weight: **a read payload is therefore never trusted**. `CompressedCopies.make`
 decodes each one and compares it with the weights, byte for byte, before it is used; one mismatch refuses
@@ -124,9 +124,9 @@ class PayloadCache:
     def read(self, threads: int = 1) -> dict[int, EncodedUnit]:
         """The cached payloads by unit index, in new host buffers; empty when there is no usable file.
 
-        Payloads are read on ``threads`` threads, one payload each at a time: a single reader copies out
-        of the page cache and faults in the new buffers' pages at a few GB/s, far below what the memory
-        (or a fast disk) delivers."""
+        Payloads are read on ``threads`` threads, one payload each at a time: a single reader, which copies
+        out of the page cache and faults in the new buffers' pages on one core, falls far below what the
+        memory (or a fast disk) delivers."""
         if not self.path.exists():
             return {}
         try:

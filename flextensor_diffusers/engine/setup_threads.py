@@ -1,7 +1,8 @@
 """Set-up work spread over host threads, one unit per task.
 
 Packing, page-locking, host encoding and reading units back are each bound by one core's memory bandwidth
-or by a kernel call that releases the GIL, so several threads go several times faster.
+or by a kernel call that releases the GIL, so several threads make progress at once where one would leave
+the machine's other cores and memory channels idle.
 """
 
 from __future__ import annotations

@@ -320,51 +320,9 @@ def plan_layout(
     way in every process instead (weights in shared host memory). ``meta_ok``: the model may be on the
     meta device (its bytes come from shared host memory), where storages cannot be compared.
     """
-    unit_of_module: dict[int, int] = {}
-    for i, (_, module) in enumerate(selected):
-        for sub in module.modules():
-            unit_of_module.setdefault(id(sub), i)
-
-    # Where each tensor is used: the set of unit indices (-1: outside any unit).
-    places: dict[int, set[int]] = {}
-    tensor_by_id: dict[int, torch.Tensor] = {}
-    qualified: dict[int, str] = {}
-    for mod_name, module in model.named_modules(remove_duplicate=False):
-        place = unit_of_module.get(id(module), -1)
-        for local, t, _ in _owned_tensors(module):
-            places.setdefault(id(t), set()).add(place)
-            tensor_by_id[id(t)] = t
-            qualified.setdefault(id(t), f"{mod_name}.{local}" if mod_name else local)
-
-    storages: dict[int, set[int]] = {}
-    for tid, t in tensor_by_id.items():
-        if t.device.type == "meta":
-            if meta_ok:
-                continue
-            raise FlexTensorError(
-                f"tensor {qualified[tid]!r} is on the meta device: load the weights before offloading "
-                "(or attach to weights another process packed: SharedHostMemory(..., create=False))"
-            )
-        storages.setdefault(t.untyped_storage().data_ptr(), set()).add(tid)
-    storage_shared = {tid for ids in storages.values() if len(ids) > 1 for tid in ids}
-
-    base_ids: set[int] = set()
-    loose: list[torch.Tensor] = []
-    shared_names: list[str] = []
-    unit_tensor_ids: list[set[int]] = [set() for _ in selected]
-    for tid, where in places.items():
-        if tid in storage_shared:
-            loose.append(tensor_by_id[tid])
-            shared_names.append(qualified[tid])
-        elif len(where) == 1 and -1 not in where:
-            unit_tensor_ids[next(iter(where))].add(tid)
-        else:
-            base_ids.add(tid)
-            if len(where) > 1:
-                shared_names.append(qualified[tid])
-    if shared_names:
-        logger.info("kept resident because shared between modules: %s", ", ".join(sorted(shared_names)))
-
+    uses = _tensor_uses(model, selected)
+    storage_shared = _storage_shared(uses, meta_ok)
+    unit_tensor_ids, base_ids, loose = _assign_tensors(uses, storage_shared, len(selected))
     units = []
     for i, (name, module) in enumerate(selected):
         unit = _lay_out(Unit(index=i, name=name, module=module), unit_tensor_ids[i], device, canonical)
@@ -375,6 +333,76 @@ def plan_layout(
         units.append(unit)
     base = _lay_out(Unit(index=-1, name="(outside units)", module=model), base_ids, device, canonical)
     return UnitLayout(units=units, base=base, loose=loose)
+
+
+@dataclass
+class _TensorUses:
+    """Every tensor of a model by ``id``, in the order the model's modules hold them: the tensor, its first
+    qualified name (for messages) and the set of units using it (-1: a module outside any unit)."""
+
+    tensor: dict[int, torch.Tensor] = field(default_factory=dict)
+    name: dict[int, str] = field(default_factory=dict)
+    places: dict[int, set[int]] = field(default_factory=dict)
+
+
+def _tensor_uses(model: nn.Module, selected: list[tuple[str, nn.Module]]) -> _TensorUses:
+    """Where each tensor of ``model`` is used. Modules are walked with duplicates, so a module (and so a tensor)
+    reachable both inside and outside a unit is seen in every place; a submodule of several units belongs to
+    the first that holds it."""
+    unit_of_module: dict[int, int] = {}
+    for i, (_, module) in enumerate(selected):
+        for sub in module.modules():
+            unit_of_module.setdefault(id(sub), i)
+    uses = _TensorUses()
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        place = unit_of_module.get(id(module), -1)
+        for local, t, _ in _owned_tensors(module):
+            uses.places.setdefault(id(t), set()).add(place)
+            uses.tensor[id(t)] = t
+            uses.name.setdefault(id(t), f"{mod_name}.{local}" if mod_name else local)
+    return uses
+
+
+def _storage_shared(uses: _TensorUses, meta_ok: bool) -> set[int]:
+    """Ids of the distinct tensors that share a storage with another: packing copies each tensor into bytes
+    of its own, which would silently un-share them. Tensors on the meta device have no storage to compare;
+    they are refused unless ``meta_ok``."""
+    storages: dict[int, set[int]] = {}
+    for tid, t in uses.tensor.items():
+        if t.device.type == "meta":
+            if meta_ok:
+                continue
+            raise FlexTensorError(
+                f"tensor {uses.name[tid]!r} is on the meta device: load the weights before offloading "
+                "(or attach to weights another process packed: SharedHostMemory(..., create=False))"
+            )
+        storages.setdefault(t.untyped_storage().data_ptr(), set()).add(tid)
+    return {tid for ids in storages.values() if len(ids) > 1 for tid in ids}
+
+
+def _assign_tensors(
+    uses: _TensorUses, storage_shared: set[int], n_units: int
+) -> tuple[list[set[int]], set[int], list[torch.Tensor]]:
+    """Each unit's tensor ids, the resident base's and the loose tensors (moved with ``.to()``): a tensor used
+    by one unit only goes to it; one used in several places or outside units stays in the base, so that it
+    remains one tensor; one sharing its storage stays loose. Logs the names of those kept resident for sharing."""
+    base_ids: set[int] = set()
+    loose: list[torch.Tensor] = []
+    shared_names: list[str] = []
+    unit_tensor_ids: list[set[int]] = [set() for _ in range(n_units)]
+    for tid, where in uses.places.items():
+        if tid in storage_shared:
+            loose.append(uses.tensor[tid])
+            shared_names.append(uses.name[tid])
+        elif len(where) == 1 and -1 not in where:
+            unit_tensor_ids[next(iter(where))].add(tid)
+        else:
+            base_ids.add(tid)
+            if len(where) > 1:
+                shared_names.append(uses.name[tid])
+    if shared_names:
+        logger.info("kept resident because shared between modules: %s", ", ".join(sorted(shared_names)))
+    return unit_tensor_ids, base_ids, loose
 
 
 def _lay_out(unit: Unit, tensor_ids: set[int], device: torch.device, canonical: bool) -> Unit:
