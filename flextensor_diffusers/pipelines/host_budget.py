@@ -26,9 +26,8 @@ from ..engine.errors import HostBudgetError
 AUTO_HOST_SHARE = 0.8
 #: Host memory kept free in the host budget for what the process allocates after offload is enabled,
 #: besides host copies: the reader threads' malloc arenas and stacks, the host workspaces of CUDA
-#: libraries loaded at the first generation, a generation's Python objects. On the H200 with the full
-#: Wan2.2-A14B (benchmarks/results/host_tier_05890d0_h200.json) the process's RssAnon + RssShmem peaked 1.23 GB
-#: above the tier's own peak: 0.55 GB it held before the pipeline was loaded, about 0.68 GB came later.
+#: libraries loaded at the first generation, a generation's Python objects. Sized from what the full
+#: Wan2.2-A14B run held above the tier's own peak: see benchmarks/results/README.md (host_tier_05890d0_h200).
 HOST_RESERVE_BYTES = 2**30
 
 

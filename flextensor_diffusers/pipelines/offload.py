@@ -274,96 +274,183 @@ def enable(
             the host tier and for ``raw_copies="disk"`` (with ``compression="lossless"``: the raw host
             copies wait in a mapped cache file and host RAM holds the compressed copies only).
         **config: further `OffloadConfig` fields (``max_slots``, ``profiling_runs``, ...).
+
+    Everything is checked before anything is packed; a failure after that undoes all that was set up
+    (`PipelineOffload.disable`), so the pipeline is left as it was.
     """
-    if getattr(pipeline, "_flextensor", None) is not None:
-        raise OffloadStateError("flextensor offload is already enabled on this pipeline: disable it first")
-    available = _weighted_components(pipeline)
-    chosen = list(available) if components is None else list(components)
-    unknown = [c for c in chosen + list(patterns or {}) if c not in available]
-    if unknown:
-        raise FlexTensorError(
-            f"unknown component(s) {', '.join(map(repr, unknown))}; this {type(pipeline).__name__} has "
-            f"{', '.join(available)}"
-        )
-    device = resolve_device(device)
-    budget_bytes = resolve_budget(budget, device)
-    includes = _includes(available, chosen, patterns or {})
-    packed = _check_setup_budgets(available, includes, budget_bytes, device, canonical=shared_host is not None)
-    tier = None
-    if host_budget is not None:
-        if shared_host is not None:
-            raise FlexTensorError(
-                "host_budget cannot be combined with shared_host yet (the processes' one shared host copy is all in "
-                "RAM): drop one of them"
-            )
-        if config.get("compression", "none") != "none":
-            raise FlexTensorError(
-                f"host_budget cannot be combined with compression={config['compression']!r} yet: drop one of them "
-                "(compression alone keeps fewer bytes in RAM; host_budget alone keeps some on disk)"
-            )
-        host_bytes = resolve_host_budget(host_budget)
-        root = pipeline_folder(pipeline)
-        overhead = HostOverhead.measure(available[n] for n in packed)  # before packing: the process's own memory
-        kept = {n: kept_in_ram_bytes(n, available[n], root) for n in packed}
-        check_host_budget(host_bytes, packed, overhead, kept)
-        pin = device.type == "cuda" and config.get("pin_memory", True)
-        tier = HostTier(
-            budget=host_bytes,
-            folder=cache_folder(cache_dir),
-            pin=pin,
-            overhead=overhead,
-            weights_root=root,
-            order=offload_order(pipeline),
-        )
-    state = PipelineOffload(pipeline=pipeline, device=device, budget_bytes=budget_bytes, host_tier=tier)
+    request = OffloadRequest.resolve(
+        pipeline, budget, device, components, patterns, profile_dir, shared_host, shared_host_root, cache_dir, config
+    )
+    tier = _host_tier(request, host_budget) if host_budget is not None else None
+    state = PipelineOffload(pipeline=pipeline, device=request.device, budget_bytes=request.budget_bytes, host_tier=tier)
     try:
-        for name in chosen:
-            module = available[name]
-            cfg = OffloadConfig(
-                include_patterns=includes[name],
-                gpu_budget=budget_bytes,
-                device=device,
-                profile_dir=Path(profile_dir) / name if profile_dir is not None else None,
-                entry_methods=[m for m in ENTRY_METHODS if callable(getattr(module, m, None))],
-                edit_methods=[m for m in EDIT_METHODS if callable(getattr(module, m, None))],
-                cache_dir=cache_dir,
-                active_after_setup=False,  # nothing on the device until the component runs
-                **config,
-            )
-            if tier is not None:
-                tier.room_for_packing(packed[name])
-            try:
-                if shared_host is None:
-                    handle = OffloadHandle(module, cfg)
-                else:
-                    handle = offload_shared(module, cfg, f"{shared_host}-{name}", root=shared_host_root)
-            except BudgetError as exc:
-                raise BudgetError(f"component {name!r}: {exc}", required_bytes=exc.required_bytes) from exc
-            handle.on_activate = state.activate
-            handle.defer_budget_errors = True  # reported for all components at once, by check_budget
-            state.handles[name] = handle
-            if tier is not None:
-                tier.add(name, handle)
-            module._hf_hook = _ExecutionDevice(device)
-        for name, module in available.items():
-            if name not in state.handles:
-                state.moved[name] = next(module.parameters()).device
-                module.to(device)
-        vae = getattr(pipeline, "vae", None)
-        state.vae_tiling = resolve_vae_tiling(vae_tiling, budget_bytes)
-        if state.vae_tiling and vae is not None and hasattr(vae, "enable_tiling"):
-            vae.enable_tiling()
-            logger.info("VAE tiling on (budget %s)", format_bytes(budget_bytes))
-        else:
-            state.vae_tiling = False
-        if callable(getattr(pipeline, END_OF_GENERATION, None)):
-            setattr(pipeline, END_OF_GENERATION, _checking_budget(getattr(pipeline, END_OF_GENERATION), state))
-        setattr(pipeline, MOVE, _refuse_move)
+        for name in request.chosen:
+            _offload_component(state, request, name)
+        _move_the_rest(state, request)
+        _finish(state, vae_tiling)
     except BaseException:
         state.disable()
         raise
     pipeline._flextensor = state
     return state
+
+
+@dataclass(frozen=True)
+class OffloadRequest:
+    """What `enable` was asked, resolved and checked before anything is packed: the components to wrap
+    (``chosen``, among every component with weights, ``available``), their include patterns and packed host
+    bytes, the device and the GPU budget in bytes, and the options each component's `OffloadConfig` takes."""
+
+    pipeline: Any
+    available: dict[str, nn.Module]
+    chosen: list[str]
+    includes: dict[str, list[str]]
+    packed: dict[str, int]  # each chosen component's packed host bytes (what the host tier makes room for)
+    device: torch.device
+    budget_bytes: int
+    profile_dir: str | Path | None
+    cache_dir: str | Path | None
+    shared_host: str | None
+    shared_host_root: str | Path
+    config: dict[str, Any]  # further `OffloadConfig` fields
+
+    @classmethod
+    def resolve(
+        cls,
+        pipeline: Any,
+        budget: int | str,
+        device: str | torch.device | None,
+        components: list[str] | None,
+        patterns: dict[str, list[str]] | None,
+        profile_dir: str | Path | None,
+        shared_host: str | None,
+        shared_host_root: str | Path,
+        cache_dir: str | Path | None,
+        config: dict[str, Any],
+    ) -> OffloadRequest:
+        """Refuse a pipeline already offloaded, unknown component names and a budget under any component's
+        set-up minimum (from the architecture alone), before anything is packed or moved."""
+        if getattr(pipeline, "_flextensor", None) is not None:
+            raise OffloadStateError("flextensor offload is already enabled on this pipeline: disable it first")
+        available = _weighted_components(pipeline)
+        chosen = list(available) if components is None else list(components)
+        unknown = [c for c in chosen + list(patterns or {}) if c not in available]
+        if unknown:
+            raise FlexTensorError(
+                f"unknown component(s) {', '.join(map(repr, unknown))}; this {type(pipeline).__name__} has "
+                f"{', '.join(available)}"
+            )
+        device = resolve_device(device)
+        budget_bytes = resolve_budget(budget, device)
+        includes = _includes(available, chosen, patterns or {})
+        packed = _check_setup_budgets(available, includes, budget_bytes, device, canonical=shared_host is not None)
+        return cls(
+            pipeline=pipeline,
+            available=available,
+            chosen=chosen,
+            includes=includes,
+            packed=packed,
+            device=device,
+            budget_bytes=budget_bytes,
+            profile_dir=profile_dir,
+            cache_dir=cache_dir,
+            shared_host=shared_host,
+            shared_host_root=shared_host_root,
+            config=config,
+        )
+
+    def component_config(self, name: str) -> OffloadConfig:
+        """``name``'s `OffloadConfig`: its patterns, the whole budget, its own profile folder, the entry and
+        edit methods its module has; nothing on the device until the component runs."""
+        module = self.available[name]
+        return OffloadConfig(
+            include_patterns=self.includes[name],
+            gpu_budget=self.budget_bytes,
+            device=self.device,
+            profile_dir=Path(self.profile_dir) / name if self.profile_dir is not None else None,
+            entry_methods=[m for m in ENTRY_METHODS if callable(getattr(module, m, None))],
+            edit_methods=[m for m in EDIT_METHODS if callable(getattr(module, m, None))],
+            cache_dir=self.cache_dir,
+            active_after_setup=False,  # nothing on the device until the component runs
+            **self.config,
+        )
+
+
+def _host_tier(request: OffloadRequest, host_budget: int | str) -> HostTier:
+    """The host tier for ``host_budget``, refused before anything is packed when it is under the smallest
+    workable one. The process's own memory is measured now, before packing turns weights into host copies."""
+    if request.shared_host is not None:
+        raise FlexTensorError(
+            "host_budget cannot be combined with shared_host yet (the processes' one shared host copy is all in "
+            "RAM): drop one of them"
+        )
+    if request.config.get("compression", "none") != "none":
+        raise FlexTensorError(
+            f"host_budget cannot be combined with compression={request.config['compression']!r} yet: drop one of "
+            "them (compression alone keeps fewer bytes in RAM; host_budget alone keeps some on disk)"
+        )
+    host_bytes = resolve_host_budget(host_budget)
+    root = pipeline_folder(request.pipeline)
+    packed, available = request.packed, request.available
+    overhead = HostOverhead.measure(available[n] for n in packed)  # before packing: the process's own memory
+    kept = {n: kept_in_ram_bytes(n, available[n], root) for n in packed}
+    check_host_budget(host_bytes, packed, overhead, kept)
+    pin = request.device.type == "cuda" and request.config.get("pin_memory", True)
+    return HostTier(
+        budget=host_bytes,
+        folder=cache_folder(request.cache_dir),
+        pin=pin,
+        overhead=overhead,
+        weights_root=root,
+        order=offload_order(request.pipeline),
+    )
+
+
+def _offload_component(state: PipelineOffload, request: OffloadRequest, name: str) -> None:
+    """Pack ``name`` into its handle (the host tier first makes room for its host copies) and route its
+    activation through ``state``, so that only one component holds device memory at a time."""
+    module = request.available[name]
+    cfg = request.component_config(name)
+    tier = state.host_tier
+    if tier is not None:
+        tier.room_for_packing(request.packed[name])
+    try:
+        if request.shared_host is None:
+            handle = OffloadHandle(module, cfg)
+        else:
+            handle = offload_shared(module, cfg, f"{request.shared_host}-{name}", root=request.shared_host_root)
+    except BudgetError as exc:
+        raise BudgetError(f"component {name!r}: {exc}", required_bytes=exc.required_bytes) from exc
+    handle.on_activate = state.activate
+    handle.defer_budget_errors = True  # reported for all components at once, by check_budget
+    state.handles[name] = handle
+    if tier is not None:
+        tier.add(name, handle)
+    module._hf_hook = _ExecutionDevice(request.device)
+
+
+def _move_the_rest(state: PipelineOffload, request: OffloadRequest) -> None:
+    """Components with weights that are not wrapped move to the device whole (moved back on disable)."""
+    for name, module in request.available.items():
+        if name not in state.handles:
+            state.moved[name] = next(module.parameters()).device
+            module.to(request.device)
+
+
+def _finish(state: PipelineOffload, vae_tiling: bool | None) -> None:
+    """VAE tiling as asked (else by budget), shortfalls checked at the end of every generation, and
+    ``pipe.to`` refused while offload is enabled; `PipelineOffload.disable` undoes each."""
+    pipeline = state.pipeline
+    vae = getattr(pipeline, "vae", None)
+    state.vae_tiling = resolve_vae_tiling(vae_tiling, state.budget_bytes)
+    if state.vae_tiling and vae is not None and hasattr(vae, "enable_tiling"):
+        vae.enable_tiling()
+        logger.info("VAE tiling on (budget %s)", format_bytes(state.budget_bytes))
+    else:
+        state.vae_tiling = False
+    if callable(getattr(pipeline, END_OF_GENERATION, None)):
+        setattr(pipeline, END_OF_GENERATION, _checking_budget(getattr(pipeline, END_OF_GENERATION), state))
+    setattr(pipeline, MOVE, _refuse_move)
 
 
 def _includes(

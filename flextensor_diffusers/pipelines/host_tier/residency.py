@@ -1,0 +1,187 @@
+"""Where each component's host copies are, and which move out of RAM to make room for another.
+
+Components are moved out least recently active first: the pipeline runs them in a cycle, so the one that
+ran longest ago is the one needed furthest ahead. A component in its weight files moves out without a
+write (its tensors become views of mappings of those files); any other is written to a cache file the
+first time and kept there, unwritten again, until an edit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from ...engine import format_bytes
+from ...engine.errors import FlexTensorError
+from ..host_budget import HostOverhead
+from ..weight_files import WeightSource, component_folders
+
+if TYPE_CHECKING:
+    from ...engine import OffloadHandle
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TierBudget:
+    """The user's host budget (the whole process's anonymous and page-locked memory) and its split: what the
+    process holds besides the host copies comes off the top (``overhead``, measured when offload was
+    enabled), the host copies get the rest, ``weights_budget``."""
+
+    budget: int
+    overhead: HostOverhead
+
+    @property
+    def weights_budget(self) -> int:
+        """The host copies' share: what `Residency.ram_bytes` stays under."""
+        return self.budget - self.overhead.nbytes
+
+
+def kept_in_ram_bytes(name: str, module: nn.Module, root: Path | None) -> int:
+    """Bytes of ``module``'s non-persistent buffers (RoPE tables, say) when it may wait in weight files
+    (it has a local folder): never in those files, they stay in RAM while it waits there."""
+    if not component_folders(name, module, root):
+        return 0
+    buffers = {
+        id(t): t
+        for sub in module.modules()
+        for n, t in sub._buffers.items()
+        if t is not None and n in getattr(sub, "_non_persistent_buffers_set", ())
+    }
+    return sum(t.numel() * t.element_size() for t in buffers.values())
+
+
+class Residency:
+    """The components' host copies against ``budget.weights_budget``: which are in RAM, which wait on disk and
+    where (``sources``: those that wait in their own weight files; the others' cache files in ``folder``), and
+    the peak. ``reserved`` tells what the reads under way may still take: RAM they hold before the host copies
+    adopt it, counted here so that the share holds at all times. Not thread-safe: `HostTier` holds its lock."""
+
+    def __init__(
+        self, budget: TierBudget, folder: Path, weights_root: Path | None, reserved: Callable[[], int]
+    ) -> None:
+        self.budget = budget
+        self.folder = folder
+        self.weights_root = weights_root  # the pipeline's folder, where its components' folders are
+        self.handles: dict[str, OffloadHandle] = {}
+        self.recency: list[str] = []  # least recently active first
+        self.sources: dict[str, WeightSource] = {}  # components that wait in their own weight files
+        self.peak_ram_bytes = 0
+        self._files: list[Path] = []  # cache files written, deleted by `delete_files`
+        self._reserved = reserved
+
+    def ram_bytes(self) -> int:
+        """Host RAM of the host copies now, and what the reads under way may hold (reserved ahead)."""
+        return sum(h.host.host_ram_bytes for h in self.handles.values()) + self._reserved()
+
+    def note_peak(self) -> None:
+        self.peak_ram_bytes = max(self.peak_ram_bytes, self.ram_bytes())
+
+    def packed_bytes(self, name: str) -> int:
+        return self.handles[name].host.packed_bytes
+
+    def name_of(self, handle: OffloadHandle) -> str:
+        return next(n for n, h in self.handles.items() if h is handle)
+
+    def add(self, name: str, handle: OffloadHandle) -> None:
+        """Track a component just packed (in RAM): find its weight files, then move others to disk if
+        it does not fit with them."""
+        self.handles[name] = handle
+        self.recency.append(name)
+        folders = component_folders(name, handle.model, self.weights_root)
+        host_copies = handle.host
+        source = WeightSource.find(name, folders, host_copies.positions) if folders else None
+        if source is not None:
+            self.sources[name] = source
+            host_copies.mark_spill_current()
+        self.make_room({name}, 0)  # it is in RAM already: the others move out until all fit
+        self.note_peak()
+
+    def mark_active(self, name: str) -> None:
+        """``name`` becomes active: the most recently active, the last to move out."""
+        self.recency.remove(name)
+        self.recency.append(name)
+
+    def make_room(self, keep: set[str], nbytes: int) -> None:
+        """Move least recently used components out (never those in ``keep`` nor an active one) until
+        ``nbytes`` more fit, or none is left to move."""
+        for other in list(self.recency):
+            if self.ram_bytes() + nbytes <= self.budget.weights_budget:
+                return
+            if self._movable(other, keep):
+                self._move_out(other)
+
+    def _movable(self, name: str, keep: set[str]) -> bool:
+        handle = self.handles[name]
+        return name not in keep and handle.host.spilled_to is None and not handle.active
+
+    def _move_out(self, name: str) -> None:
+        """To its weight files when they still hold its bytes (nothing written), else to a cache file."""
+        handle = self.handles[name]
+        host_copies = handle.host
+        source = self.sources.get(name)
+        if source is not None and host_copies.spill_is_current:
+            hosts = source.hosts(host_copies.positions)
+            if hosts is not None:
+                host_copies.spill(source.where, hosts=list(hosts), held_bytes=source.ram_bytes)
+                logger.info("host tier: %s moved out to its weight files (%s)", name, source.where)
+                return
+            logger.warning(
+                "host tier: a weight file of %s changed since offload was enabled; it moves to a cache file instead",
+                name,
+            )
+        if source is not None:  # edited since (or its files changed): they no longer hold its bytes
+            del self.sources[name]
+        path = self.folder / f"{name}-{handle.fingerprint['sha256'][:16]}-{os.getpid()}.bin"
+        host_copies.spill(path)
+        if path not in self._files:
+            self._files.append(path)
+        logger.info("host tier: %s moved to disk (%s)", name, format_bytes(host_copies.packed_bytes))
+
+    def forget_files(self, name: str) -> None:
+        """The weight files no longer hold ``name``'s bytes (written into while it waited): from its next
+        move out on, it waits in a cache file."""
+        if self.sources.pop(name, None) is not None:
+            logger.info(
+                "host tier: %s was written into while it waited in its weight files; a cache file holds it from now on",
+                name,
+            )
+
+    def check_files_for_removal(self) -> None:
+        """Check the weight files of components waiting in them, which removal reads their weights back from.
+        A changed file is restored as it is now (a warning says so); a truncated one would fault, so it is
+        refused."""
+        for name, source in self.sources.items():
+            if self.handles[name].host.spilled_to is None:
+                continue
+            truncated = source.truncated_file()
+            if truncated is not None:
+                raise FlexTensorError(
+                    f"the weight file {truncated} was truncated while {name} waited in it, so {name}'s weights "
+                    "are lost: load the pipeline again"
+                )
+            changed = source.changed_file()
+            if changed is not None:
+                logger.warning(
+                    "host tier: %s changed since offload was enabled; %s's weights are restored from it as it is",
+                    changed,
+                    name,
+                )
+
+    def delete_files(self) -> None:
+        """Delete the cache files (every handle is removed) and drop from the page cache the weight files'
+        pages the removal read; the default cache folder goes too once it is empty."""
+        for path in self._files:
+            path.unlink(missing_ok=True)
+        self._files = []
+        for source in self.sources.values():
+            source.read_done()
+        if not any(self.folder.iterdir()) and self.folder.name == "flextensor-cache":
+            shutil.rmtree(self.folder, ignore_errors=True)

@@ -1,0 +1,170 @@
+"""`HostTier`: the host tier's one entry point for the pipeline offload, wiring its parts under one lock.
+
+`PipelineOffload` calls it at set-up (`room_for_packing`, `add`), at every switch (`bring_in`), for the report,
+and at the end (`stop`, `close`); the engine calls only the gate a read back sets (`read_back`).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .. import disk_reads
+from ..disk_reads import Reader
+from ..host_budget import HostOverhead
+from ..weight_files import WeightSource
+from .forecast import SlowSwitchWarning, SwitchForecast, forecast_switches
+from .order import ComponentOrder
+from .read_ahead import ReadAheads
+from .read_back import ReadBack
+from .records import Reading, Switch
+from .report import tier_report
+from .residency import Residency, TierBudget
+
+if TYPE_CHECKING:
+    from ...engine import OffloadHandle
+
+
+class HostTier:
+    """Which components' host copies are in RAM, under ``weights_budget`` (the host ``budget`` less
+    ``overhead``); the rest wait on disk (their own weight files, else cache files in ``folder``).
+
+    One lock around the parts' state (`Residency`, `ReadBack`, `ReadAheads`, `ComponentOrder`); the reader
+    threads only read a component's bytes into new buffers (`ReadJob`) and touch no state here.
+
+    Args:
+        budget: the user's host budget, the whole process's anonymous and page-locked memory.
+        folder: where cache files go.
+        pin: read back into page-locked buffers (to stream them to a CUDA device).
+        overhead: what the process holds besides the host copies, measured when offload was enabled.
+        weights_root: the pipeline's folder, where its components' weight files are looked up.
+        order: the pipeline's declared order (`offload_order`), until an order is seen.
+    """
+
+    def __init__(
+        self,
+        budget: int,
+        folder: Path,
+        pin: bool,
+        overhead: HostOverhead,
+        weights_root: Path | None = None,
+        order: list[str] | None = None,
+    ) -> None:
+        self.budget = budget
+        self.folder = folder
+        self.pin = pin
+        self.overhead = overhead
+        self.weights_root = weights_root
+        self.order = list(order or [])
+        self._lock = threading.RLock()
+        self._reader = Reader()
+        self._seen = ComponentOrder(self.order)
+        self._split = TierBudget(budget, overhead)
+        self._residency = Residency(self._split, folder, weights_root, reserved=self._reserved_bytes)
+        self._aheads = ReadAheads(self._residency, self._reader, self._seen, pin)
+        slow = SlowSwitchWarning(budget, self.forecasts)
+        self._read_back = ReadBack(self._lock, self._residency, self._reader, self._aheads, slow, pin)
+
+    @property
+    def weights_budget(self) -> int:
+        """The host copies' share, budget - overhead: what `ram_bytes` stays under."""
+        return self._split.weights_budget
+
+    @property
+    def handles(self) -> dict[str, OffloadHandle]:
+        return self._residency.handles
+
+    @property
+    def sources(self) -> dict[str, WeightSource]:
+        """Components that wait in their own weight files (the others wait in cache files)."""
+        return self._residency.sources
+
+    @property
+    def peak_ram_bytes(self) -> int:
+        return self._residency.peak_ram_bytes
+
+    @property
+    def switches(self) -> list[Switch]:
+        """Every read from disk, in order."""
+        return self._read_back.switches
+
+    @property
+    def reads(self) -> list[Switch]:
+        """Every read from disk, in order (an alias of ``switches``)."""
+        return self.switches
+
+    def ram_bytes(self) -> int:
+        """Host RAM of the host copies now, and what the reads under way may hold (reserved ahead)."""
+        with self._lock:
+            return self._residency.ram_bytes()
+
+    def _readings(self) -> list[Reading]:
+        """The reads under way: the active component's read back, then the read aheads in order."""
+        return self._read_back.readings() + self._aheads.readings()
+
+    def _reserved_bytes(self) -> int:
+        return sum(r.job.reserved_bytes for r in self._readings())
+
+    def add(self, name: str, handle: OffloadHandle) -> None:
+        """Track a component just packed (in RAM): find its weight files, then move others to disk if
+        it does not fit with them."""
+        with self._lock:
+            self._residency.add(name, handle)
+
+    def room_for_packing(self, nbytes: int) -> None:
+        """Before a component of ``nbytes`` is packed: move others to disk until it fits."""
+        with self._lock:
+            self._residency.make_room(set(), nbytes)
+
+    def bring_in(self, handle: OffloadHandle) -> None:
+        """Before ``handle`` becomes active (the one before is released): the previous component's read
+        back completed, a wrong read ahead given up; when ``handle`` waits on disk, its read back starts,
+        or goes on from its read ahead, and it becomes active at once (its units arrive through the
+        gate). Then the read aheads of the components expected next start or go on (`ReadAheads.after`)."""
+        started = disk_reads.clock()
+        with self._lock:
+            name = self._residency.name_of(handle)
+            self._residency.mark_active(name)
+            self._seen.note(name)
+            if self._read_back.serves(name):
+                return  # activated again while its units arrive: the gate still serves them
+            self._read_back.finish()
+            switch = None
+            if handle.host.spilled_to is not None:
+                self._aheads.give_up_before(name)
+                switch = self._read_back.start(name)
+            self._residency.note_peak()
+            self._aheads.after(name)
+            if switch is not None:  # all of it kept the component from computing
+                switch.wait_s += disk_reads.clock() - started
+
+    def report(self) -> dict[str, Any]:
+        """What `report.tier_report` tells, the switch under way counted up to now."""
+        with self._lock:
+            self._read_back.note_read_time()
+            return tier_report(self._residency, self.switches, self._readings(), self.forecasts())
+
+    def forecasts(self) -> list[SwitchForecast]:
+        """A `SwitchForecast` per switch seen so far whose two components do not fit in RAM together (so the
+        second waits on disk), once reads have measured the disk and the component has a plan."""
+        with self._lock:
+            return forecast_switches(self.switches, self._seen.seen_before(), self.handles, self._split)
+
+    def stop(self) -> None:
+        """Before offload is disabled: give up the reads under way (a component still arriving goes back to
+        disk as it was), and check the weight files of components waiting in them, which removal reads their
+        weights back from (`Residency.check_files_for_removal`)."""
+        with self._lock:
+            self._read_back.give_up()  # first: a read ahead queued behind it is then skipped at once
+            self._aheads.give_up_all()
+            self._residency.check_files_for_removal()
+
+    def close(self) -> None:
+        """Join the reader threads and delete the cache files (called once every handle is removed);
+        the weight files' pages the removal read are dropped from the page cache."""
+        with self._lock:
+            self._read_back.give_up()
+            self._aheads.give_up_all()
+            self._reader.close()
+            self._residency.delete_files()
