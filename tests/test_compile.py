@@ -24,7 +24,7 @@ def generate(pipe, **shape) -> torch.Tensor:
 
 
 def graphs() -> int:
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]  # torch private: its graph counter
 
 
 @pytest.fixture(scope="module", autouse=True)
