@@ -1,10 +1,5 @@
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),

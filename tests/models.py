@@ -7,6 +7,8 @@ import copy
 import torch
 from torch import nn
 
+import flextensor_diffusers as ft
+
 
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int = 2, dtype: torch.dtype = torch.float32) -> None:
@@ -121,7 +123,7 @@ def enable_with_one_component_in_ram(pipe, budget: int, cache) -> None:
     """Offload with a host budget of the largest component (set `set_host_overhead` to 0 first): Wan2.2's
     experts take turns in RAM, the other waiting in a cache file in ``cache``."""
     pipe.enable_flextensor_offload(budget=budget, device="cpu")
-    largest = max(h.host.packed_bytes for h in pipe._flextensor.handles.values())
+    largest = max(h.host.packed_bytes for h in ft.pipeline_offload(pipe).handles.values())
     pipe.disable_flextensor_offload()
     pipe.enable_flextensor_offload(budget=budget, device="cpu", host_budget=largest + 1, cache_dir=cache)
 

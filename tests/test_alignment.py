@@ -263,6 +263,7 @@ def test_views_keep_classes_and_strides_and_unit_sizes_do_not_depend_on_them() -
     for model in models:
         before = placements(model)
         handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**7, device="cpu")
+        # internal: the device copies' flat buffers are checked for alignment too; nothing public holds them
         buffers, positions = handle.device_copies.buffers, handle.host.positions
         flats = [buffers.base, *buffers.resident.values(), *buffers.slots, *(u.host for u in positions)]
         assert all(flat.data_ptr() % ALIGNMENT == 0 for flat in flats)

@@ -295,10 +295,8 @@ def test_decode_on_device(device: str) -> None:
 
 INTERPRETER_SCRIPT = textwrap.dedent(
     """
-    import sys
     import torch
-    sys.path.insert(0, {tests!r})
-    from test_codec import CHUNK, assert_segments_equal, awkward, pack
+    from tests.test_codec import CHUNK, assert_segments_equal, awkward, pack
     from flextensor_diffusers.engine.codec import decode_to_host, encode_unit
 
     tensors = [
@@ -323,10 +321,9 @@ INTERPRETER_SCRIPT = textwrap.dedent(
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_triton_kernel_exact_under_interpreter() -> None:
     """The device kernel itself, run on the CPU by Triton's interpreter (which must be on before import)."""
-    tests = str(Path(__file__).parent)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(
-        [sys.executable, "-c", INTERPRETER_SCRIPT.format(tests=tests)],
+        [sys.executable, "-c", INTERPRETER_SCRIPT],
         env=env,
         capture_output=True,
         text=True,

@@ -8,10 +8,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from fakes import st_lpips_without_ipython
-from models import TINY_WAN_ARGV
 
 from flextensor_diffusers.reports import compare, quality
+from tests.fakes import st_lpips_without_ipython
+from tests.models import TINY_WAN_ARGV
 
 
 def test_report_files_exist_parse_and_identical_outputs_read_as_such(tmp_path, monkeypatch) -> None:

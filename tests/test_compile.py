@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import assert_same, enable_with_one_component_in_ram, set_host_overhead, snapshot, wan_latents
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.pipelines.compile import compile_pipeline
 from flextensor_diffusers.recipes.models import build_pipeline
+from tests.models import assert_same, enable_with_one_component_in_ram, set_host_overhead, snapshot, wan_latents
 
 BUDGET = 250_000  # streams the transformer blocks through two slots
 
@@ -24,7 +24,7 @@ def generate(pipe, **shape) -> torch.Tensor:
 
 
 def graphs() -> int:
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]  # torch private: its graph counter
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -109,7 +109,7 @@ def test_compiling_after_profiling_profiles_again() -> None:
     pipe = build_pipeline("wan22_t2v", "tiny")
     pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
     generate(pipe)
-    handle = pipe._flextensor.handles["transformer"]
+    handle = ft.pipeline_offload(pipe).handles["transformer"]
     assert handle.phase.value == "steady"
     plans = handle.counters["plans"]
     compile_pipeline(pipe, "regional")
@@ -128,7 +128,7 @@ def test_whole_model_compile_is_refused_in_every_order() -> None:
     pipe.transformer.compile()  # compile, then enable
     with pytest.raises(ft.FlexTensorError, match="compile_repeated_blocks"):
         pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
-    assert getattr(pipe, "_flextensor", None) is None and type(pipe.transformer).__name__ == "WanTransformer3DModel"
+    assert ft.pipeline_offload(pipe) is None and type(pipe.transformer).__name__ == "WanTransformer3DModel"
     assert_same(before, pipe.transformer)
 
     pipe = build_pipeline("wan22_t2v", "tiny")
@@ -140,10 +140,11 @@ def test_whole_model_compile_is_refused_in_every_order() -> None:
     pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
     with pytest.raises(ft.FlexTensorError, match="compile_repeated_blocks"):  # enable, then compile in place
         compile_pipeline(pipe, "full")
-    pipe.transformer = torch.compile(pipe.transformer)  # enable, then the wrapper: refused at its first call
+    transformer = pipe.transformer
+    pipe.transformer = torch.compile(transformer)  # enable, then the wrapper: refused at its first call
     with pytest.raises(ft.FlexTensorError, match="compile_repeated_blocks"):
         generate(pipe)
-    pipe.transformer = pipe.transformer._orig_mod
+    pipe.transformer = transformer
     ref = build_pipeline("wan22_t2v", "tiny")
     assert torch.equal(generate(pipe), generate(ref))  # still right after the refusal
     pipe.disable_flextensor_offload()
@@ -161,15 +162,14 @@ def test_cuda_graph_modes_are_refused_at_the_call() -> None:
     other.transformer.compile_repeated_blocks(fullgraph=True, mode="reduce-overhead")
     with pytest.raises(ft.FlexTensorError, match="CUDA graphs"):
         other.enable_flextensor_offload(budget=BUDGET, device="cpu")
-    assert getattr(other, "_flextensor", None) is None
+    assert ft.pipeline_offload(other) is None
 
 
 def test_models_without_declared_repeated_blocks_compile_their_streamed_blocks() -> None:
     """Cosmos' models declare no ``_repeated_blocks``: regional compilation compiles each block the
     offload patterns stream (here a block stack), and offloading keeps those regions."""
-    from models import Stack
-
     from flextensor_diffusers.pipelines.compile import compile_blocks
+    from tests.models import Stack
 
     torch.manual_seed(0)
     model, x = Stack(depth=3).eval().requires_grad_(False), torch.randint(0, 50, (2, 16))

@@ -4,10 +4,10 @@ the slot; outputs stay bitwise equal to native, edits reach the compressed copie
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
-from models import Stack, assert_same, device_headroom, snapshot, wan_latents
 from torch import nn
 
 import flextensor_diffusers as ft
@@ -15,6 +15,7 @@ from flextensor_diffusers.engine import Phase, compressed_copies, planning
 from flextensor_diffusers.engine.codec import DEVICE_SLICE_BYTES, CodecMismatch, encode_unit
 from flextensor_diffusers.engine.planner import Call, WorkloadProfile, plan_residency, simulate
 from flextensor_diffusers.recipes.models import build_pipeline
+from tests.models import Stack, assert_same, device_headroom, snapshot, wan_latents
 
 
 def make(dtype: torch.dtype) -> tuple[Stack, torch.Tensor]:
@@ -67,6 +68,7 @@ def test_compressed_loads_are_bitwise_equal_and_move_fewer_bytes(dtype: torch.dt
     assert all(s < u.nbytes for s, u in zip(stored, handle.units, strict=True))  # every block compressed
     assert handle.profile.transfer_bytes == stored
     decoding = frozenset(handle.plan.streamed) if dtype == torch.bfloat16 else frozenset()
+    # internal: the loads really decode what the plan says (bytes streamed cannot tell which units did)
     assert handle.plan.compressed == decoding == handle.device_copies.decoding
     assert (handle.plan.staging_bytes > 0) == bool(decoding)
     stats = handle.stats()
@@ -108,7 +110,7 @@ def test_the_tiny_pipeline_with_compression_is_bitwise_equal(raw_copies: str, tm
     extra = dict(raw_copies=raw_copies, cache_dir=tmp_path)
     pipe.enable_flextensor_offload(budget=budget, device="cpu", compression="lossless", **extra)
     assert all(torch.equal(wan_latents(pipe), ref) for _ in range(3))
-    handles = pipe._flextensor.handles
+    handles = ft.pipeline_offload(pipe).handles
     transformer = handles["transformer"]
     assert transformer.host.encoded and transformer.plan.streamed  # streamed compressed
     on_disk = {name for name, h in handles.items() if h.host.spilled_to is not None}
@@ -422,13 +424,16 @@ def test_a_process_that_exits_without_removing_offload_leaves_no_cache_file(tmp_
     import sys
 
     code = (
-        "import sys, torch; sys.path.insert(0, 'tests'); import flextensor_diffusers as ft; from models import Stack\n"
+        "import sys, torch; import flextensor_diffusers as ft; from tests.models import Stack\n"
         "model = Stack(dim=256, depth=5, dtype=torch.bfloat16).eval().requires_grad_(False)\n"
         f"ft.offload(model, include_patterns=['blocks.*'], gpu_budget=10**7, device='cpu', compression='lossless',"
         f" raw_copies='disk', cache_dir={str(tmp_path)!r})\n"
         "import os; print(len(os.listdir(sys.argv[1])))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    root = Path(__file__).resolve().parents[1]  # the repository: the package and tests.models
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True, cwd=root
+    )
     assert out.stdout.strip() == "1"  # the raw copies waited in one file while the process ran
     assert not any(tmp_path.iterdir())
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import Stack, enable_with_one_component_in_ram, set_host_overhead, snapshot, wan_latents
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.recipes.models import build_pipeline
+from tests.models import Stack, enable_with_one_component_in_ram, set_host_overhead, snapshot, wan_latents
 
 peft = pytest.importorskip("peft")
 
@@ -40,7 +40,7 @@ def test_lora_fused_while_the_component_is_active_is_kept() -> None:
     pipe = with_lora(build_pipeline("wan22_t2v", "tiny"))
     pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
     assert torch.equal(generate(pipe), unfused)
-    handle = pipe._flextensor.handles["transformer_2"]
+    handle = ft.pipeline_offload(pipe).handles["transformer_2"]
     handle.activate()  # the expert is the active component, its blocks in slots
     pipe.transformer_2.fuse_lora()
     assert handle.active  # the edit leaves the component as active as it found it
@@ -127,12 +127,12 @@ def test_lora_fused_while_its_expert_waits_on_disk_is_kept(tmp_path, monkeypatch
     pipe = with_lora(build_pipeline("wan22_t2v", "tiny"))
     enable_with_one_component_in_ram(pipe, BUDGET, tmp_path)
     generate(pipe)
-    pipe._flextensor.handles["transformer"].activate()  # the low-noise expert moves out to disk
-    assert "transformer_2" in pipe._flextensor.host_tier.report()["on_disk"]
+    ft.pipeline_offload(pipe).handles["transformer"].activate()  # the low-noise expert moves out to disk
+    assert "transformer_2" in ft.pipeline_offload(pipe).host_tier.report()["on_disk"]
     pipe.transformer_2.fuse_lora()
     assert all(torch.equal(generate(pipe), fused) for _ in range(2))
     pipe.transformer_2.unfuse_lora()
-    pipe._flextensor.handles["transformer"].activate()
+    ft.pipeline_offload(pipe).handles["transformer"].activate()
     pipe.transformer_2.fuse_lora()
     assert torch.equal(generate(pipe), refused_fused)
     pipe.disable_flextensor_offload()

@@ -7,11 +7,11 @@ import logging
 
 import pytest
 import torch
-from models import Block, Stack, assert_same, device_headroom, snapshot
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import Phase
 from flextensor_diffusers.engine.units import CPU_ALIGNMENT
+from tests.models import Block, Stack, assert_same, device_headroom, snapshot
 
 #: Bytes of one Block(32) in its flat buffer (checked below), by dtype and device: a 64-byte grid with room for
 #: any alignment class on the CPU, a 512-byte grid on CUDA (weights moved there are at class 0).
@@ -290,6 +290,7 @@ def test_failure_during_set_up_leaves_model_as_it_was(monkeypatch: pytest.Monkey
     with pytest.raises(MemoryError, match="simulated"):
         ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**9, device="cpu", compression=compression)
     assert_same(before, model)
+    # torch private: no public way to list the hooks left on a module
     assert not model._forward_pre_hooks and not model.blocks[0]._forward_pre_hooks
     assert type(model) is Stack and type(model.blocks[0]) is Block  # boundary classes put back
     monkeypatch.setattr(runtime, "pack_unit", real)
@@ -355,7 +356,8 @@ def test_release_and_activate_keep_the_plan_and_the_numbers(device: str) -> None
     plans = handle.counters["plans"]
     handle.release()
     assert not handle.active and all(p.device.type == "cpu" for p in model.parameters())
-    assert handle.device_copies.buffers.slots == [] and handle.device_copies.buffers.base is None
+    buffers = handle.device_copies.buffers  # internal: the device buffers themselves are dropped (no public figure)
+    assert buffers.slots == [] and buffers.base is None
     outs = run(model, x, device, 2)  # the forward re-activates
     assert handle.active and handle.counters["plans"] == plans and handle.counters["activations"] == 2
     assert all(torch.equal(o, ref) for o in outs)

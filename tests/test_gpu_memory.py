@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import models
 import pytest
 import torch
-from models import Stack
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import Phase
 from flextensor_diffusers.engine.planner import memory_needed
+from tests import models
+from tests.models import Stack
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -118,7 +118,7 @@ def wan_budgets(wan) -> dict[str, int]:
     try:
         for _ in range(2):
             wan_latents(wan)
-        per_component = [needs(h) for h in wan._flextensor.handles.values()]
+        per_component = [needs(h) for h in ft.pipeline_offload(wan).handles.values()]
     finally:
         wan.disable_flextensor_offload()
     smallest = max(s for s, _ in per_component)

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from models import Stack, device_headroom
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import host_memory
@@ -23,6 +22,7 @@ from flextensor_diffusers.engine.host_memory import (
     shared_file_buffer,
     unpin_in_place,
 )
+from tests.models import Stack, device_headroom
 
 
 def pages(t: torch.Tensor) -> range:

@@ -15,7 +15,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from models import assert_same, enable_with_one_component_in_ram, set_host_overhead, snapshot, wan_latents
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import format_bytes
@@ -24,6 +23,7 @@ from flextensor_diffusers.pipelines.disk_reads import ReadJob
 from flextensor_diffusers.pipelines.host_tier import SwitchForecast
 from flextensor_diffusers.pipelines.weight_files import read_entries
 from flextensor_diffusers.recipes.models import build_pipeline
+from tests.models import assert_same, enable_with_one_component_in_ram, set_host_overhead, snapshot, wan_latents
 
 BUDGET = 250_000  # GPU budget: the transformer blocks stream
 #: The measurement of the process's own memory, before the fixture below sets it to nothing.
@@ -39,7 +39,7 @@ def host_copies_only(monkeypatch):
 
 
 def packed_sizes(pipe) -> dict[str, int]:
-    return {name: h.host.packed_bytes for name, h in pipe._flextensor.handles.items()}
+    return {name: h.host.packed_bytes for name, h in ft.pipeline_offload(pipe).handles.items()}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_a_host_budget_under_the_weights_keeps_outputs_bitwise_equal(reference, 
     assert host_budget < sum(sizes.values()) - min(sizes.values())
 
     pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget=host_budget, cache_dir=tmp_path)
-    tier = pipe._flextensor.host_tier
+    tier = ft.pipeline_offload(pipe).host_tier
     assert tier.ram_bytes() <= host_budget and tier.report()["on_disk"]  # set-up spilled as it packed
     outs = [wan_latents(pipe) for _ in range(3)]
     assert all(torch.equal(o, reference) for o in outs)
@@ -86,7 +86,7 @@ def test_shapes_changed_between_generations_with_one_expert_on_disk_stay_native(
         for shape, reference in zip(shapes, expected, strict=True):
             assert torch.equal(wan_latents(pipe, **shape), reference)
     assert len(pipe.flextensor_report()["host_tier"]["disk_reads_s"]) >= 4
-    assert pipe._flextensor.handles["transformer"].counters["plans"] >= 2  # a plan per shape
+    assert ft.pipeline_offload(pipe).handles["transformer"].counters["plans"] >= 2  # a plan per shape
     pipe.disable_flextensor_offload()
 
 
@@ -95,7 +95,7 @@ def test_an_edit_while_on_disk_reaches_the_file(tmp_path) -> None:
     pipe = build_pipeline("wan22_t2v", "tiny")
     enable_with_one_component_in_ram(pipe, BUDGET, tmp_path)
     wan_latents(pipe)
-    on_disk = [n for n in pipe._flextensor.host_tier.report()["on_disk"] if n.startswith("transformer")]
+    on_disk = [n for n in ft.pipeline_offload(pipe).host_tier.report()["on_disk"] if n.startswith("transformer")]
     assert on_disk
     name = on_disk[0]
     torch.manual_seed(5)
@@ -115,7 +115,7 @@ def test_a_host_budget_under_the_largest_component_names_the_smallest(tmp_path) 
     with pytest.raises(ft.HostBudgetError, match="smallest workable host budget") as raised:
         pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget=1000, cache_dir=tmp_path)
     assert raised.value.required_bytes > 1000
-    assert getattr(pipe, "_flextensor", None) is None
+    assert ft.pipeline_offload(pipe) is None
     assert_same(before, pipe.transformer)
     pipe.enable_flextensor_offload(
         budget=BUDGET, device="cpu", host_budget=raised.value.required_bytes, cache_dir=tmp_path
@@ -144,7 +144,7 @@ def test_the_smallest_host_budget_includes_the_process_own_memory_and_the_reserv
         pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget=smallest - 1, cache_dir=tmp_path)
 
     pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget=smallest, cache_dir=tmp_path)
-    tier = pipe._flextensor.host_tier
+    tier = ft.pipeline_offload(pipe).host_tier
     assert tier.budget == smallest and tier.weights_budget == need
     report = pipe.flextensor_report()["host_tier"]
     assert (report["host_budget_bytes"], report["weights_budget_bytes"]) == (smallest, need)
@@ -215,7 +215,7 @@ def test_an_unwritable_cache_dir_is_refused_before_packing(tmp_path, monkeypatch
     before = snapshot(pipe.transformer)
     with pytest.raises(ft.FlexTensorError, match=f"the weight cache folder {locked} is not writable: pass another"):
         pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget="1GiB", cache_dir=locked)
-    assert getattr(pipe, "_flextensor", None) is None
+    assert ft.pipeline_offload(pipe) is None
     assert_same(before, pipe.transformer)
 
 
@@ -226,7 +226,7 @@ def test_a_cache_dir_that_is_a_file_is_refused_and_the_model_left_as_it_was(tmp_
     before = snapshot(pipe.transformer)
     with pytest.raises(ft.FlexTensorError, match="cache folder"):
         pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget="1GiB", cache_dir=blocker / "x")
-    assert getattr(pipe, "_flextensor", None) is None
+    assert ft.pipeline_offload(pipe) is None
     assert_same(before, pipe.transformer)
 
 
@@ -246,7 +246,7 @@ def test_a_full_disk_while_moving_a_component_out_is_a_clear_error(tmp_path, mon
     monkeypatch.setattr(cache_files, "open", full_disk, raising=False)
     with pytest.raises(ft.FlexTensorError, match=r"No space left.*cache_dir"):
         pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget=400_000, cache_dir=tmp_path)
-    assert getattr(pipe, "_flextensor", None) is None
+    assert ft.pipeline_offload(pipe) is None
     monkeypatch.undo()
     assert torch.equal(wan_latents(pipe), reference)
 
@@ -287,7 +287,7 @@ def test_ctrl_c_while_a_cache_file_is_written_leaves_the_model_and_the_cache_fol
     monkeypatch.setattr(cache_files, "open", interrupted, raising=False)
     with pytest.raises(KeyboardInterrupt):
         enable_with_one_component_in_ram(pipe, BUDGET, tmp_path)
-    assert getattr(pipe, "_flextensor", None) is None
+    assert ft.pipeline_offload(pipe) is None
     assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
     for name, snap in before.items():
         assert_same(snap, getattr(pipe, name))
@@ -316,7 +316,7 @@ def test_a_host_budget_with_compression_is_refused_for_now(tmp_path) -> None:
         pipe.enable_flextensor_offload(
             budget="1GiB", device="cpu", host_budget="1GiB", cache_dir=tmp_path, compression="lossless"
         )
-    assert getattr(pipe, "_flextensor", None) is None
+    assert ft.pipeline_offload(pipe) is None
 
 
 # ---------------------------------------------------------------------------------------- weight files
@@ -408,7 +408,7 @@ def smallest_budgets(pipe, cache: Path) -> tuple[int, int]:
 
 
 def tier_of(pipe):
-    return pipe._flextensor.host_tier
+    return ft.pipeline_offload(pipe).host_tier
 
 
 @pytest.fixture(scope="module")
@@ -485,7 +485,7 @@ def measure_anonymous_memory(folder: str, out: str, part: float = 0.0) -> None:
         "host_budget": budget,
         "weights_budget": tier.weights_budget,
         "gpu_budget": gpu,
-        "expert": max(h.host.packed_bytes for h in pipe._flextensor.handles.values()),
+        "expert": max(h.host.packed_bytes for h in ft.pipeline_offload(pipe).handles.values()),
         "cache_files": [p.name for p in cache.iterdir()],
         "partly_ahead": any(0 < s.read_ahead_bytes < s.nbytes for s in tier.switches if s.component == "transformer_2"),
         "tier_peak": tier.peak_ram_bytes,
@@ -508,9 +508,10 @@ def test_anonymous_memory_stays_within_the_host_budget(wide, tmp_path, part) -> 
     import sys
 
     out = tmp_path / "anon.json"
-    code = f"import test_host_tier as t; t.measure_anonymous_memory({str(wide[0])!r}, {str(out)!r}, {part})"
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20), "PYTHONPATH": str(Path(__file__).parent)}
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, timeout=300)
+    code = f"from tests import test_host_tier as t; t.measure_anonymous_memory({str(wide[0])!r}, {str(out)!r}, {part})"
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)}
+    root = Path(__file__).resolve().parents[1]  # the repository: the package and tests.test_host_tier
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, timeout=300, cwd=root)
     r = json.loads(out.read_text())
     assert r["cache_files"] == []
     assert r["expert"] <= r["after_enable"] - r["before"] and r["after_enable"] <= r["host_budget"], r
@@ -805,12 +806,12 @@ def read_aheads_begin_before_forwards_end(pipe, monkeypatch) -> ScriptedReads:
     reads = scripted_reads(monkeypatch)
 
     def begun() -> bool:
-        if pipe._flextensor is None:  # offload disabled: nothing to wait for
+        if ft.pipeline_offload(pipe) is None:  # offload disabled: nothing to wait for
             return True
         ahead = [r for r in tier_of(pipe).report()["reading"] if r["kind"] == "read ahead"]
         return not ahead or ahead[0]["allowed_bytes"] == 0 or ahead[0]["read_bytes"] > 0
 
-    for name in pipe._flextensor.handles:
+    for name in ft.pipeline_offload(pipe).handles:
         pipe.components[name].register_forward_hook(lambda *_: reads.wait_until(begun, "a read ahead delivered a unit"))
     return reads
 
@@ -848,7 +849,7 @@ def test_part_of_the_next_expert_is_read_ahead_and_the_rest_after_the_switch(wid
     assert len(low) == 3 and all(0 < s["read_ahead_bytes"] < s["nbytes"] and s["complete"] for s in low), low
     assert all(s["gbps"] > 0 for s in low)
     assert all(r["kind"] == "read ahead" for r in report["reading"])  # every unit of the active one arrived
-    assert all(h.host.host_gate is None for h in pipe._flextensor.handles.values())  # so no gate is left
+    assert all(h.host.host_gate is None for h in ft.pipeline_offload(pipe).handles.values())  # so no gate is left
     assert "read ahead" in pipe.flextensor_report(as_text=True)
     pipe.disable_flextensor_offload()
     assert torch.equal(wan_latents(pipe), reference)
@@ -1055,7 +1056,7 @@ def test_an_edit_while_units_arrive_waits_for_them(saved, tmp_path, monkeypatch)
     one_read_at_a_time(monkeypatch)
     reads = scripted_reads(monkeypatch, "transformer")
     reads.hold(4, reads.asked_for)
-    pipe._flextensor.handles["transformer"].activate()
+    ft.pipeline_offload(pipe).handles["transformer"].activate()
     arriving = reading(pipe, "transformer")
     assert arriving is not None and arriving["kind"] == "read back" and arriving["read_bytes"] < arriving["nbytes"]
     assert 4 not in reads.reads()
@@ -1075,7 +1076,7 @@ def test_state_dict_while_units_arrive_gives_their_final_bytes(saved, tmp_path, 
     one_read_at_a_time(monkeypatch)
     reads = scripted_reads(monkeypatch, "transformer")
     reads.hold(4, reads.asked_for)
-    pipe._flextensor.handles["transformer"].activate()
+    ft.pipeline_offload(pipe).handles["transformer"].activate()
     arriving = reading(pipe, "transformer")
     assert arriving is not None and arriving["read_bytes"] < arriving["nbytes"] and 4 not in reads.reads()
     state = pipe.transformer.state_dict()
@@ -1099,7 +1100,7 @@ def test_disabling_during_a_read_stops_it_between_units(saved, tmp_path, monkeyp
     one_read_at_a_time(monkeypatch)
     reads = scripted_reads(monkeypatch, "transformer")
     reads.hold(None, reads.asked_for)  # what activation needs (the base) is read; the others wait for the stop
-    pipe._flextensor.handles["transformer" if kind == "read back" else "text_encoder"].activate()
+    ft.pipeline_offload(pipe).handles["transformer" if kind == "read back" else "text_encoder"].activate()
     under_way = reading(pipe, "transformer")
     assert under_way is not None and under_way["kind"] == kind and under_way["read_bytes"] < under_way["nbytes"]
     reads.wait_until(lambda: reads.in_flight() > 0, "a read of the expert is in flight")
@@ -1126,7 +1127,7 @@ def test_a_failed_read_is_raised_at_the_next_gate_and_the_expert_stays_on_disk(s
     assert "disable_flextensor_offload()" in message and "\n" not in message
     report = tier_of(pipe).report()
     assert "transformer_2" in report["on_disk"] and reading(pipe, "transformer_2") is None
-    assert pipe._flextensor.handles["transformer_2"].host.host_gate is None
+    assert ft.pipeline_offload(pipe).handles["transformer_2"].host.host_gate is None
     monkeypatch.undo()
     assert all(torch.equal(wan_latents(pipe), reference) for _ in range(2))
     pipe.disable_flextensor_offload()
@@ -1150,7 +1151,7 @@ def test_a_wrong_guess_is_stopped_between_units_and_its_buffers_freed(saved, tmp
     ahead = reading(pipe, "transformer_2")
     assert ahead is not None and ahead["kind"] == "read ahead" and ahead["allowed_bytes"] > 2 * 74752
     reads.wait_until(lambda: reads.in_flight() > 0, "a read of the low-noise expert is in flight")
-    pipe._flextensor.handles["text_encoder"].activate()  # not the guess
+    ft.pipeline_offload(pipe).handles["text_encoder"].activate()  # not the guess
     assert reading(pipe, "transformer_2") is None and "transformer_2" in tier_of(pipe).report()["on_disk"]
     assert len(reads.reads()) == 1, reads.events  # stopped after the unit in flight, well before its allowance
     gc.collect()

@@ -25,6 +25,7 @@ END_S = 120
 
 DRIVER = f"""
 import runpy, signal, sys
+import flextensor_diffusers as ft
 from flextensor_diffusers.recipes import wan22_t2v
 
 def wait_for_ctrl_c(*args):
@@ -34,14 +35,14 @@ def wait_for_ctrl_c(*args):
 where, command, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
 if where == "writing the mp4":  # once the file has begun: its first packets muxed
     import av
-    from fakes import open_that_stops
+    from tests.fakes import open_that_stops
 
     av.open = open_that_stops(av.open, wait_for_ctrl_c)
 else:  # "generating": in the offloaded run's real generation (the profiling one makes latents only)
     generate = wan22_t2v.generate
 
     def generate_then_wait(pipe, options, device, steps, output_type, **extra):
-        if output_type == "np" and getattr(pipe, "_flextensor", None) is not None:
+        if output_type == "np" and ft.pipeline_offload(pipe) is not None:
             pipe.transformer.register_forward_pre_hook(wait_for_ctrl_c)
         return generate(pipe, options, device, steps, output_type, **extra)
 
@@ -69,7 +70,7 @@ def run_and_interrupt(folder: Path, where: str, command: str, argv: list[str]) -
     """Start the driver, wait (bounded) for its marker, send SIGINT, wait (bounded) for it to end."""
     driver = folder / "driver.py"
     driver.write_text(DRIVER)
-    paths = [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]  # the package, tests/fakes.py
+    paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]  # the package and tests.fakes
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     process = subprocess.Popen(
         [sys.executable, str(driver), where, command, *argv],

@@ -71,6 +71,11 @@ def outpaint():
     return pipe
 
 
+def tokens(latents, patch: int, patch_t: int):
+    """Latents as the transformer's tokens, in the pipeline's own order (the one the outpaint mask follows)."""
+    return LTX2OutpaintPipeline._pack_latents(latents, patch, patch_t)  # diffusers' private static method
+
+
 def outpaint_latents(pipe):
     return pipe(
         prompt="a wide landscape",
@@ -109,7 +114,7 @@ def test_outpaint_canvas_conditions_exactly_the_source_tokens(outpaint) -> None:
     per_token = expected.flatten().repeat(5)  # packed order: frame, row, column
     assert torch.equal(mask[0, :, 0], per_token.float())
     encoded = outpaint.encode_canvas(canvas.pixels, torch.device("cpu"), torch.float32, None)
-    packed = outpaint._pack_latents(encoded, 1, 1)
+    packed = tokens(encoded, 1, 1)
     assert torch.equal(clean[0, per_token], packed[0, per_token]) and not clean[0, ~per_token].any()
     assert torch.equal(latents[0, per_token], packed[0, per_token])  # known tokens start clean
     assert not torch.equal(latents[0, ~per_token], packed[0, ~per_token])  # the rest is noise
@@ -117,10 +122,8 @@ def test_outpaint_canvas_conditions_exactly_the_source_tokens(outpaint) -> None:
 
 def test_outpaint_offloaded_is_bitwise_native_and_keeps_the_known_tokens(outpaint) -> None:
     ref = outpaint_latents(outpaint)
-    packed = outpaint._pack_latents(ref, 1, 1)
-    clean = outpaint._pack_latents(
-        outpaint.encode_canvas(outpaint.canvas.pixels, torch.device("cpu"), torch.float32, None), 1, 1
-    )
+    packed = tokens(ref, 1, 1)
+    clean = tokens(outpaint.encode_canvas(outpaint.canvas.pixels, torch.device("cpu"), torch.float32, None), 1, 1)
     known = outpaint.canvas.token_mask(2).flatten().repeat(5)
     assert torch.allclose(packed[0, known], clean[0, known], atol=1e-5)  # the source survives denoising
     outpaint.enable_flextensor_offload(budget=200_000, device="cpu")

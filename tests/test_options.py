@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import Stack, assert_same, device_headroom, snapshot
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import Phase
 from flextensor_diffusers.engine.planner import Call, WorkloadProfile, memory_needed, plan_residency
+from tests.models import Stack, assert_same, device_headroom, snapshot
 
 BASE = 14_848  # fp32 Stack(dim=32): tied embedding + pos buffer, outside units
 UNIT = 35_328  # one Block(32) in its flat buffer, fp32, on the CPU (64-byte grid with room for any class)
@@ -268,7 +268,7 @@ def test_pin_memory_off_works_and_pins_nothing(device: str) -> None:
     before = snapshot(model)
     budget = BASE + 2 * unit_bytes(device) + headroom(device, model, x)
     handle = ft.offload(model, include_patterns=BLOCKS, gpu_budget=budget, pin_memory=False, device=device)
-    assert not any(u.pinned_in_place or u.host.is_pinned() for u in handle.host.units)
+    assert not any(u.pinned_in_place or u.host.is_pinned() for u in handle.host.positions)  # base too
     assert all_equal(run(model, x, 4, device), ref)
     assert handle.phase is Phase.STEADY
     handle.remove()

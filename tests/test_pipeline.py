@@ -6,7 +6,13 @@ import json
 
 import pytest
 import torch
-from models import (
+
+import flextensor_diffusers as ft
+from flextensor_diffusers.recipes import wan22_t2v
+from flextensor_diffusers.recipes.models import build_pipeline
+from flextensor_diffusers.recipes.options import OptionsError
+from flextensor_diffusers.reports.video import read_mp4
+from tests.models import (
     TINY_WAN_ARGV,
     assert_same,
     enable_with_one_component_in_ram,
@@ -14,12 +20,6 @@ from models import (
     snapshot,
     wan_latents,
 )
-
-import flextensor_diffusers as ft
-from flextensor_diffusers.recipes import wan22_t2v
-from flextensor_diffusers.recipes.models import build_pipeline
-from flextensor_diffusers.recipes.options import OptionsError
-from flextensor_diffusers.reports.video import read_mp4
 
 BUDGET = 250_000  # streams the transformer blocks; the tiny VAE and text encoder stay whole
 
@@ -37,7 +37,7 @@ def test_offloaded_latents_bitwise_equal_and_disable_restores(pipe) -> None:
     ref = latents(pipe)
     before = {name: snapshot(m) for name, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
     pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
-    state = pipe._flextensor
+    state = ft.pipeline_offload(pipe)
     assert set(state.handles) == {"text_encoder", "transformer", "transformer_2", "vae"}
     outs = [latents(pipe) for _ in range(2)]
     assert all(torch.equal(o, ref) for o in outs)
@@ -80,7 +80,7 @@ def test_wrong_component_and_small_budget_are_clear_errors(pipe) -> None:
     assert raised.value.required_bytes > 150_000
     pipe.enable_flextensor_offload(budget=raised.value.required_bytes, device="cpu")  # the named budget works
     pipe.disable_flextensor_offload()
-    assert getattr(pipe, "_flextensor", None) is None
+    assert ft.pipeline_offload(pipe) is None
     assert_same(before, pipe.transformer)
     assert not hasattr(pipe.text_encoder, "_hf_hook")
 
@@ -213,10 +213,10 @@ def test_ctrl_c_during_disable_keeps_outputs_native_and_disable_finishes_later(
     with pytest.raises(KeyboardInterrupt):
         pipe.disable_flextensor_offload()
     monkeypatch.setattr(host_copies, "restore_unit", real_restore)
-    assert interrupted and pipe._flextensor is not None
+    assert interrupted and ft.pipeline_offload(pipe) is not None
     assert all(torch.equal(latents(pipe), reference) for _ in range(2))
     pipe.disable_flextensor_offload()
-    assert pipe._flextensor is None
+    assert ft.pipeline_offload(pipe) is None
     for name, snap in before.items():
         assert_same(snap, getattr(pipe, name))
     assert torch.equal(latents(pipe), reference)

@@ -16,7 +16,7 @@ from flextensor_diffusers.engine.planner import (
     schedule_loads,
     simulate,
 )
-from flextensor_diffusers.engine.profiler import Clock, Profiler
+from flextensor_diffusers.engine.profiler import Clock, ProfiledRun, Profiler
 
 MB = 10**6
 
@@ -112,5 +112,9 @@ def test_a_units_decode_time_is_its_fastest_profiled_decode() -> None:
     slower than the link, which would plan every load raw."""
     profiler = Profiler(torch.device("cpu"), Clock(torch.device("cpu")))
     profiler.cuda = True  # the per-unit rule is the GPU's; the CPU plans decodes as free
-    decoded = {0: [2500.0, 0.2, 0.3], 2: [0.4]}
-    assert profiler._decode_per_unit(decoded, [100, 100, 100]) == pytest.approx([0.2, 0.3, 0.4])
+    calls = tuple(Call(u, 1.0) for u in range(3))
+    # three profiled forwards of one order; unit 0 decoded in each (the first one slow), unit 2 once, unit 1 never
+    for decoded in ({0: 2500.0, 2: 0.4}, {0: 0.2}, {0: 0.3}):
+        profiler.runs.append(ProfiledRun(calls, 0.5, 1.0, 100, 0, decoded))
+    measured = profiler.workload_profile(["b0", "b1", "b2"], [100, 100, 100], 0, lambda: pytest.fail("measured"))
+    assert measured.decode_ms == pytest.approx([0.2, 0.3, 0.4])  # unit 1 from the others' time per byte

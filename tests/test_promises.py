@@ -12,11 +12,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from models import assert_same, snapshot
 from torch import nn
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import FlexTensorError, InferenceOnlyError
+from tests.models import assert_same, snapshot
 
 PATTERNS = ["blocks.*"]
 RESIDENT = 10**9  # bytes: every unit of these models fits, so the plan keeps them all on the device

@@ -12,11 +12,11 @@ import types
 import numpy as np
 import pytest
 import torch
-from fakes import open_that_stops, st_lpips_without_ipython
 from PIL import Image
 
 from flextensor_diffusers.reports import files, quality
 from flextensor_diffusers.reports.video import read_mp4, write_mp4
+from tests.fakes import open_that_stops, st_lpips_without_ipython
 
 RNG = np.random.default_rng(0)
 VIDEO = RNG.integers(0, 256, size=(3, 48, 64, 3), dtype=np.uint8)

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from models import Stack
 
 import flextensor_diffusers as ft
+from tests.models import Stack
 
 DIM, DEPTH = 512, 8  # 8 blocks of 8.4 MB: big enough to see whether a follower copies them
 TOKENS = torch.arange(24).view(2, 12) % 50
@@ -142,7 +142,8 @@ def test_gpus_flag_launches_torchrun_and_names_the_fix_without_gpus(monkeypatch)
 def test_a_full_shared_memory_filesystem_is_refused_before_writing(tmp_path, monkeypatch) -> None:
     import shutil
 
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    usage = type(shutil.disk_usage(tmp_path))  # the named tuple disk_usage returns
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
     model = Stack(64, 2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ft.FlexTensorError, match="docker --shm-size"):

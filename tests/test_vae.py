@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 from diffusers import AutoencoderKL
-from models import assert_same, snapshot
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import Phase
 from flextensor_diffusers.pipelines.patterns import patterns_for
 from flextensor_diffusers.recipes.models import build_pipeline
+from tests.models import assert_same, snapshot
 
 
 def tiny_vae() -> AutoencoderKL:
@@ -86,9 +86,9 @@ def test_a_small_vae_is_resident_while_it_is_profiled() -> None:
     ref = pipe(**kw, output_type="np", generator=torch.Generator().manual_seed(0)).frames
     pipe.enable_flextensor_offload(budget="1GiB", device="cpu")
     out = pipe(**kw, output_type="np", generator=torch.Generator().manual_seed(0)).frames
-    vae = pipe._flextensor.handles["vae"]
+    vae = ft.pipeline_offload(pipe).handles["vae"]
     assert vae.phase is Phase.PROFILING  # decoded once: discovery only
-    assert sum(vae.device_copies.loads) == 0
+    assert vae.stats().loads == 0
     assert {u.placement for u in vae.stats().units} == {"resident (until planned)"}
     assert (out == ref).all()
     pipe.disable_flextensor_offload()

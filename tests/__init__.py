@@ -1,0 +1,1 @@
+"""The test suite: a package, so that tests import their helpers as ``tests.models`` and ``tests.fakes``."""
