@@ -65,7 +65,12 @@ def test_a_host_budget_under_the_weights_keeps_outputs_bitwise_equal(reference, 
     report = pipe.flextensor_report()["host_tier"]
     assert report["peak_host_ram_bytes"] <= host_budget
     assert len(report["disk_reads_s"]) >= 3  # the experts took turns in RAM
-    assert {c["host"] for c in pipe.flextensor_report()["components"].values()} == {"ram", "disk"}
+    components = pipe.flextensor_report()["components"]
+    assert {c["host"] for c in components.values()} == {"ram", "disk"}
+    for name, c in components.items():  # where the host copies are: all in RAM, or (the rest) on disk
+        places, packed = c["host_places"], sizes[name]
+        assert places["ram_raw_bytes"] + places["disk_bytes"] == packed and places["ram_compressed_bytes"] == 0
+        assert (places["disk_bytes"] > 0) == (c["host"] == "disk") and not places["arriving"]
     assert any(tmp_path.iterdir())
     pipe.disable_flextensor_offload()
     assert not any(tmp_path.iterdir())  # cache files deleted
@@ -849,7 +854,7 @@ def test_part_of_the_next_expert_is_read_ahead_and_the_rest_after_the_switch(wid
     assert len(low) == 3 and all(0 < s["read_ahead_bytes"] < s["nbytes"] and s["complete"] for s in low), low
     assert all(s["gbps"] > 0 for s in low)
     assert all(r["kind"] == "read ahead" for r in report["reading"])  # every unit of the active one arrived
-    assert all(h.host.host_gate is None for h in ft.pipeline_offload(pipe).handles.values())  # so no gate is left
+    assert not any(h.host.where().arriving for h in ft.pipeline_offload(pipe).handles.values())  # no gate left
     assert "read ahead" in pipe.flextensor_report(as_text=True)
     pipe.disable_flextensor_offload()
     assert torch.equal(wan_latents(pipe), reference)
@@ -1127,7 +1132,7 @@ def test_a_failed_read_is_raised_at_the_next_gate_and_the_expert_stays_on_disk(s
     assert "disable_flextensor_offload()" in message and "\n" not in message
     report = tier_of(pipe).report()
     assert "transformer_2" in report["on_disk"] and reading(pipe, "transformer_2") is None
-    assert ft.pipeline_offload(pipe).handles["transformer_2"].host.host_gate is None
+    assert not ft.pipeline_offload(pipe).handles["transformer_2"].host.where().arriving
     monkeypatch.undo()
     assert all(torch.equal(wan_latents(pipe), reference) for _ in range(2))
     pipe.disable_flextensor_offload()

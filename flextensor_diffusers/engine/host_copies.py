@@ -47,6 +47,22 @@ logger = logging.getLogger(__name__)
 ReadInto = Callable[[int, torch.Tensor], None]
 
 
+@dataclasses.dataclass(frozen=True)
+class HostPlaces:
+    """Where one model's host copies are (`HostCopies.where`): the bytes in each place."""
+
+    ram_raw_bytes: int
+    ram_compressed_bytes: int = 0
+    disk_bytes: int = 0
+    disk_path: str | None = None  # the cache file or the weight files' folder they wait in
+    arriving: bool = False  # being read back from disk while the model computes
+
+    @property
+    def label(self) -> str:
+        """One word for a report: "disk" while any of them waits there (arriving or not), else "ram"."""
+        return "disk" if self.disk_bytes else "ram"
+
+
 class Packing:
     """Units being packed on threads (`HostCopies.start_packing`): the host gate meanwhile."""
 
@@ -130,6 +146,33 @@ class HostCopies:
         if gate is not None:
             gate(unit)
         return unit.host  # type: ignore[return-value]
+
+    def expect_arrivals(self, gate: Callable[[Unit], None]) -> None:
+        """Units are about to arrive from disk (the caller reads them back and adopts each with `take_unit`):
+        until `arrivals_done`, every read of a unit's host bytes asks ``gate`` first, which returns once that
+        unit's final buffer is adopted."""
+        self.host_gate = gate
+
+    def arrivals_done(self, gate: Callable[[Unit], None]) -> None:
+        """The arrivals ``gate`` was for are over (all taken, or given up): reads no longer ask it. A gate that
+        was replaced meanwhile (set-up's packing, another read back) stays."""
+        if self.host_gate is gate:
+            self.host_gate = None
+
+    def where(self) -> HostPlaces:
+        """Where the host copies are now, in bytes: RAM raw, RAM compressed, on disk (and which file or
+        folder), arriving from disk."""
+        payloads = self.compressed.payload_bytes
+        if self.spilled_to is None:
+            return HostPlaces(ram_raw_bytes=self.packed_bytes, ram_compressed_bytes=payloads)
+        taken = sum(self.positions[p].nbytes for p in self._taken)
+        return HostPlaces(
+            ram_raw_bytes=taken,
+            ram_compressed_bytes=payloads,
+            disk_bytes=self.packed_bytes - taken,
+            disk_path=str(self.spilled_to),
+            arriving=self.host_gate is not None,
+        )
 
     def gate_all(self) -> None:
         """Every host copy final: units still arriving are waited for, one by one."""

@@ -4,9 +4,9 @@ A component waiting on disk (`host_tier`) is read back by a `ReadJob` on the `Re
 the order the component will need them (`read_order`: the base, the plan's resident units, then the profiled
 call order; unit order before a profile exists), up to `READ_THREADS` at once, each into its own (pinned)
 buffer, never past the bytes the host budget allows it (a read ahead pauses there). The engine asks
-`HostCopies.host_gate` before it reads a unit's host bytes; `FillGate` is that gate while units arrive: it
-blocks until the reader delivered the unit, then adopts the buffer on the main thread. A read that fails is
-raised at the next gate as a one-line error (`read_error`).
+the gate given to `HostCopies.expect_arrivals` before it reads a unit's host bytes; `FillGate` is that gate
+while units arrive: it blocks until the reader delivered the unit, then adopts the buffer on the main thread.
+A read that fails is raised at the next gate as a one-line error (`read_error`).
 
 Two module-level seams let tests make reads deterministic without touching what is read: `clock`, what read and
 wait times are measured with (a fake one gives fixed figures whatever the machine's speed), and `read_hooks`, a
@@ -290,8 +290,8 @@ class Reader:
 
 
 class FillGate:
-    """`HostCopies.host_gate` while a component's units arrive: one list lookup for a unit already taken;
-    for another, ``arrive(position)`` waits for the reader and adopts the unit's buffer."""
+    """The gate (`HostCopies.expect_arrivals`) while a component's units arrive: one list lookup for a unit
+    already taken; for another, ``arrive(position)`` waits for the reader and adopts the unit's buffer."""
 
     def __init__(self, positions: int, arrive: Callable[[int], None]) -> None:
         self.pending = [True] * positions

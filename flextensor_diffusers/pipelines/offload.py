@@ -10,6 +10,7 @@ component sit in host memory.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -109,7 +110,7 @@ class PipelineOffload:
     def report(self) -> dict[str, Any]:
         components = {}
         for name, handle in self.handles.items():
-            stats = handle.stats()
+            stats, places = handle.stats(), handle.host.where()
             streamed = [u for u in stats.units if u.placement.startswith("slot")]
             components[name] = {
                 "class": type(handle.model).__name__,
@@ -127,7 +128,8 @@ class PipelineOffload:
                 "overlap_pct": None if stats.overlap_pct is None else round(stats.overlap_pct, 2),
                 "forwards": stats.forwards,
                 "plan": stats.plan,
-                "host": "disk" if handle.host.spilled_to is not None else "ram",
+                "host": places.label,
+                "host_places": dataclasses.asdict(places),  # RAM raw / compressed, disk, arriving
                 "unit_bytes": stats.unit_bytes,
                 "transfer_unit_bytes": stats.transfer_unit_bytes,
                 "payload_cache": stats.payload_cache,  # compression_cache: read, written or refused, and where

@@ -2,8 +2,8 @@
 
 Reading back is progressive, unit by unit (`disk_reads`: a `ReadJob` on the `Reader`'s threads): the
 units are read in the order the component will need them, a few at once, each into its own (pinned)
-buffer, and the component starts at once. The engine asks `HostCopies.host_gate` before it reads a
-unit's host bytes (`FillGate`): the gate blocks until the reader delivered that unit, then adopts the
+buffer, and the component starts at once. The engine asks the gate given to `HostCopies.expect_arrivals`
+before it reads a unit's host bytes (`FillGate`): the gate blocks until the reader delivered that unit, then adopts the
 buffer on the main thread, so the first blocks compute while the last ones are still being read. The time
 blocked there (plus `HostTier.bring_in`'s own) is the switch's exposed disk time, ``wait_s``; the reader's
 own time is ``read_s``; both are measured with `disk_reads.clock` (a seam: tests fix the figures with a fake
@@ -93,7 +93,7 @@ class ReadBack:
         fill = Fill(job, switch, source)
         fill.gate = FillGate(len(job.nbytes), functools.partial(self._arrive, fill))
         self._fill = fill
-        host_copies.host_gate = fill.gate
+        host_copies.expect_arrivals(fill.gate)
         self.switches.append(switch)
         try:
             self._residency.make_room({name}, host_copies.packed_bytes - job.reserved_bytes)
@@ -157,8 +157,7 @@ class ReadBack:
         """Every unit arrived: the gate goes, the switch is complete (and warned of when it was slow)."""
         job, switch = fill.job, fill.switch
         self._fill = None
-        if job.host_copies.host_gate is fill.gate:
-            job.host_copies.host_gate = None
+        job.host_copies.arrivals_done(fill.gate)
         switch.read_s, switch.complete = job.read_s, True
         if fill.source is not None:
             fill.source.read_done()
@@ -193,8 +192,7 @@ class ReadBack:
         if fill is None:
             return
         host_copies = fill.job.host_copies
-        if host_copies.host_gate is fill.gate:
-            host_copies.host_gate = None
+        host_copies.arrivals_done(fill.gate)
         self._reader.give_up(fill.job)
         host_copies.untake_units(fill.job.hosts)
         fill.switch.read_s = fill.job.read_s

@@ -57,7 +57,7 @@ def _components(residency: Residency, switches: list[Switch]) -> dict[str, dict[
         mine = [s for s in switches if s.component == name]
         components[name] = {
             "bytes": handle.host.packed_bytes,
-            "host": "disk" if handle.host.spilled_to is not None else "ram",
+            "host": handle.host.where().label,
             "source": WEIGHTS_FILES if name in residency.sources else CACHE_FILE,
             "reads": len(mine),
             "disk_read_s": round(sum(s.read_s for s in mine), 4),
