@@ -1,5 +1,5 @@
 """Offloaded outputs stay bitwise native wherever the native weights sit: every packed view keeps its tensor's
-alignment class and strides (``units.py``), and ``remove()`` gives both back. See ``ALIGNMENT_FINDINGS.md``.
+alignment class and strides (``units.py``), and ``remove()`` gives both back. See docs/guide.md, "Where weights sit".
 
 Weights are built at several placements: fresh, loaded by ``from_pretrained`` (views of a mapped safetensors
 file, at unaligned addresses), offset into memory of their own at classes 4, 8, 20 and 100 bytes, and

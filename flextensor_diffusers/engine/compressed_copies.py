@@ -1,7 +1,7 @@
 """The compressed copy of each unit worth it: made at set-up, page-locked, checked, released before dropped.
 
 A unit kept compressed streams its *payload* (`codec`) and decodes it on the device into its slot, bit-exact;
-the raw host copy stays the weights' truth (`residency`). Payloads come from the encoder or from the payload
+the raw host copy stays the weights' truth (`host_copies`). Payloads come from the encoder or from the payload
 cache (`payload_cache`), and none is used before it was shown to decode to the weights: on CUDA by decoding
 it there once and comparing, on the CPU by comparing it with a fresh encoding.
 """
@@ -32,7 +32,8 @@ def segments_of(unit: Unit) -> list[Segment]:
 class CompressedCopies:
     """The payloads of a model's units by unit index (``encoded``), and the page-locking that goes with them.
 
-    ``host_of(unit)`` gives a unit's final host bytes (the residency's gate while units arrive from disk).
+    ``host_of(unit)`` gives a unit's final host bytes (`HostCopies.host_of`: it waits for units
+    still arriving from disk).
     """
 
     def __init__(self, units: list[Unit], device: torch.device, host_of: Callable[[Unit], torch.Tensor]) -> None:

@@ -7,7 +7,7 @@ Streaming a unit is then one host→device copy into a slot laid out like the ho
 **Every view keeps the placement its tensor had natively**, because kernels pick their code path by
 it: on a CPU with MKL, an FP32 or FP64 matrix-vector product (``F.linear`` with one input row) sums
 in another order when its weight's address changes modulo 16, and a transposed or strided weight
-runs other kernels than a contiguous one (``ALIGNMENT_FINDINGS.md``). A weight that ``from_pretrained``
+runs other kernels than a contiguous one (docs/guide.md, "Where weights sit"). A weight that ``from_pretrained``
 left at an unaligned address (a view of a mapped safetensors file) must therefore sit at the same
 address, modulo what the kernels tell apart, in every buffer it computes from, with the same strides:
 
