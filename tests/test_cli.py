@@ -93,6 +93,7 @@ def test_every_documented_tiny_example_runs_in_seconds(tmp_path, monkeypatch, ca
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err and "it/s" not in captured.err  # -q: no bars
     assert "offload: budget " in captured.out and " profile in profiles: " in captured.out  # one line, without -v
+    assert "wrote report/report.html (made the folder report)\n" in captured.out  # compare's --out was made
 
 
 def run_main(cli, argv, capsys) -> str:
@@ -133,10 +134,12 @@ HERE = str(Path(__file__).parent)
         (["--compile", "full"], "error: --compile full compiles each denoiser whole, which offloading cannot stream"),
         (["--output", f"{__file__}/x.mp4"], f"error: --output {__file__}/x.mp4: {__file__} is not a writable folder"),
         (["--output", HERE], f"error: --output {HERE} is a folder: pass --output {HERE}/NAME.mp4"),
-        (["--output", "videos/"], "error: --output videos: the file written there is .mp4: pass --output videos.mp4"),
+        (["--output", "videos/"], "error: --output videos/ is a folder: pass --output videos/NAME.mp4"),
+        (["--output", "videos"], "error: --output videos: the file written there is .mp4: pass --output videos.mp4"),
         (["--output", "clip.avi"], "error: --output clip.avi: the file written there is .mp4: pass --output clip.mp4"),
         (["--json", "summary"], "error: --json summary: the file written there is .json: pass --json summary.json"),
         (["--json", HERE], f"error: --json {HERE} is a folder: pass --json {HERE}/NAME.json"),
+        (["--json", "runs/"], "error: --json runs/ is a folder: pass --json runs/NAME.json"),
         (["--profile-dir", __file__], f"error: --profile-dir {__file__}: {__file__} is not a writable folder"),
     ],
 )
@@ -152,9 +155,38 @@ def test_output_mistakes_stop_before_anything_loads(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(wan22_t2v, "load", load)
     err = run_main(wan22_t2v.cli, [*TINY, "--output", str(tmp_path)], capsys)
     assert err.startswith(f"error: --output {tmp_path} is a folder") and len(err.splitlines()) == 1
+    for folder in (f"{tmp_path}/new/", "videos/"):  # named as a folder, existing or not
+        err = run_main(wan22_t2v.cli, [*TINY, "--output", folder], capsys)
+        assert err == f"error: --output {folder} is a folder: pass --output {folder}NAME.mp4\n"
+    avi, mp4 = tmp_path / "clip.avi", tmp_path / "clip.mp4"
+    err = run_main(wan22_t2v.cli, [*TINY, "--output", str(avi)], capsys)
+    assert err == f"error: --output {avi}: the file written there is .mp4: pass --output {mp4}\n"
+    if Path("/proc/self").exists():  # os.access says yes to root there; making a file says no
+        err = run_main(wan22_t2v.cli, [*TINY, "--output", "/proc/flextensor/x.mp4"], capsys)
+        assert err.startswith("error: --output /proc/flextensor/x.mp4: /proc is not a writable folder"), err
     err = run_main(compare.cli, ["--recipe", "wan22_t2v", "--out", __file__, "--", *TINY], capsys)
     report = Path(__file__).parent / "report"
     assert err.strip() == f"error: --out {__file__} is a file; the report is a folder of files: pass --out {report}"
+
+
+def test_missing_folders_are_made_and_said_and_an_unplanned_vae_is_explained(tmp_path, capsys) -> None:
+    """Nothing is made silently: the mp4's folder, the --json's folder, a new --profile-dir; a replaced file is said
+    too. The VAE, seen once in a recipe run, reads "profiling": a line under the table says why."""
+    output, summary, profiles = tmp_path / "a" / "b" / "fox.mp4", tmp_path / "c" / "run.json", tmp_path / "p"
+    argv = [*TINY, "--output", str(output), "--json", str(summary), "--profile-dir", str(profiles)]
+    info = wan22_t2v.main(argv)
+    out = capsys.readouterr().out
+    assert f"profile in {profiles}: none yet: a short profiling generation first (a new folder)\n" in out
+    assert f"wrote {output} (9 frames, 32x32; made the folder {output.parent})\n" in out
+    assert out.endswith(f"wrote {summary} (made the folder {summary.parent})\n"), out
+    assert info["made_folder"] == str(output.parent) and output.exists() and summary.exists()
+    assert re.search(r"^vae .* profiling$", out, re.MULTILINE)
+    assert "\nphase: vae ran once in this run (a VAE decodes once per generation" in out
+    wan22_t2v.main(argv)
+    out = capsys.readouterr().out
+    assert f"profile in {profiles}: found: no profiling generation\n" in out
+    assert f"wrote {output} (9 frames, 32x32; replaced the file that was there)\n" in out
+    assert out.endswith(f"wrote {summary} (replaced the file that was there)\n")
 
 
 def test_flags_are_never_abbreviated(capsys) -> None:
@@ -387,8 +419,103 @@ def test_the_readme_python_example_runs_on_the_tiny_pipeline(tmp_path, monkeypat
         compile(code, "README.md", "exec")
 
 
-def test_links_in_the_readmes_point_at_files_that_exist() -> None:
-    for readme in (ROOT / "README.md", ROOT / "benchmarks/results/README.md", ROOT / "docs/guide.md"):
-        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme.read_text()):
-            if "://" not in target:
-                assert (readme.parent / target).exists(), (readme.name, target)
+#: What users read: the README, the guide, the results' README.
+READMES = (ROOT / "README.md", ROOT / "docs/guide.md", ROOT / "benchmarks/results/README.md")
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    return {
+        re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        for heading in re.findall(r"^#{1,6} (.+)$", text, re.MULTILINE)
+    }
+
+
+def test_links_in_the_readmes_point_at_files_and_headings_that_exist() -> None:
+    for readme in READMES:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", readme.read_text()):
+            if "://" in target:
+                continue
+            path = readme.parent / target if target else readme
+            assert path.exists(), (readme.name, target)
+            if anchor:
+                assert anchor in heading_anchors(path.read_text()), (readme.name, target, anchor)
+
+
+#: Folders of the repository (and of the package, which the guide names without its prefix) that prose cites.
+CITED_FOLDERS = ("tests", "benchmarks", "scripts", "docs", "assets", "recipes", "engine", "pipelines", "reports")
+
+
+def mentioned_paths(text: str) -> set[str]:
+    """Files and folders of the repository a text names: ``engine/handle.py``, ``tests/test_cli.py``, ``.ci/run``,
+    and bare script names (``units.py``, ``gpu_proof.sh``), braces expanded (``{tiny,full}.json``)."""
+    folders = "|".join((r"\.ci", "flextensor_diffusers", *CITED_FOLDERS))
+    found = set(re.findall(rf"(?<![\w/.$-])((?:{folders})/[\w./{{}},-]*)", text))
+    found |= set(re.findall(r"(?<![\w/.-])(\w+\.(?:py|sh))\b", text))
+    paths = set()
+    for path in found:
+        path = path.rstrip(".,")
+        braces = re.search(r"\{([^}]*)\}", path)
+        options = braces.group(1).split(",") if braces else [""]
+        paths |= {path.replace(braces.group(0), o) if braces else path for o in options}
+    return paths
+
+
+def test_every_file_the_readme_and_the_guide_name_exists() -> None:
+    """No removed script (``diag_overlap.py``, ``setup_h200.sh``) or engine module (``runtime.py``) is cited."""
+    names = {path.name for path in ROOT.rglob("*") if ".git" not in path.parts}
+    for doc in (ROOT / "README.md", ROOT / "docs/guide.md"):
+        for path in mentioned_paths(doc.read_text()):
+            if "/" not in path:  # a bare file name: somewhere in the repository
+                assert path in names, (doc.name, path)
+            else:
+                candidates = (ROOT / path, ROOT / "flextensor_diffusers" / path)
+                assert any(c.exists() for c in candidates), (doc.name, path)
+    assert not (ROOT / "ALIGNMENT_FINDINGS.md").exists()  # folded into docs/guide.md
+
+
+def test_mentioned_paths_finds_what_the_docs_cite() -> None:
+    text = "`engine/runtime.py` and diag_overlap.py, `tests/test_cli.py`, wan22_t2v/{tiny,full}.json, `.ci/run`."
+    assert mentioned_paths(text) == {"engine/runtime.py", "diag_overlap.py", "tests/test_cli.py", ".ci/run"}
+    assert mentioned_paths("assets/wan22_t2v/{tiny,full}.json") == {
+        "assets/wan22_t2v/tiny.json",
+        "assets/wan22_t2v/full.json",
+    }
+
+
+def test_the_readme_is_a_short_read_with_its_guarantees() -> None:
+    """A five-minute read: set-up, a Python example, recipes, how it works, options, guarantees, results."""
+    assert len(README.splitlines()) <= 230
+    guarantees = " ".join(README[README.index("## Guarantees and limits") :].split("\n## ")[0].split())
+    for promise in (
+        "bitwise equal to native",
+        "its own device copy while it runs and its host copy otherwise",
+        "version counters",
+        "`.data`",
+        "autograd through a streamed unit",
+        "a view of its own weights",
+        "plain (non-submodule) reference",
+        "whole process's peak of allocated memory",
+        "cuBLAS workspace",
+        "mod 64 bytes on the CPU (512 on CUDA)",
+    ):
+        assert promise in guarantees, promise
+
+
+def test_every_install_of_an_extra_keeps_the_editable_install_and_names_an_extra_that_exists() -> None:
+    """``pip install ".[x]"`` without ``-e`` would replace the editable install; every place a user reads an
+    install line (the README, the guide, the messages in the package) says ``pip install -e ".[x]"``."""
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    texts = {path: path.read_text() for path in (ROOT / "README.md", ROOT / "docs/guide.md")}
+    texts |= {path: path.read_text() for path in (ROOT / "flextensor_diffusers").rglob("*.py")}
+    named = set()
+    for path, text in texts.items():
+        for line in re.findall(r"pip install[^\n`]*", text):
+            if "torch==" in line and "-e" in line:  # the README's set-up line: torch pinned, then the package
+                named |= set(re.findall(r'-e "\.\[([\w,-]+)\]"', line))
+                continue
+            assert re.search(r'pip install -e "\.\[[\w-]+\]"', line), (path.name, line)
+            named |= set(re.findall(r'-e "\.\[([\w-]+)\]"', line))
+    assert named and named <= extras, named - extras
+    assert {"cosmos", "cosmos-guardrail", "lpips", "st-lpips"} <= named

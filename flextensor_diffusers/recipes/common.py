@@ -237,6 +237,7 @@ def offload_and_profile(
     recipe: Any, pipe: Any, options: RecipeOptions, device: torch.device, placement: Placement, progress: RunProgress
 ) -> float | None:
     """Enable offload; run the profiling generation unless a profile of this workload exists. Its seconds."""
+    new_folder = options.profile_dir is not None and not options.profile_dir.exists()
     with progress.during("packing and pinning the weights"), stage("packing and pinning weights", options.quiet):
         enable_offload(pipe, options, device, shared_host=placement.shared_host)
     shape = {"frames": options.frames, "height": options.height, "width": options.width}
@@ -245,6 +246,7 @@ def offload_and_profile(
     if placement.rank.leader:
         where = options.profile_dir or "nowhere (no --profile-dir)"
         then = "found: no profiling generation" if found else "none yet: a short profiling generation first"
+        then += " (a new folder)" if new_folder else ""
         budget = format_bytes(pipeline_offload(pipe).budget_bytes)
         print(f"offload: budget {budget} on {device}; profile in {where}: {then}")
     if found:
@@ -313,6 +315,8 @@ def write_outputs(
         frames = recipe.finish_frames(pipe, options, frames)
     info["frames_written"] = len(frames)
     info["replaced_output"] = options.output.exists()
+    made = files.missing_folder(options.output)
+    info["made_folder"] = None if made is None else str(made)
     with progress.during(f"writing {options.output}"):
         info["codec"] = write_mp4(options.output, frames, fps=options.fps)
     progress.wrote(options.output)
@@ -320,15 +324,48 @@ def write_outputs(
         info.update(recipe.describe(pipe, options))
     print_summary(info)
     if options.json:
+        notes = written_notes(options.json)
         with progress.during(f"writing {options.json}"):
             files.write_text(options.json, json.dumps(info, indent=1))
         progress.wrote(options.json)
+        print(f"wrote {options.json}" + (f" ({'; '.join(notes)})" if notes else ""))
+
+
+def written_notes(path: Path) -> list[str]:
+    """What writing ``path`` is about to do besides writing it: replace a file, make its folder."""
+    made = files.missing_folder(path)
+    return [
+        *(["replaced the file that was there"] if path.exists() else []),
+        *([f"made the folder {made}"] if made is not None else []),
+    ]
+
+
+#: Phases of a component that has not been planned yet (its blocks load on demand).
+UNPLANNED = ("discovery", "profiling")
+
+
+def unplanned_note(report: dict[str, Any]) -> str | None:
+    """A line for the components the table shows unplanned after the run (the VAE: one decode per generation,
+    and the profiling generation stops at latents), saying why and when they would be planned."""
+    names = [name for name, c in report["components"].items() if c["phase"] in UNPLANNED]
+    if not names:
+        return None
+    its = "its" if len(names) == 1 else "their"
+    return (
+        f"phase: {', '.join(names)} ran once in this run (a VAE decodes once per generation, and the profiling "
+        f"generation stops at latents), so {its} blocks loaded on demand; a component is planned (steady) after "
+        "its second call, in a process that generates again"
+    )
 
 
 def print_summary(info: dict[str, Any]) -> None:
     peak = info["peak_allocated_bytes"]
-    replaced = "; replaced the file that was there" if info.get("replaced_output") else ""
-    print(f"wrote {info['output']} ({info['frames_written']} frames, {info['width']}x{info['height']}{replaced})")
+    notes = [
+        *(["replaced the file that was there"] if info.get("replaced_output") else []),
+        *([f"made the folder {info['made_folder']}"] if info.get("made_folder") else []),
+    ]
+    extra = "".join(f"; {note}" for note in notes)
+    print(f"wrote {info['output']} ({info['frames_written']} frames, {info['width']}x{info['height']}{extra})")
     print(
         f"generation {info['generation_s']:.2f} s (discovery and profiling excluded"
         + (f"; profiling generation {info['profiling_generation_s']:.2f} s" if info["profiling_generation_s"] else "")
@@ -336,6 +373,9 @@ def print_summary(info: dict[str, Any]) -> None:
     )
     if info["offload_report"] is not None:
         print(format_report(info["offload_report"]))
+        note = unplanned_note(info["offload_report"])
+        if note:
+            print(note)
 
 
 # ---------------------------------------------------------------------------------------- command line

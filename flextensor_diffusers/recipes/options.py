@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
@@ -253,7 +254,7 @@ def add_run(parser: argparse.ArgumentParser) -> None:
         help="split each generation across N GPUs of this host (context parallelism, launched with torchrun)",
     )
     parser.add_argument(
-        "--json", type=Path, help="also write the run's summary here, a .json file (its folder is created)"
+        "--json", help="also write the run's summary here, a .json file (missing folders are created, and said)"
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     parser.add_argument("-v", "--verbose", action="store_true", help="log details; show tracebacks on errors")
@@ -269,10 +270,9 @@ def add_output(parser: argparse.ArgumentParser, default: str) -> None:
     """``--output``: where the mp4 goes, and what happens to what is there."""
     parser.add_argument(
         "--output",
-        type=Path,
-        default=Path(default),
+        default=default,
         help="the mp4 to write; missing folders are created, and a file already there is replaced once the new "
-        "one is complete",
+        "one is complete (the summary says which)",
     )
 
 
@@ -313,9 +313,9 @@ def common_values(ns: argparse.Namespace, recipe: str, defaults: dict[str, SizeD
         raise OptionsError(
             "--compression-cache caches compressed copies, and there are none: add --compression lossless"
         )
-    for flag in OUTPUT_SUFFIXES:
+    for flag in OUTPUT_SUFFIXES:  # kept as typed until checked: a trailing "/" says the user named a folder
         if getattr(ns, flag[2:], None) is not None:
-            check_output(flag, getattr(ns, flag[2:]))
+            values[flag[2:]] = check_output(flag, getattr(ns, flag[2:]))
     for flag in FOLDER_FLAGS:
         value = getattr(ns, flag[2:].replace("-", "_"), None)
         if value is not None:
@@ -328,15 +328,18 @@ OUTPUT_SUFFIXES = {"--output": ".mp4", "--json": ".json"}
 FOLDER_FLAGS = ("--profile-dir", "--cache-dir", "--out")
 
 
-def check_output(flag: str, path: Path) -> None:
-    """An output file's name, checked before anything loads: not a folder, the suffix of what is written
-    there, and a folder that can be made and written (missing folders are created when the file is written)."""
+def check_output(flag: str, text: str | Path) -> Path:
+    """An output file's name as typed, checked before anything loads: not a folder (an existing one, or a name
+    ending in ``/``), the suffix of what is written there, and a folder that can be made and written (missing
+    folders are created when the file is written). The path."""
     suffix = OUTPUT_SUFFIXES[flag]
-    if path.is_dir():
-        raise OptionsError(f"{flag} {path} is a folder: pass {flag} {path / ('NAME' + suffix)}")
+    path = Path(text)
+    if str(text).endswith(("/", os.sep)) or path.is_dir():
+        raise OptionsError(f"{flag} {text} is a folder: pass {flag} {path / ('NAME' + suffix)}")
     if path.suffix.lower() != suffix:
         raise OptionsError(f"{flag} {path}: the file written there is {suffix}: pass {flag} {path.with_suffix(suffix)}")
     writable(flag, path)
+    return path
 
 
 def writable(flag: str, path: Path) -> None:
@@ -345,8 +348,18 @@ def writable(flag: str, path: Path) -> None:
     folder = path.absolute() if flag in FOLDER_FLAGS else path.absolute().parent
     while not folder.exists():
         folder = folder.parent
-    if not folder.is_dir() or not os.access(folder, os.W_OK):
+    if not folder.is_dir() or not os.access(folder, os.W_OK) or not can_create_in(folder):
         raise OptionsError(f"{flag} {path}: {folder} is not a writable folder: pass {flag} somewhere you can write")
+
+
+def can_create_in(folder: Path) -> bool:
+    """Whether a file can be made in ``folder``: ``os.access`` says yes to root everywhere (``/proc`` too), so
+    a nameless temporary file is made and dropped at once."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
 
 
 def check_compile(mode: str, no_offload: bool) -> None:

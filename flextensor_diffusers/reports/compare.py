@@ -511,8 +511,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         parser().error("--recipe is required")
     recipe_argv += [flag for flag, on in (("-q", known.quiet), ("-v", known.verbose)) if on]
     common.setup_logging(known.verbose)
+    new_folder = not known.out.exists()
     report = compare(known.recipe, recipe_argv, known.out, known.memory_cap, known.offload_memory_cap)
-    print_outcome(report, known.out)
+    print_outcome(report, known.out, new_folder)
     return report
 
 
@@ -524,8 +525,8 @@ def cli(argv: list[str] | None = None) -> None:
         main(argv)
 
 
-def print_outcome(report: dict[str, Any], out: Path) -> None:
-    """One line per run, the fidelity verdict, and where the page is."""
+def print_outcome(report: dict[str, Any], out: Path, new_folder: bool = False) -> None:
+    """One line per run, the fidelity verdict, and where the page is (``new_folder``: ``out`` was made)."""
     for name, run in report["runs"].items():
         peak = run.get("peak_allocated_bytes")
         line = f"{name}: {run['status']}"
@@ -541,7 +542,7 @@ def print_outcome(report: dict[str, Any], out: Path) -> None:
             f"latents bitwise equal: {report['fidelity']['latents']['bitwise_equal']}; frames identical: "
             f"{same['frames']} (before encoding), {same['decoded']} (decoded mp4s)"
         )
-    print(f"wrote {out / 'report.html'}")
+    print(f"wrote {out / 'report.html'}" + (f" (made the folder {out})" if new_folder else ""))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,13 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         raise
 
 
+def missing_folder(path: str | Path) -> Path | None:
+    """The folder of ``path`` when it does not exist yet (writing ``path`` makes it, and any missing above it),
+    so that a command can say it made it; None when it exists."""
+    folder = Path(path).parent
+    return None if folder.exists() else folder
+
+
 def write_bytes(path: str | Path, data: bytes) -> Path:
     """``data`` at ``path``, atomically (see `atomic_path`)."""
     with atomic_path(path) as temporary:
