@@ -46,7 +46,7 @@ from .schedule import SteadySchedule, TransferTotals
 from .setup import SetUp, SetupTimes, assemble
 from .shared_host import SharedHostMemory
 from .stats import OffloadStats, collect_stats
-from .units import find_units, plan_layout
+from .units import UnitLayout, find_units, plan_layout
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +60,12 @@ class OffloadHandle:
     Args:
         model: the module to offload; its units are the submodules ``config.include_patterns`` select.
         config: budget, patterns, compression, profiles (`OffloadConfig`).
+        layout: ``model``'s units already laid out for ``config`` and its device (`units.plan_layout`), by a
+            caller that checked budgets from it (the pipelines do, for every component before offloading any);
+            None lays them out here.
     """
 
-    def __init__(self, model: nn.Module, config: OffloadConfig) -> None:
+    def __init__(self, model: nn.Module, config: OffloadConfig, layout: UnitLayout | None = None) -> None:
         started = time.perf_counter()
         self._refuse_model(model, config)
         self.model, self.config = model, config
@@ -70,11 +73,11 @@ class OffloadHandle:
         self.cuda = self.device.type == "cuda"
         # Another process packed these weights into shared memory: point at them, copy nothing.
         self.attaching = config.shared_host is not None and not config.shared_host.create
-        selected = find_units(model, config.include_patterns, config.exclude_patterns)
-        # Weights shared between processes are laid out alike in each (canonically); others keep their placement.
-        layout = plan_layout(
-            model, selected, self.device, meta_ok=self.attaching, canonical=config.shared_host is not None
-        )
+        if layout is None:
+            selected = find_units(model, config.include_patterns, config.exclude_patterns)
+            # Weights shared between processes are laid out alike in each (canonically); others keep their place.
+            shared = config.shared_host is not None
+            layout = plan_layout(model, selected, self.device, meta_ok=self.attaching, canonical=shared)
         copies = assemble(model, layout, self.device)
         self.host, self.device_copies, self.binding, self.edits = (
             copies.host,

@@ -25,7 +25,7 @@ from ..engine.boundaries import refuse_whole_model_compile
 from ..engine.config import cache_folder, resolve_budget, resolve_device
 from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
 from ..engine.planner import CUDA_ALLOCATION_GRANULE, smallest_budget
-from ..engine.units import find_units, plan_layout
+from ..engine.units import UnitLayout, find_units, plan_layout
 from .host_budget import HostOverhead, check_host_budget, resolve_host_budget
 from .host_tier import HostTier, format_host_tier, kept_in_ram_bytes, offload_order, pipeline_folder
 from .patterns import patterns_for
@@ -307,7 +307,7 @@ class OffloadRequest:
     available: dict[str, nn.Module]
     chosen: list[str]
     includes: dict[str, list[str]]
-    packed: dict[str, int]  # each chosen component's packed host bytes (what the host tier makes room for)
+    layouts: dict[str, UnitLayout]  # each chosen component's units, laid out once here and handed to its handle
     device: torch.device
     budget_bytes: int
     profile_dir: str | Path | None
@@ -315,6 +315,11 @@ class OffloadRequest:
     shared_host: str | None
     shared_host_root: str | Path
     config: dict[str, Any]  # further `OffloadConfig` fields
+
+    @property
+    def packed(self) -> dict[str, int]:
+        """Each chosen component's packed host bytes: what the host tier makes room for."""
+        return {name: layout.base.nbytes + sum(u.nbytes for u in layout.units) for name, layout in self.layouts.items()}
 
     @classmethod
     def resolve(
@@ -345,13 +350,15 @@ class OffloadRequest:
         device = resolve_device(device)
         budget_bytes = resolve_budget(budget, device)
         includes = _includes(available, chosen, patterns or {})
-        packed = _check_setup_budgets(available, includes, budget_bytes, device, canonical=shared_host is not None)
+        shared = shared_host is not None  # processes that attach build their pipeline on the meta device
+        excludes = list(config.get("exclude_patterns", []))
+        layouts = _check_setup_budgets(available, includes, budget_bytes, device, shared, shared, excludes)
         return cls(
             pipeline=pipeline,
             available=available,
             chosen=chosen,
             includes=includes,
-            packed=packed,
+            layouts=layouts,
             device=device,
             budget_bytes=budget_bytes,
             profile_dir=profile_dir,
@@ -418,7 +425,7 @@ def _offload_component(state: PipelineOffload, request: OffloadRequest, name: st
         tier.room_for_packing(request.packed[name])
     try:
         if request.shared_host is None:
-            handle = OffloadHandle(module, cfg)
+            handle = OffloadHandle(module, cfg, layout=request.layouts[name])  # laid out once, when checked
         else:
             handle = offload_shared(module, cfg, f"{request.shared_host}-{name}", root=request.shared_host_root)
     except BudgetError as exc:
@@ -476,23 +483,29 @@ def _check_setup_budgets(
     budget: int,
     device: torch.device,
     canonical: bool = False,
-) -> dict[str, int]:
+    meta_ok: bool = True,
+    excludes: list[str] | None = None,
+) -> dict[str, UnitLayout]:
     """Refuse a budget under any component's set-up minimum before anything is packed, naming the
     smallest budget for the whole pipeline (every component gets the whole budget). Returns each
-    component's packed host bytes, laid out for ``device`` as `OffloadHandle` will (``canonical``:
-    for shared host memory)."""
-    needs, packed = {}, {}
+    component's unit layout for ``device``, as `OffloadHandle` makes it (``canonical``: for shared host
+    memory; ``meta_ok``: weights on the meta device allowed, as when only the architecture is checked).
+
+    Whole-model compilation is refused here for every component before any is offloaded, so that a refusal
+    never leaves a half-offloaded pipeline (`OffloadHandle` refuses it too, for direct users)."""
+    needs, layouts = {}, {}
     granule = CUDA_ALLOCATION_GRANULE if device.type == "cuda" else 1
     for name, patterns in includes.items():
         module = components[name]
         refuse_whole_model_compile(module)
-        layout = plan_layout(module, find_units(module, patterns), device, meta_ok=True, canonical=canonical)
+        units = find_units(module, patterns, excludes or [])
+        layout = plan_layout(module, units, device, meta_ok=meta_ok, canonical=canonical)
         needs[name] = smallest_budget(layout.resident_bytes, [u.nbytes for u in layout.units], granule=granule)
-        packed[name] = layout.base.nbytes + sum(u.nbytes for u in layout.units)
+        layouts[name] = layout
     short = {name: need for name, need in needs.items() if need > budget}
     if short:
         raise pipeline_budget_error(budget, max(needs.values()), short, "weights outside blocks + 2 slots")
-    return packed
+    return layouts
 
 
 def pipeline_budget_error(
