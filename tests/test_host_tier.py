@@ -1165,3 +1165,27 @@ def test_a_wrong_guess_is_stopped_between_units_and_its_buffers_freed(saved, tmp
     monkeypatch.undo()
     assert all(torch.equal(wan_latents(pipe), reference) for _ in range(2))
     pipe.disable_flextensor_offload()
+
+
+def test_a_pipeline_loaded_from_the_hub_cache_waits_in_its_own_files(saved, tmp_path) -> None:
+    """``from_pretrained("org/name")`` of a pipeline already in the local hub cache (offline: nothing is
+    downloaded) loads each component from the cached snapshot's folder, so the components wait in those
+    weight files as they do for a local folder: no cache file, outputs bitwise, the cache's files unchanged."""
+    from diffusers import WanPipeline
+
+    folder, reference = saved
+    hub = tmp_path / "hub"
+    repo = hub / "models--org--tiny-wan"
+    shutil.copytree(folder, repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    before = digest(repo)
+    pipe = WanPipeline.from_pretrained("org/tiny-wan", cache_dir=hub, local_files_only=True)
+    cache = tmp_path / "cache"
+    gpu, host = smallest_budgets(pipe, cache)
+    pipe.enable_flextensor_offload(budget=gpu, device="cpu", host_budget=host + 2**20, cache_dir=cache)
+    assert {c["source"] for c in tier_of(pipe).report()["components"].values()} == {"weights files"}
+    assert all(torch.equal(wan_latents(pipe), reference) for _ in range(2))
+    assert not any(cache.iterdir())
+    pipe.disable_flextensor_offload()
+    assert digest(repo) == before

@@ -192,7 +192,8 @@ def _config_value(config: Any, key: str) -> Any:
 
 def pipeline_folder(pipeline: Any) -> Path | None:
     """The local folder ``pipeline`` was loaded from (diffusers records it as ``name_or_path`` and
-    ``config._name_or_path``); None for a pipeline built in memory or loaded from a hub id."""
+    ``config._name_or_path``); None for a pipeline built in memory or loaded from a hub id (its components
+    still record the hub cache's snapshot folders they were loaded from: `component_folders` finds those)."""
     value = getattr(pipeline, "name_or_path", None) or _config_value(getattr(pipeline, "config", None), "_name_or_path")
     return _local_folder(value)
 
