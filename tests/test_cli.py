@@ -336,6 +336,7 @@ def test_component_table_aligns_long_class_names_and_explains_its_columns() -> N
         "overlap_pct": None,
         "phase": "steady",
         "host_ram_bytes": 4096,
+        "host_places": {"ram_raw_bytes": 4096, "ram_compressed_bytes": 0, "disk_bytes": 0, "arriving": False},
         "unit_bytes": 1000,
         "transfer_unit_bytes": 700,
     }
@@ -345,6 +346,7 @@ def test_component_table_aligns_long_class_names_and_explains_its_columns() -> N
         "peak_allocated_bytes": None,
         "vae_tiling": True,
         "component_switches": 3,
+        "process_host_bytes": 2**20,
         "components": {
             "text_encoder": {**component, "class": "Qwen2_5_VLForConditionalGeneration"},
             "vae": {**component, "class": "AutoencoderKLWan", "overlap_pct": 97.5, "streamed_units": 1},
@@ -355,7 +357,7 @@ def test_component_table_aligns_long_class_names_and_explains_its_columns() -> N
     assert all(row.index("steady") == header.index("phase") for row in rows)  # columns line up
     assert all(row.index("iB") == rows[0].index("iB") for row in rows)  # right-aligned sizes
     legend = "\n".join(lines[4:])
-    assert all(k in legend for k in ("units:", "overlap:", "switches:", "host RAM:", "link:"))
+    assert all(k in legend for k in ("units:", "overlap:", "switches:", "host RAM:", "link:", "waits:"))
     assert all(" 0.70 " in row for row in rows)  # a compressed load moves 0.70 of the bytes
 
 

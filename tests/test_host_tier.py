@@ -71,6 +71,11 @@ def test_a_host_budget_under_the_weights_keeps_outputs_bitwise_equal(reference, 
         places, packed = c["host_places"], sizes[name]
         assert places["ram_raw_bytes"] + places["disk_bytes"] == packed and places["ram_compressed_bytes"] == 0
         assert (places["disk_bytes"] > 0) == (c["host"] == "disk") and not places["arriving"]
+    table = pipe.flextensor_report(as_text=True).splitlines()
+    rows = [r for r in map(str.split, table) if r[:1] and r[0] in components and r[1] == components[r[0]]["class"]]
+    waits = {row[0]: next(w for w in row if w.split("+")[0] in ("RAM", "disk", "arriving")) for row in rows}
+    assert waits == {name: "disk" if c["host"] == "disk" else "RAM" for name, c in components.items()}
+    assert pipe.flextensor_report()["process_host_bytes"] > 0  # RssAnon + RssShmem, read on Linux
     assert any(tmp_path.iterdir())
     pipe.disable_flextensor_offload()
     assert not any(tmp_path.iterdir())  # cache files deleted

@@ -26,7 +26,7 @@ from ..engine.config import cache_folder, resolve_budget, resolve_device
 from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
 from ..engine.planner import CUDA_ALLOCATION_GRANULE, smallest_budget
 from ..engine.units import UnitLayout, find_units, plan_layout
-from .host_budget import HostOverhead, check_host_budget, resolve_host_budget
+from .host_budget import HostOverhead, anonymous_bytes, check_host_budget, resolve_host_budget
 from .host_tier import HostTier, format_host_tier, kept_in_ram_bytes, offload_order, pipeline_folder
 from .patterns import patterns_for
 
@@ -143,6 +143,8 @@ class PipelineOffload:
             "peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
             "vae_tiling": self.vae_tiling,
             "component_switches": self.switches,
+            # what the process holds in host RAM now, anonymous and page-locked (what a host budget bounds)
+            "process_host_bytes": anonymous_bytes(),
             "host_tier": self.host_tier.report() if self.host_tier is not None else None,
             "components": components,
         }
@@ -174,6 +176,7 @@ COMPONENT_LEGEND = (
     "units: blocks streamed / blocks found (0/0: no repeated blocks, the component moves whole)\n"
     "overlap: share of copy time hidden behind compute (blank: nothing was streamed)\n"
     "host RAM: host copies in RAM now (raw ones unless they wait on disk, and compressed ones where kept)\n"
+    "waits: where the host copies are: RAM, or disk (being read back: arriving); +z: compressed copies in RAM too\n"
     "link: bytes compressed loads of the blocks move / the blocks' bytes (1.00: not compressed; the plan may\n"
     "  load some raw when that is faster or fits the budget better)\n"
     "switches: times the active component changed (the previous one gives its GPU memory back)"
@@ -183,7 +186,8 @@ COMPONENT_LEGEND = (
 def format_report(report: dict[str, Any]) -> str:
     """The offload report as an aligned table (columns as wide as their longest cell) with a legend."""
     peak = report["peak_allocated_bytes"]
-    head = ("component", "class", "resident", "streamed", "units", "host RAM", "link", "stall ms", "overlap", "phase")
+    head = ("component", "class", "resident", "streamed", "units", "host RAM", "waits", "link", "stall ms")
+    head += ("overlap", "phase")
     rows = [head]
     for name, c in report["components"].items():
         overlap = "" if c["overlap_pct"] is None else f"{c['overlap_pct']:.1f}%"
@@ -195,6 +199,7 @@ def format_report(report: dict[str, Any]) -> str:
                 format_bytes(c["streamed_unit_bytes"]),
                 f"{c['streamed_units']}/{c['units']}",
                 format_bytes(c["host_ram_bytes"]),
+                _waits(c["host_places"]),
                 f"{c['transfer_unit_bytes'] / c['unit_bytes']:.2f}" if c["unit_bytes"] else "",
                 f"{c['stall_ms']:.1f}",
                 overlap,
@@ -206,7 +211,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"device {report['device']}  budget {format_bytes(report['budget_bytes'])}  "
         f"peak allocated {format_bytes(peak) if peak is not None else 'n/a'}  "
-        f"VAE tiling {'on' if report['vae_tiling'] else 'off'}  switches {report['component_switches']}"
+        f"VAE tiling {'on' if report['vae_tiling'] else 'off'}  switches {report['component_switches']}  "
+        f"process host memory {format_bytes(report['process_host_bytes'])}"
     ]
     tier = report.get("host_tier")
     if tier:
@@ -218,6 +224,12 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append("  ".join(cells).rstrip())
     lines.append(COMPONENT_LEGEND)
     return "\n".join(lines)
+
+
+def _waits(places: dict[str, Any]) -> str:
+    """Where a component's host copies are, in a word (`HostPlaces`)."""
+    where = "arriving" if places["arriving"] else "disk" if places["disk_bytes"] else "RAM"
+    return where + ("+z" if places["ram_compressed_bytes"] else "")
 
 
 def _weighted_components(pipeline: Any) -> dict[str, nn.Module]:
