@@ -1,4 +1,10 @@
-"""The streaming engine: knows nothing of diffusers."""
+"""The streaming engine: knows nothing of diffusers.
+
+Its public face: `offload` / `offload_shared` and the `OffloadHandle` they return (its public methods and
+properties), the handle's ``host`` (`HostCopies`: where every unit's host bytes are, `HostCopies.where`, and
+the verbs that move them between RAM and disk), `OffloadConfig`, the typed errors, `OffloadStats`, and the pure
+planner (`plan_residency`, `simulate`). Other modules are the engine's own.
+"""
 
 from .config import OffloadConfig, format_bytes, parse_bytes
 from .errors import (
@@ -12,6 +18,7 @@ from .errors import (
     ProfileMismatchError,
 )
 from .handle import OffloadHandle, offload, offload_shared
+from .host_copies import HostCopies, HostPlaces
 from .phases import Phase
 from .planner import Call, Plan, WorkloadProfile, plan_residency, simulate
 from .shared_host import SharedHostMemory
@@ -22,6 +29,8 @@ __all__ = [
     "Call",
     "FlexTensorError",
     "HostBudgetError",
+    "HostCopies",
+    "HostPlaces",
     "InferenceOnlyError",
     "NoCudaDeviceError",
     "OffloadConfig",
