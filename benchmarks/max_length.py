@@ -65,9 +65,9 @@ from typing import Any
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from bench_common import HostMemorySampler, PeakWatch, rss_bytes, sync, write_json  # noqa: E402
+import numpy as np
+import torch
+from bench_common import HostMemorySampler, PeakWatch, rss_bytes, sync, write_json
 
 BUDGET_OF_CAP = 0.95  # the offloaded run's budget: the cap, less room for the allocator's own rounding
 ALLOC_CONF = "expandable_segments:True"
@@ -244,7 +244,7 @@ class Bench:
         except RuntimeError as exc:
             host_oom = "can't allocate memory" in str(exc) or "DefaultCPUAllocator" in str(exc)
             record.update(outcome="host_oom" if host_oom else "error", reason=f"at {stage}: {first_line(exc)}")
-        except Exception as exc:  # noqa: BLE001 - recorded; it does not count as an answer
+        except Exception as exc:
             record.update(outcome="error", reason=f"{type(exc).__name__} at {stage}: {first_line(exc)}")
         finally:
             out = None
