@@ -119,7 +119,8 @@ class Bench:
         from flextensor_diffusers.recipes.models import build_pipeline
 
         self.args, self.device = args, device
-        self.pipe = build_pipeline("ltx2_condition", args.size, seed=0, init_device="cpu")
+        init = device if args.size == "full" and device.type == "cuda" else "cpu"  # made on the GPU: quick
+        self.pipe = build_pipeline("ltx2_condition", args.size, seed=0, init_device=init)  # then on the host
         self.placed: str | None = None  # "native" or "offload"
         self.cap: int | None = None
         self.videos = Path(args.video_dir or tempfile.mkdtemp(prefix="max_length_"))
