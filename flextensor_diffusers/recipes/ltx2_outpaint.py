@@ -329,7 +329,7 @@ def describe(pipe: Any, options: OutpaintOptions) -> dict[str, Any]:
             "offset": [canvas.left, canvas.top],
             "conditioned_tokens_per_frame": int(canvas.token_mask(pipe.vae_spatial_compression_ratio).sum()),
             "pasted": not options.no_paste,
-        }
+        },
     }
 
 
