@@ -1,47 +1,84 @@
-"""Longest LTX-2 video whose denoising completes under a GPU memory cap, natively and offloaded.
+"""Longest LTX-2 video generated, decoded and written to an mp4 under a GPU memory cap, natively and offloaded.
 
-LTX-2 frame counts are 8k+1 (its VAE compresses time 8x). Each trial runs in a fresh process, with
-``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` and the cap set by
-``torch.cuda.set_per_process_memory_fraction``, so that one out-of-memory cannot poison the next.
+LTX-2 frame counts are 8k+1 (its VAE compresses time 8x). A trial is the whole generation a user runs:
+`LTX2ConditionPipeline` (``--size full``: assets/ltx2/full.json, Gemma 3 12B, the 18.9B-parameter
+video+audio transformer, connectors, video and audio VAEs; random bf16 weights), ``--steps`` denoising
+steps without guidance (memory, not quality, is measured; default: the outpainting recipe's steps for
+the size, stated in the JSON), the VAE decode (``output_type="np"``, diffusers' VAE tiling on unless
+``--vae-tiling off``) and the mp4, written frame by frame as it is encoded (`reports.video.Mp4Writer`).
 
-A trial is `LTX2ConditionPipeline` at full size (assets/ltx2/full.json: Gemma 3 12B, the
-18.9B-parameter video+audio transformer, text connectors, video and audio VAEs; random bf16
-weights), one denoising step without guidance (memory, not quality, is measured),
-``output_type="latent"``: the VAE decode is not part of a trial.
+- native: ``pipe.to(cuda)`` (every component resident, as a user would run it).
+- offload: ``enable_flextensor_offload(budget=cap x 0.95)`` (it streams the VAE too); before each
+  trial a ``--profiling-steps`` latent-only generation (discovery, profiling) at the trial's length,
+  all under the cap.
 
-- native: ``pipe.to(cuda)`` (every component resident, as a user would run it), one generation.
-- offload: ``enable_flextensor_offload(budget=cap x 0.95)``; a 2-step generation (discovery,
-  profiling), then the measured 1-step generation in the steady state, all under the cap.
+The cap: ``torch.cuda.set_per_process_memory_fraction``, with ``PYTORCH_CUDA_ALLOC_CONF=
+expandable_segments:True`` (set by this script before CUDA starts). The pipeline is built once, on the
+host; each cap and mode places it (native: moved to the GPU; offload: offload enabled) and takes it back
+after its search. The trials of a cap and mode run in this one process: an out-of-memory is caught, the
+memory freed (the outputs dropped, ``gc``, ``torch.cuda.empty_cache``), and an offloaded pipeline's offload
+is set up again before the next trial. Outcomes: ``completed``, ``gpu_oom`` (torch.OutOfMemoryError),
+``host_oom`` (MemoryError, or the CPU allocator's failure), ``budget_refused`` (the planner's
+`BudgetError`, before any allocation), ``error`` (anything else: not counted as an answer). A trial is
+saved as ``"outcome": "running"`` before it starts: a process the kernel kills (host OOM) or a call cut
+off leaves that in the file.
 
-The search: one uncapped native process measures peak memory at two short lengths; peak is
-affine in the number of latent frames (attention is memory-efficient), which predicts each mode's
-longest length under each cap. Trials then step from the prediction, by one latent frame (8 frames),
-doubling the step while the outcome does not change, then bisecting, until a completed length and
-the next one that does not complete are found. Only trials decide the answer. ``--max-frames``
-bounds the lengths tried (attention time grows with the square of the length): a mode that
-completes there is reported as "at least" that length.
+The search per cap and mode starts from a guess (``--start-frames``; else the affine peak model of
+``--fit-from FILE``'s ``fit``, or of an uncapped native fit at ``--fit-frames`` run here first), steps by
+one latent frame (8 frames), doubling while the outcome does not change, then bisects, until the longest
+completing length and the next one that does not complete are found. ``--max-frames`` bounds the lengths:
+a mode that completes there is reported "at least" that length, ``first_failing_frames`` null.
 
-    python benchmarks/max_length.py --out $OUT/ltx2_max_length_h200.json --caps 80GB 40GB
-    python benchmarks/max_length.py --caps 40GB --resume benchmarks/results/ltx2_max_length_h200.json ...
-    python benchmarks/max_length.py --size tiny --height 64 --width 64 --caps 1GB  # CPU check of the flow
+Quality: after a cap's offloaded search, one more offloaded trial at the native maximum compares its
+final latents and decoded frames with the native trial's at that length (``runs[*].quality``).
+
+Kept files (beside ``--out``): each cap's longest offloaded mp4 if under 16 MiB, else its first and last
+frames as PNGs (the sha256 of the mp4 is in the JSON either way).
+
+CPU check: there is no cap on the CPU (the fraction is not set; peaks are null). ``--simulate-oom-above N``
+makes a trial longer than N frames raise torch.OutOfMemoryError at the end of its first denoising step,
+so that the search, the recovery and the bracket are exercised; a cap below the smallest workable budget
+gives ``budget_refused``. tests/test_max_length.py runs::
+
+    python benchmarks/max_length.py --size tiny --height 64 --width 64 --caps 1GB --max-frames 25 \\
+        --start-frames 9 --simulate-oom-above 17 --out /tmp/m.json
+
+GPU (see benchmarks/results/README.md, "max_length.py schema")::
+
+    python benchmarks/max_length.py --out $OUT/ltx2_max_length_decoded_h200.json --caps 80GB 40GB \\
+        --steps 1 --fit-from benchmarks/results/ltx2_max_length_h200.json --deadline 480 --x264-preset ultrafast
+    python benchmarks/max_length.py --resume benchmarks/results/ltx2_max_length_decoded_h200.json ...  # go on
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import hashlib
 import json
 import os
-import subprocess
-import sys
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
+
+import numpy as np
 import torch
-from bench_common import WHOLE_RUN, PeakWatch, sync, write_json
+from bench_common import HostMemorySampler, PeakWatch, rss_bytes, sync, write_json
 
 BUDGET_OF_CAP = 0.95  # the offloaded run's budget: the cap, less room for the allocator's own rounding
 ALLOC_CONF = "expandable_segments:True"
+FPS = 24
+#: What a trial's peaks cover.
+TRIAL_SCOPE = (
+    "the trial: offload set-up where it set up (a cap's first trial, or after a failure), profiling generation, "
+    "generation with the VAE decode, mp4"
+)
+KEEP_MP4_BELOW = 16 * 2**20
+OUTCOMES = ("completed", "gpu_oom", "host_oom", "budget_refused")
 
 
 def frames_of(latent_frames: int) -> int:
@@ -52,112 +89,239 @@ def latent_frames_of(frames: int) -> int:
     return (frames - 1) // 8 + 1
 
 
-def build(args: argparse.Namespace, device: torch.device) -> Any:
-    from flextensor_diffusers.recipes.models import build_pipeline
-
-    return build_pipeline("ltx2_condition", args.size, seed=0, init_device=device)
+def seconds_of(frames: int | None) -> float | None:
+    return None if frames is None else round(frames / FPS, 3)
 
 
-def generate(pipe: Any, args: argparse.Namespace, frames: int, steps: int) -> Any:
-    """One generation without guidance (one transformer forward per step), latents out."""
-    return pipe(
-        prompt="a red fox running through a snowy forest, cinematic",
-        height=args.height,
-        width=args.width,
-        num_frames=frames,
-        num_inference_steps=steps,
-        guidance_scale=1.0,
-        audio_guidance_scale=1.0,
-        stg_scale=0.0,
-        audio_stg_scale=0.0,
-        modality_scale=1.0,
-        audio_modality_scale=1.0,
-        max_sequence_length=args.text_tokens,
-        output_type="latent",
-        generator=torch.Generator(device="cpu").manual_seed(0),
-    ).frames
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
-def peak(device: torch.device) -> int:
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+class SimulatedOOM:
+    """On the CPU: a trial over ``limit`` frames runs out of "GPU memory" after its first step."""
+
+    def __init__(self, limit: int | None, frames: int) -> None:
+        self.fail = limit is not None and frames > limit
+
+    def __call__(self, step: int) -> None:
+        if self.fail:
+            raise torch.OutOfMemoryError(f"simulated by --simulate-oom-above (step {step})")
 
 
-def trial(args: argparse.Namespace) -> dict[str, Any]:
-    """One attempt at ``args.frames`` in ``args.child`` mode under ``args.cap``; never raises for OOM.
+class Bench:
+    """The pipeline of this run, placed for one cap and mode at a time, and its trials."""
 
-    The peak is watched from before set-up: ``peak_allocated_bytes`` covers set-up, the profiling
-    generation and the measured one (against the budget, offloaded); ``generation_peak_allocated_bytes``
-    the measured generation alone."""
-    from flextensor_diffusers.engine import FlexTensorError
-    from flextensor_diffusers.engine.config import resolve_device
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        from flextensor_diffusers.recipes.models import build_pipeline
 
-    device = resolve_device(None)
-    pipe = build(args, device)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap / total), device)
-    budget = None if args.child == "native" else int(args.cap * BUDGET_OF_CAP)
-    result: dict[str, Any] = {"mode": args.child, "frames": args.frames, "cap_bytes": args.cap}
-    watch = PeakWatch(device)
-    stage = "set-up"
-    started = time.perf_counter()
-    try:
-        if budget is None:
-            pipe.to(device)
+        self.args, self.device = args, device
+        init = device if args.size == "full" and device.type == "cuda" else "cpu"  # made on the GPU: quick
+        self.pipe = build_pipeline("ltx2_condition", args.size, seed=0, init_device=init)  # then on the host
+        self.placed: str | None = None  # "native" or "offload"
+        self.cap: int | None = None
+        self.videos = Path(args.video_dir or tempfile.mkdtemp(prefix="max_length_"))
+        self.videos.mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------------------------------ placement
+
+    def set_cap(self, cap: int | None) -> None:
+        self.cap = cap
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(1.0 if cap is None else min(1.0, cap / total), self.device)
+
+    def place(self, mode: str) -> None:
+        if self.placed == mode:
+            return
+        self.unplace()
+        tiled = self.args.vae_tiling == "on"
+        if mode == "native":
+            self.placed = mode  # before the move: a move cut short is taken back by unplace
+            self.pipe.to(self.device)
+            self.pipe.vae.enable_tiling() if tiled else self.pipe.vae.disable_tiling()
         else:
-            pipe.enable_flextensor_offload(budget=budget, device=device, vae_tiling=False)
-            stage = "profiling generation"
-            generate(pipe, args, args.frames, 2)
-        stage = "generation"
-        result["peak_before_generation_bytes"] = watch.part()
-        start = time.perf_counter()
-        generate(pipe, args, args.frames, args.steps)
-        sync(device)
-        result.update(completed=True, generation_s=round(time.perf_counter() - start, 2))
-        result["generation_peak_allocated_bytes"] = watch.part()
-    except torch.OutOfMemoryError as exc:
-        result.update(completed=False, failure=f"out of memory at {stage}: {str(exc).splitlines()[0][:160]}")
-    except FlexTensorError as exc:  # e.g. the planner finds no plan under the budget
-        result.update(completed=False, failure=f"{type(exc).__name__} at {stage}: {exc}")
-    scope = WHOLE_RUN if budget is not None else "placement on the device and the generation (native)"
-    result.update(watch.check(f"{args.child} {args.frames} frames under a {args.cap} B cap", budget, scope))
-    result["trial_s"] = round(time.perf_counter() - started, 1)
-    return result
+            budget = int(self.cap * BUDGET_OF_CAP)
+            self.pipe.enable_flextensor_offload(budget=budget, device=self.device, vae_tiling=tiled)
+            self.placed = mode
+
+    def unplace(self) -> None:
+        if self.placed == "native":
+            self.pipe.to("cpu")
+        elif self.placed == "offload":
+            self.pipe.disable_flextensor_offload()
+        self.placed = None
+        free_memory()
+
+    # ------------------------------------------------------------------------------------ generations
+
+    def call(self, frames: int, steps: int, output_type: str, on_step: Any = None) -> Any:
+        """One generation without guidance (one transformer forward per step)."""
+        captured: dict[str, torch.Tensor] = {}
+
+        def callback(pipe: Any, step: int, timestep: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+            if on_step is not None:
+                on_step(step)
+            if step == steps - 1:  # the final latents (packed tokens), for the quality comparison
+                captured["latents"] = kwargs["latents"].detach().to("cpu", copy=True)
+            return kwargs
+
+        out = self.pipe(
+            prompt="a red fox running through a snowy forest, cinematic",
+            height=self.args.height,
+            width=self.args.width,
+            num_frames=frames,
+            frame_rate=float(FPS),
+            num_inference_steps=steps,
+            guidance_scale=1.0,
+            audio_guidance_scale=1.0,
+            stg_scale=0.0,
+            audio_stg_scale=0.0,
+            modality_scale=1.0,
+            audio_modality_scale=1.0,
+            max_sequence_length=self.args.text_tokens,
+            output_type=output_type,
+            generator=torch.Generator(device="cpu").manual_seed(0),
+            callback_on_step_end=callback,
+            callback_on_step_end_tensor_inputs=["latents"],
+        )
+        return out, captured.get("latents")
+
+    def trial(
+        self, mode: str, frames: int, keep: bool = False, purpose: str = "search"
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """One attempt at ``frames`` in ``mode`` under the current cap; never raises for running out of memory.
+
+        Returns the JSON record and, for a completed trial, what stays in memory (``latents``, and the
+        ``frames`` as uint8 when ``keep``; the ``first`` and ``last`` frames always)."""
+        from flextensor_diffusers.engine import BudgetError
+        from flextensor_diffusers.reports.video import Mp4Writer
+
+        args = self.args
+        record: dict[str, Any] = {"mode": mode, "frames": frames, "video_s": seconds_of(frames), "cap_bytes": self.cap}
+        if mode == "offload":
+            record["budget_bytes"] = int(self.cap * BUDGET_OF_CAP)
+        kept: dict[str, Any] = {}
+        watch = PeakWatch(self.device)
+        host = HostMemorySampler(rss_bytes, 0.05).start()
+        stage, started, out = "set-up", time.perf_counter(), None
+        path = self.videos / f"{mode}_{self.cap}_{frames}f_{purpose}.mp4"
+        try:
+            self.place(mode)
+            if mode == "offload" and args.profiling_steps:
+                stage = "profiling generation"
+                start = time.perf_counter()
+                self.call(frames, args.profiling_steps, "latent")
+                sync(self.device)
+                record["profiling_s"] = round(time.perf_counter() - start, 2)
+            stage = "generation"
+            start = time.perf_counter()
+            out, latents = self.call(frames, args.steps, "np", SimulatedOOM(args.simulate_oom_above, frames))
+            sync(self.device)
+            record["generation_s"] = round(time.perf_counter() - start, 2)  # steps, VAE decode, audio
+            stage = "writing the mp4"
+            start = time.perf_counter()
+            video = out.frames[0]  # (F, H, W, 3) float32 in [0, 1], on the host
+            out = None
+            stored = np.empty((len(video), *video.shape[1:]), np.uint8) if keep else None
+            with Mp4Writer(path, fps=FPS, preset=args.x264_preset) as writer:
+                for i, frame in enumerate(video):
+                    pixels = (np.clip(frame, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+                    writer.write(pixels)
+                    if stored is not None:
+                        stored[i] = pixels
+                    if i == 0:
+                        kept["first"] = pixels
+                kept["last"] = pixels
+            del video
+            record["write_s"] = round(time.perf_counter() - start, 2)
+            record.update(outcome="completed", reason=None, codec=writer.codec)
+            record.update(mp4_sha256=sha256_of(path), mp4_bytes=path.stat().st_size)
+            kept.update(latents=latents, frames=stored, path=path)
+        except torch.OutOfMemoryError as exc:
+            record.update(outcome="gpu_oom", reason=f"at {stage}: {first_line(exc)}")
+        except BudgetError as exc:  # the planner refused the budget before allocating (HostBudgetError too)
+            record.update(outcome="budget_refused", reason=f"{type(exc).__name__} at {stage}: {first_line(exc)}")
+        except MemoryError as exc:
+            record.update(outcome="host_oom", reason=f"MemoryError at {stage}: {first_line(exc)}")
+        except RuntimeError as exc:
+            host_oom = "can't allocate memory" in str(exc) or "DefaultCPUAllocator" in str(exc)
+            record.update(outcome="host_oom" if host_oom else "error", reason=f"at {stage}: {first_line(exc)}")
+        except Exception as exc:
+            record.update(outcome="error", reason=f"{type(exc).__name__} at {stage}: {first_line(exc)}")
+        finally:
+            out = None
+            host.stop()
+        if record["outcome"] != "completed":
+            kept.clear()
+            path.unlink(missing_ok=True)
+            if self.placed == "offload" or stage == "set-up":
+                self.unplace()  # an offload interrupted mid-generation is set up again for the next trial
+            free_memory()
+        record["seconds"] = round(time.perf_counter() - started, 2)
+        record["peak_gpu_allocated_bytes"] = watch.peak
+        if mode == "offload":  # the budget record (budget_bytes, peak_within_budget, ...), OVER BUDGET printed
+            record.update(
+                watch.check(f"offload {frames} frames under a {self.cap} B cap", record["budget_bytes"], TRIAL_SCOPE)
+            )
+        record["peak_host_rss_bytes"] = host.peak()
+        return record, kept
 
 
-def fit(args: argparse.Namespace) -> dict[str, Any]:
-    """Uncapped native peaks at two lengths: resident bytes and activation bytes per latent frame."""
-    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    pipe = build(args, device).to(device)
+def first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [""])[0][:200]
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------- the fit
+
+
+def fit(bench: Bench, fit_frames: list[int]) -> dict[str, Any]:
+    """Uncapped native peaks at two lengths (latents out): resident bytes and activation bytes per latent frame."""
+    bench.set_cap(None)
+    bench.place("native")
+    device = bench.device
     resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     points = []
-    for frames in args.fit_frames:
+    for frames in fit_frames:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        generate(pipe, args, frames, 1)
-        points.append((latent_frames_of(frames), peak(device) - resident))
+        bench.call(frames, 1, "latent")
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+        points.append((latent_frames_of(frames), peak - resident))
+    bench.unplace()
     (l1, a1), (l2, a2) = points
     per_latent_frame = (a2 - a1) / (l2 - l1)
-    blocks = pipe.transformer.transformer_blocks
+    transformer = bench.pipe.transformer
+    blocks = transformer.transformer_blocks
     block_bytes = sum(p.numel() * p.element_size() for p in blocks[0].parameters())
-    transformer_bytes = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
+    transformer_bytes = sum(p.numel() * p.element_size() for p in transformer.parameters())
     return {
-        "transformer_parameters": sum(p.numel() for p in pipe.transformer.parameters()),
+        "transformer_parameters": sum(p.numel() for p in transformer.parameters()),
         "resident_bytes": resident,
         "points": points,
         "activation_bytes_per_latent_frame": per_latent_frame,
         "activation_intercept_bytes": a1 - per_latent_frame * l1,
         "block_bytes": block_bytes,
         "transformer_outside_blocks_bytes": transformer_bytes - len(blocks) * block_bytes,
+        "scope": "latents out (no VAE decode): a starting guess for the search, not an answer",
     }
 
 
-def predict(model: dict[str, Any], mode: str, cap: int) -> int:
-    """The longest length (8k+1) the affine model says fits, at least 9 frames."""
+def predict(model: dict[str, Any] | None, mode: str, cap: int, start: int | None) -> int:
+    """The length the search starts from: ``--start-frames``, else the longest (8k+1) the affine model fits."""
+    if start is not None or model is None:
+        return start or 9
     if mode == "native":
-        fixed, room = model["resident_bytes"], cap * 0.98
-        scale = 1.0
+        fixed, room, scale = model["resident_bytes"], cap * 0.98, 1.0
     else:  # streamed: what stays outside the blocks, two block slots, the planner's activation margin
         fixed = model["transformer_outside_blocks_bytes"] + 2 * model["block_bytes"]
         room, scale = cap * BUDGET_OF_CAP, 1.05
@@ -166,33 +330,21 @@ def predict(model: dict[str, Any], mode: str, cap: int) -> int:
     return frames_of(max(2, latent))
 
 
-def run_trial(args: argparse.Namespace, mode: str, frames: int, cap: int) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", mode, "--frames", str(frames), "--cap", str(cap)]
-    cmd += ["--size", args.size, "--height", str(args.height), "--width", str(args.width)]
-    cmd += ["--steps", str(args.steps), "--text-tokens", str(args.text_tokens)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return {"mode": mode, "frames": frames, "cap_bytes": cap, "completed": None, "failure": "timed out"}
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if line is None:  # a crash that is not an OOM: recorded, and it does not count as a result
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {"mode": mode, "frames": frames, "cap_bytes": cap, "completed": None, "failure": " | ".join(tail)}
-    return json.loads(line.removeprefix("RESULT "))
+# ---------------------------------------------------------------------------------------- the search
 
 
-def search(args: argparse.Namespace, mode: str, cap: int, guess: int, trials: list, deadline: float, save: Any) -> dict:
+def search(bench: Bench, run: dict, mode: str, guess: int, deadline: float, save: Any, best: dict) -> dict:
     """Longest completing length: gallop from ``guess`` by latent frames, then bisect the bracket.
 
-    Trials already in ``trials`` for this mode and cap (from ``--resume``) are outcomes known
-    without running again. Returns ``max_frames`` (None when nothing completes, or the search was
-    cut short before any trial completed) and ``bracket``: the longest completed and the shortest
-    failed length found.
+    Trials already in ``run["trials"]`` for this mode (from ``--resume``) are outcomes known without
+    running again. ``best`` receives the longest completed trial's kept outputs (``best[mode]``).
     """
+    args = bench.args
+    trials = run["trials"]
     outcomes = {
-        latent_frames_of(t["frames"]): t["completed"]
+        latent_frames_of(t["frames"]): t["outcome"] == "completed"
         for t in trials
-        if t["mode"] == mode and t["cap_bytes"] == cap and t["completed"] is not None
+        if t["mode"] == mode and t["outcome"] in OUTCOMES and t.get("purpose", "search") == "search"
     }
     limit = latent_frames_of(args.max_frames)
 
@@ -200,73 +352,136 @@ def search(args: argparse.Namespace, mode: str, cap: int, guess: int, trials: li
         if latent not in outcomes:
             if time.perf_counter() > deadline:
                 return None
-            t = run_trial(args, mode, frames_of(latent), cap)
-            trials.append(t)
-            save()  # after every trial, so that a cut-off run keeps them
-            print(json.dumps(t), flush=True)
-            if t["completed"] is None:
+            frames = frames_of(latent)
+            trials.append({"mode": mode, "frames": frames, "outcome": "running", "purpose": "search"})
+            save()  # a process killed during the trial leaves "running" in the file
+            record, kept = bench.trial(mode, frames, keep=mode == "native" and args.quality)
+            trials[-1] = {**record, "purpose": "search"}
+            save()
+            print(json.dumps(trials[-1]), flush=True)
+            if record["outcome"] not in OUTCOMES:
                 return None
-            outcomes[latent] = t["completed"]
+            if kept and frames > best.get(mode, {}).get("length", 0):
+                if mode in best:
+                    best[mode]["path"].unlink(missing_ok=True)  # only the longest mp4 of a mode stays on disk
+                best[mode] = {**kept, "length": frames, "record": record}
+            elif kept:
+                kept["path"].unlink(missing_ok=True)
+            outcomes[latent] = record["outcome"] == "completed"
         return outcomes[latent]
 
     def answer(good: int | None, bad: int | None, status: str) -> dict:
-        frames = [frames_of(x) if x is not None else None for x in (good, bad)]
-        return {"max_frames": frames[0], "bracket": frames, "status": status}
+        return {
+            "max_frames": frames_of(good) if good is not None else None,
+            "first_failing_frames": frames_of(bad) if bad is not None else None,
+            "status": status,
+        }
 
     start = min(latent_frames_of(guess), limit)
     first = completes(start)
     if first is None:
-        return answer(None, None, "cut short")
+        return answer(None, None, "cut short (deadline or an error)")
     good, bad = (start, None) if first else (None, start)
     step = 1
     while good is None or bad is None:  # gallop until the outcome flips
-        if good is None and bad == 2:
-            return answer(None, bad, "the shortest length does not complete")
+        if good is None and bad == 1:
+            return answer(None, bad, "the shortest length (1 frame) does not complete")
         if bad is None and good >= limit:
-            return answer(good, None, f"completes at --max-frames {args.max_frames}")
-        probe = min(good + step, limit) if bad is None else max(2, bad - step)
+            return answer(good, None, f"at least {frames_of(good)} frames: completes at --max-frames")
+        probe = min(good + step, limit) if bad is None else max(1, bad - step)
         ok = completes(probe)
         if ok is None:
-            return answer(good, bad, "cut short")
+            return answer(good, bad, "cut short (deadline or an error)")
         good, bad = (probe, bad) if ok else (good, probe)
         step *= 2
     while bad - good > 1:
         mid = (good + bad) // 2
         ok = completes(mid)
         if ok is None:
-            return answer(good, bad, "cut short")
+            return answer(good, bad, "cut short (deadline or an error)")
         good, bad = (mid, bad) if ok else (good, mid)
     return answer(good, bad, "found")
 
 
-def run_fit(args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", "fit", "--size", args.size, "--height", str(args.height)]
-    cmd += ["--width", str(args.width), "--text-tokens", str(args.text_tokens), "--fit-frames"]
-    proc = subprocess.run([*cmd, *map(str, args.fit_frames)], capture_output=True, text=True, check=False)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if line is None:
-        raise SystemExit(f"the fit run failed:\n{proc.stderr[-3000:]}")
-    return json.loads(line.removeprefix("RESULT "))
-
-
-def resumed(path: Path, workload: dict[str, Any], device: str) -> dict[str, Any]:
-    """The fit, the trials and the other caps' runs of an earlier run of this workload on this GPU.
-
-    A search cut short by its deadline goes on from there instead of paying again for the fit and
-    for lengths already tried; each carried trial is marked ``"resumed": true``. The modes searched
-    now are searched again at their caps (from the carried trials); the rest is kept as it was.
-    """
-    earlier = json.loads(path.read_text())
-    theirs = {k: v for k, v in earlier["workload"].items() if k != "transformer_parameters"}
-    differ = sorted(k for k in {*theirs, *workload} if theirs.get(k) != workload.get(k))
-    if differ or earlier["device"] != device:
-        what = ", ".join(differ) + (" device" if earlier["device"] != device else "")
-        raise SystemExit(f"{path} was measured on another workload or GPU ({what}); run without --resume")
+def compare(native: dict[str, Any], offload: dict[str, Any]) -> dict[str, Any]:
+    """The offloaded outputs against the native ones at one length."""
+    a, b = native["latents"], offload["latents"]
+    fa, fb = native["frames"], offload["frames"]
+    frames_diff = None
+    if fa is not None and fb is not None and fa.shape == fb.shape:
+        frames_diff = int(np.abs(fa.astype(np.int16) - fb.astype(np.int16)).max())
     return {
-        "fit": earlier["fit"],
-        "trials": [{**t, "resumed": True} for t in earlier["trials"]],
-        "runs": earlier["runs"],
+        "frames": native["length"],
+        "latents_bitwise": bool(a is not None and b is not None and torch.equal(a, b)),
+        "latents_max_abs_diff": None if a is None or b is None else float((a.float() - b.float()).abs().max()),
+        "frames_bitwise": frames_diff == 0,
+        "frames_max_abs_diff": frames_diff,
+        "mp4_bitwise": native["record"]["mp4_sha256"] == offload["record"]["mp4_sha256"],
     }
+
+
+def keep_files(bench: Bench, run: dict[str, Any], best: dict[str, Any], out_dir: Path) -> None:
+    """The longest offloaded mp4 beside the JSON (under 16 MiB), else its first and last frames as PNGs."""
+    from PIL import Image
+
+    kept = best.get("offload")
+    if not kept:
+        run["kept_files"] = []
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"ltx2_offload_{run['cap_bytes']}_{kept['length']}f"
+    path = kept["path"]
+    if path.stat().st_size < KEEP_MP4_BELOW:
+        names = [f"{stem}.mp4"]
+        shutil.copyfile(path, out_dir / names[0])
+    else:
+        names = [f"{stem}_first.png", f"{stem}_last.png"]
+        Image.fromarray(kept["first"]).save(out_dir / names[0])
+        Image.fromarray(kept["last"]).save(out_dir / names[1])
+    run["kept_files"] = names
+
+
+def search_cap(bench: Bench, result: dict, cap: int, deadline: float, save: Any) -> None:
+    args = bench.args
+    run = next((r for r in result["runs"] if r["cap_bytes"] == cap), None)
+    if run is None:
+        run = {"cap_bytes": cap, "height": args.height, "width": args.width, "decoded": True, "trials": []}
+        result["runs"].append(run)
+    bench.set_cap(cap)
+    best: dict[str, Any] = {}
+    modes = [m for m in ("native", "offload") if m in args.modes]  # native first: the quality check needs it
+    for mode in modes:
+        guess = predict(result["fit"], mode, cap, args.start_frames)
+        run[f"{mode}_predicted_frames"] = guess
+        found = search(bench, run, mode, guess, deadline, save, best)
+        run[f"{mode}_max_frames"] = found["max_frames"]
+        run[f"{mode}_first_failing_frames"] = found["first_failing_frames"]
+        run[f"{mode}_max_video_s"] = seconds_of(found["max_frames"])
+        run[f"{mode}_status"] = found["status"]
+        if mode == "offload":
+            record = best.get("offload", {}).get("record")
+            run["mp4_sha256"] = record["mp4_sha256"] if record else None
+        save()
+    native = best.get("native")
+    if native and "offload" in modes and args.quality and time.perf_counter() < deadline:
+        record, kept = bench.trial("offload", native["length"], keep=True, purpose="quality")
+        run["trials"].append({**record, "purpose": "quality"})
+        run["quality"] = compare(native, {**kept, "length": native["length"], "record": record}) if kept else None
+        if kept:
+            kept["path"].unlink(missing_ok=True)
+        print("quality", json.dumps(run["quality"]), flush=True)
+    elif "quality" not in run:
+        run["quality"] = None
+    bench.unplace()
+    keep_files(bench, run, best, (args.out.parent if args.out else bench.videos))
+    save()
+    for kept in best.values():
+        kept["path"].unlink(missing_ok=True)
+    best.clear()
+    print(json.dumps({k: v for k, v in run.items() if k != "trials"}), flush=True)
+
+
+# ---------------------------------------------------------------------------------------- the command
 
 
 def parser() -> argparse.ArgumentParser:
@@ -274,19 +489,23 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--size", default="full", choices=("tiny", "full"))
     parser.add_argument("--height", type=int, default=704)
     parser.add_argument("--width", type=int, default=1280)
-    parser.add_argument("--steps", type=int, default=1, help="denoising steps of the measured generation")
-    parser.add_argument("--text-tokens", type=int, default=1024)
+    parser.add_argument("--steps", type=int, help="denoising steps of a trial (default: the recipe's for --size)")
+    parser.add_argument("--profiling-steps", type=int, default=2, help="offloaded: latent-only steps before a trial")
+    parser.add_argument("--text-tokens", type=int, help="prompt tokens (default: 1024; 32 with --size tiny)")
     parser.add_argument("--caps", nargs="+", default=["80GB", "40GB"])
     parser.add_argument("--modes", nargs="+", default=["native", "offload"], choices=("native", "offload"))
+    parser.add_argument("--vae-tiling", choices=("on", "off"), default="on", help="diffusers' VAE tiling (both modes)")
+    parser.add_argument("--x264-preset", default="medium", help="x264 preset of the mp4s (medium: the recipes')")
+    parser.add_argument("--start-frames", type=int, help="first length tried in each search (default: predicted)")
+    parser.add_argument("--fit-from", type=Path, help="take the peak model (`fit`) from an earlier result")
     parser.add_argument("--fit-frames", nargs=2, type=int, default=[193, 385])
     parser.add_argument("--max-frames", type=int, default=2001, help="longest length tried")
-    parser.add_argument("--timeout", type=int, default=240, help="seconds per trial")
-    parser.add_argument("--deadline", type=int, default=0, help="seconds for the whole search (0: none)")
+    parser.add_argument("--no-quality", dest="quality", action="store_false", help="skip the native comparison")
+    parser.add_argument("--deadline", type=int, default=0, help="seconds after which no trial starts (0: none)")
+    parser.add_argument("--simulate-oom-above", type=int, help="CPU check: trials longer than this run out of memory")
+    parser.add_argument("--video-dir", type=Path, help="where each trial's mp4 is written (default: a temp folder)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--resume", type=Path, help="an earlier result of the same workload: reuse its fit and trials")
-    parser.add_argument("--child", choices=("native", "offload", "fit"), help=argparse.SUPPRESS)
-    parser.add_argument("--frames", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--cap", type=int, help=argparse.SUPPRESS)
     return parser
 
 
@@ -298,66 +517,71 @@ def workload_of(args: argparse.Namespace) -> dict[str, Any]:
         "height": args.height,
         "width": args.width,
         "steps": args.steps,
+        "profiling_steps": args.profiling_steps,
         "guidance": "none (guidance_scale 1, no STG, no modality guidance)",
         "text_tokens": args.text_tokens,
-        "vae_decode": "not run (output_type='latent')",
+        "vae_decode": f"output_type='np', VAE tiling {args.vae_tiling}",
+        "mp4": f"written frame by frame, {FPS} fps, x264 preset {args.x264_preset}",
         "offload_budget": f"{BUDGET_OF_CAP} x cap",
         "alloc_conf": ALLOC_CONF,
+        "simulated_oom_above_frames": args.simulate_oom_above,
     }
 
 
-def search_caps(args: argparse.Namespace, result: dict[str, Any], caps: list[int], deadline: float) -> None:
-    """Each cap's longest length per mode, into ``result["runs"]``; the file is written after every trial."""
+def resumed(path: Path, workload: dict[str, Any], device: str) -> dict[str, Any]:
+    """The fit and the runs (with their trials) of an earlier run of this workload on this GPU; each
+    carried trial is marked ``"resumed": true``, a carried ``"running"`` one (a process that ended during
+    it) is kept and tried again."""
+    earlier = json.loads(path.read_text())
+    differ = sorted(k for k in {*earlier["workload"], *workload} if earlier["workload"].get(k) != workload.get(k))
+    if differ or earlier["device"] != device:
+        what = ", ".join(differ) + (" device" if earlier["device"] != device else "")
+        raise SystemExit(f"{path} was measured on another workload or GPU ({what}); run without --resume")
+    for run in earlier["runs"]:
+        run["trials"] = [{**t, "resumed": True} for t in run["trials"]]
+    return {"fit": earlier["fit"], "runs": earlier["runs"]}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parser().parse_args(argv)
+    from flextensor_diffusers.engine import parse_bytes
+    from flextensor_diffusers.engine.config import resolve_device
+    from flextensor_diffusers.recipes.ltx2_outpaint import DEFAULTS
+
+    args.steps = args.steps or DEFAULTS[args.size].steps
+    args.text_tokens = args.text_tokens or (32 if args.size == "tiny" else 1024)
+    started = time.perf_counter()
+    deadline = started + args.deadline if args.deadline else float("inf")
+    device = resolve_device(None)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    workload = workload_of(args)
+    earlier = resumed(args.resume, workload, device_name) if args.resume else {"fit": None, "runs": []}
+    bench = Bench(args, device)
+    model = earlier["fit"]
+    if model is None and args.fit_from:
+        model = json.loads(args.fit_from.read_text())["fit"]
+    if model is None and args.start_frames is None:
+        model = fit(bench, args.fit_frames)
+    print("fit", json.dumps(model), flush=True)
+    result: dict[str, Any] = {
+        "workload": workload,
+        "device": device_name,
+        "torch": torch.__version__,
+        "fit": model,
+        "fit_from": str(args.fit_from) if args.fit_from else None,
+        "resumed_from": str(args.resume) if args.resume else None,
+        "fps": FPS,
+        "runs": earlier["runs"],
+    }
 
     def save() -> None:
         write_json(args.out, result, quiet=True)
 
-    for cap in caps:
-        run = next((r for r in result["runs"] if r["cap_bytes"] == cap), None)
-        if run is None:
-            run = {"cap_bytes": cap, "height": args.height, "width": args.width}
-            result["runs"].append(run)
-        for mode in args.modes:
-            guess = predict(result["fit"], mode, cap)
-            run[f"{mode}_predicted_frames"] = guess
-            found = search(args, mode, cap, guess, result["trials"], deadline, save)
-            run[f"{mode}_max_frames"] = found["max_frames"]
-            run[f"{mode}_search"] = found
-            save()
-        print(json.dumps(run), flush=True)
-
-
-def main() -> None:
-    args = parser().parse_args()
-    if args.child == "fit":
-        print("RESULT " + json.dumps(fit(args)), flush=True)
-        return
-    if args.child:
-        print("RESULT " + json.dumps(trial(args)), flush=True)
-        return
-
-    from flextensor_diffusers.engine import parse_bytes
-
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF  # for every child process
-    started = time.perf_counter()
-    deadline = started + args.deadline if args.deadline else float("inf")
-    workload = workload_of(args)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    earlier = resumed(args.resume, workload, device) if args.resume else {"trials": [], "runs": []}
-    model = earlier.get("fit") or run_fit(args)
-    print("fit", json.dumps(model), flush=True)
-    result: dict[str, Any] = {
-        "workload": {**workload, "transformer_parameters": model["transformer_parameters"]},
-        "device": device,
-        "torch": torch.__version__,
-        "fit": model,
-        "resumed_from": str(args.resume) if args.resume else None,
-        "runs": earlier["runs"],
-        "trials": earlier["trials"],
-    }
-    search_caps(args, result, [parse_bytes(c) for c in args.caps], deadline)
+    for cap in [parse_bytes(c) for c in args.caps]:
+        search_cap(bench, result, cap, deadline, save)
     result["elapsed_s"] = round(time.perf_counter() - started, 1)
     write_json(args.out, result)
+    return result
 
 
 if __name__ == "__main__":

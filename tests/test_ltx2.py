@@ -148,6 +148,7 @@ def test_outpaint_recipe_writes_the_canvas_video(tmp_path) -> None:
     assert info["canvas"]["offset"] == [32, 16] and info["canvas"]["source_size"] == [32, 32]
     assert info["canvas"]["conditioned_tokens_per_frame"] == 16 * 16
     assert info["frames"] == info["frames_written"] == 9
+    assert info["peak_host_rss_bytes"] > 2**20 and "ru_maxrss" in info["peak_host_rss_scope"]
 
 
 def test_outpaint_defaults_to_the_whole_clip_with_real_weights(tmp_path) -> None:

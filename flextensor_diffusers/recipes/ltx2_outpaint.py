@@ -304,16 +304,32 @@ def finish_frames(pipe: Any, options: OutpaintOptions, frames: np.ndarray) -> np
     return frames
 
 
+def peak_host_rss_bytes() -> int | None:
+    """The process's peak resident set so far (the kernel's high-water mark, ``ru_maxrss``): loading, offload
+    set-up, the generations, the decoded video and the mp4 written; None where ``resource`` is missing."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
 def describe(pipe: Any, options: OutpaintOptions) -> dict[str, Any]:
     canvas = pipe.canvas
+    peak = peak_host_rss_bytes()
+    if peak is not None and not options.quiet:
+        print(f"peak host memory (RSS) {peak / 2**30:.2f} GiB")
     return {
+        "peak_host_rss_bytes": peak,
+        "peak_host_rss_scope": "the whole process until the mp4 was written (ru_maxrss)",
         "canvas": {
             "source": str(options.input),
             "source_size": [canvas.source_width, canvas.source_height],
             "offset": [canvas.left, canvas.top],
             "conditioned_tokens_per_frame": int(canvas.token_mask(pipe.vae_spatial_compression_ratio).sum()),
             "pasted": not options.no_paste,
-        }
+        },
     }
 
 

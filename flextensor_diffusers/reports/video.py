@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -157,3 +158,106 @@ def probe_mp4(path: str | Path) -> VideoInfo:
         stream = container.streams.video[0]
         count = stream.frames or sum(1 for _ in container.decode(video=0))
         return VideoInfo(frames=count, width=stream.codec_context.width, height=stream.codec_context.height)
+
+
+class Mp4Writer:
+    """An mp4 written frame by frame as the frames come, so that a long video need not be in memory whole.
+
+    The same encoding as `write_mp4` (the same frames give the same bytes, with the default ``preset``), to a
+    temporary file beside ``path`` that is renamed to ``path`` when the block ends (`files.atomic_path`); when
+    the block raises, the temporary file is deleted and whatever was at ``path`` stays::
+
+        with Mp4Writer("out.mp4", fps=24) as writer:
+            for frame in frames:  # (H, W, 3) uint8, or float in [0, 1]
+                writer.write(frame)
+        writer.codec, writer.frames  # 'libx264', 121
+
+    ``preset`` is x264's (``"ultrafast"`` encodes several times faster, in larger files). Odd sizes are cropped
+    to even, as `write_mp4` does.
+    """
+
+    def __init__(self, path: str | Path, fps: int = 16, preset: str = "medium") -> None:
+        self.path = Path(path)
+        self.fps = fps
+        self.preset = preset
+        self.codec: str | None = None
+        self.frames = 0
+        self._atomic: Any = None
+        self._temporary: Path | None = None
+        self._container: Any = None
+        self._stream: Any = None
+
+    def __enter__(self) -> Mp4Writer:
+        self._atomic = atomic_path(self.path)
+        self._temporary = self._atomic.__enter__()
+        return self
+
+    def write(self, frame: Any) -> None:
+        """One (H, W, 3) frame: uint8, or float in [0, 1] (rounded as `to_uint8_frames` does)."""
+        import av
+
+        pixels = to_uint8_frames(np.asarray(frame)[None])[0]
+        height, width, _ = pixels.shape
+        pixels = pixels[: height - height % 2, : width - width % 2]
+        if self._stream is None:
+            self._open(pixels.shape[0], pixels.shape[1])
+        elif pixels.shape[:2] != (self._stream.height, self._stream.width):
+            raise ValueError(
+                f"frame {self.frames} is {pixels.shape[1]}x{pixels.shape[0]}, the video before it "
+                f"{self._stream.width}x{self._stream.height}"
+            )
+        planes = rgb_to_yuv420p(pixels)
+        self._container.mux(self._stream.encode(av.VideoFrame.from_ndarray(planes, format="yuv420p")))
+        self.frames += 1
+
+    def _open(self, height: int, width: int) -> None:
+        import av
+
+        for codec in CODECS:
+            container = av.open(str(self._temporary), mode="w", options={"fflags": "+bitexact"})
+            try:
+                stream = container.add_stream(codec, rate=Fraction(self.fps))
+            except (av.error.FFmpegError, ValueError):  # codec not in this build
+                container.close()
+                continue
+            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+            stream.codec_context.thread_count = 1
+            with contextlib.suppress(AttributeError):  # PyAV < 13 has no Flags enum
+                stream.codec_context.flags |= av.codec.context.Flags.bitexact
+            options = {"threads": "1"}
+            if codec != "mpeg4":
+                options.update(
+                    crf="12",
+                    preset=self.preset,
+                    **{"x264-params": "threads=1:lookahead-threads=1:deterministic=1:cpu-independent=1"},
+                )
+            stream.options = options
+            self._container, self._stream, self.codec = container, stream, codec
+            if codec == "mpeg4":
+                logger.warning("no H.264 encoder in this PyAV build; writing %s with MPEG-4 part 2", self.path)
+            return
+        raise RuntimeError(f"PyAV has none of the encoders {', '.join(CODECS)}: cannot write {self.path}")
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        try:
+            if self._container is not None:
+                try:
+                    if kind is None:
+                        self._container.mux(self._stream.encode())
+                finally:
+                    self._container.close()
+            elif kind is None:
+                raise ValueError(f"no frames were written to {self.path}")
+        except BaseException:
+            self._atomic.__exit__(*sys.exc_info())
+            raise
+        self._atomic.__exit__(kind, exc, tb)
+
+
+def write_mp4_frames(path: str | Path, frames: Any, fps: int = 16, preset: str = "medium") -> Mp4Writer:
+    """Each (H, W, 3) frame of the iterable ``frames`` into ``path`` as it comes (`Mp4Writer`); the writer,
+    closed (``.codec``, ``.frames``)."""
+    with Mp4Writer(path, fps=fps, preset=preset) as writer:
+        for frame in frames:
+            writer.write(frame)
+    return writer
