@@ -33,7 +33,7 @@ reserve, and on the CPU device the "device" copies (bounded by the GPU budget).
 
 The parts, each owning one thing; `HostTier` wires them and holds the one lock around their state:
 
-* `residency.Residency`: where each component's host copies are (RAM, its weight files, a cache file),
+* `placement.Placement`: where each component's host copies are (RAM, its weight files, a cache file),
   what RAM they hold against the budget, and which move out to make room (least recently active first).
 * `read_back.ReadBack`: the active component's read back, its units adopted through its gate, and the
   `records.Switch` that records it.
@@ -52,8 +52,8 @@ a hub id (only local folders are looked up).
 from ..weight_files import pipeline_folder
 from .forecast import SwitchForecast
 from .order import offload_order
+from .placement import kept_in_ram_bytes
 from .report import format_host_tier
-from .residency import kept_in_ram_bytes
 from .tier import HostTier
 
 __all__ = [

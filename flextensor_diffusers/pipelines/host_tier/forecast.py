@@ -28,7 +28,7 @@ SLOW_SWITCH_S = 2.0
 
 
 class BudgetSplit(Protocol):
-    """The host budget's split a forecast needs (`residency.TierBudget`; tests pass a stand-in)."""
+    """The host budget's split a forecast needs (`placement.TierBudget`; tests pass a stand-in)."""
 
     @property
     def weights_budget(self) -> int: ...

@@ -23,8 +23,8 @@ from ...engine.errors import FlexTensorError
 from ..disk_reads import Reader, ReadJob
 from .jobs import read_job
 from .order import ComponentOrder
+from .placement import Placement
 from .records import READ_AHEAD, Reading
-from .residency import Residency
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 class ReadAheads:
     """The read aheads under way, by component, in the order expected (the order the reader runs them)."""
 
-    def __init__(self, residency: Residency, reader: Reader, order: ComponentOrder, pin: bool) -> None:
-        self._residency = residency
+    def __init__(self, placement: Placement, reader: Reader, order: ComponentOrder, pin: bool) -> None:
+        self._placement = placement
         self._reader = reader
         self._order = order
         self._pin = pin
@@ -68,7 +68,7 @@ class ReadAheads:
         may move out, but none expected before it), then the next ones in what room is left (the small VAE,
         then the next generation's first expert). Read aheads kept from before are topped up; a new one is
         only queued behind them when they are the chain's first components in order."""
-        chain = self._order.expected_chain(active, self._residency.handles)
+        chain = self._order.expected_chain(active, self._placement.handles)
         wanted = [name for name in chain if self._may_read_ahead(name)]
         if list(self._jobs) != wanted[: len(self._jobs)]:
             self.give_up_all()  # out of order: a paused one would hold a later one up
@@ -82,28 +82,28 @@ class ReadAheads:
         """Move others out until all of ``name`` fits next to ``keep``; reading ahead is optional, so a failure
         to move one out only warns (the component is read when it runs)."""
         job = self._jobs.get(name)
-        missing = self._residency.packed_bytes(name) - (job.reserved_bytes if job is not None else 0)
+        missing = self._placement.packed_bytes(name) - (job.reserved_bytes if job is not None else 0)
         try:
-            self._residency.make_room(keep, missing)
+            self._placement.make_room(keep, missing)
         except FlexTensorError as exc:
             logger.warning("host tier: no read ahead of %s: %s", name, exc)
 
     def _read_into_room(self, name: str, active: str) -> bool:
         """Let ``name``'s read ahead go as far as the room left: a paused one is topped up, a new one starts
         when at least one unit fits. False when none does: the components expected later get no room either."""
-        room = self._residency.budget.weights_budget - self._residency.ram_bytes()
+        room = self._placement.budget.weights_budget - self._placement.ram_bytes()
         job = self._jobs.get(name)
         if job is not None:
             job.allow_more(room)
             return True
-        job = read_job(name, self._residency.handles[name], self._residency.sources.get(name), self._pin)
+        job = read_job(name, self._placement.handles[name], self._placement.sources.get(name), self._pin)
         if room <= 0 or job.units_within(room) == 0:
             return False
         job.allow(room)
         self._jobs[name] = job
         self._reader.start(job)
-        self._residency.note_peak()
-        packed = self._residency.packed_bytes(name)
+        self._placement.note_peak()
+        packed = self._placement.packed_bytes(name)
         logger.debug(
             "host tier: reading %s ahead while %s runs (%s of %s)",
             name,
@@ -115,9 +115,9 @@ class ReadAheads:
 
     def _may_read_ahead(self, name: str) -> bool:
         """``name`` waits on disk, not active, unedited since it moved out, and its files unchanged."""
-        handle = self._residency.handles[name]
+        handle = self._placement.handles[name]
         host_copies = handle.host
         if host_copies.spilled_to is None or handle.active or not host_copies.spill_is_current:
             return False
-        source = self._residency.sources.get(name)
+        source = self._placement.sources.get(name)
         return source is None or source.changed_file() is None  # a changed one is refused when it is needed

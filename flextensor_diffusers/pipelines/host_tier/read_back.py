@@ -25,9 +25,9 @@ from ..disk_reads import FillGate, Reader, ReadJob, read_error
 from ..weight_files import WeightSource
 from .forecast import SlowSwitchWarning
 from .jobs import is_stale, read_job
+from .placement import Placement
 from .read_ahead import ReadAheads
 from .records import READ_BACK, Reading, Switch
-from .residency import Residency
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class ReadBack:
     def __init__(
         self,
         lock: threading.RLock,
-        residency: Residency,
+        placement: Placement,
         reader: Reader,
         aheads: ReadAheads,
         slow: SlowSwitchWarning,
@@ -60,7 +60,7 @@ class ReadBack:
     ) -> None:
         self.switches: list[Switch] = []
         self._lock = lock
-        self._residency = residency
+        self._placement = placement
         self._reader = reader
         self._aheads = aheads
         self._slow = slow
@@ -82,13 +82,13 @@ class ReadBack:
     def start(self, name: str) -> Switch:
         """``name`` waits on disk and becomes active: room for all of it, its read going on (from its read
         ahead, unless that is stale) and its gate set; no byte is waited for here."""
-        host_copies = self._residency.handles[name].host
-        source = self._residency.sources.get(name)
+        host_copies = self._placement.handles[name].host
+        source = self._placement.sources.get(name)
         job = self._resumable(name, source)
         fresh = job is None
         if job is None:  # a new job runs after those queued: none may pause before it
             self._aheads.give_up_all()
-            job = read_job(name, self._residency.handles[name], source, self._pin)
+            job = read_job(name, self._placement.handles[name], source, self._pin)
         switch = Switch(name, host_copies.packed_bytes, read_ahead_bytes=job.read_bytes)
         fill = Fill(job, switch, source)
         fill.gate = FillGate(len(job.nbytes), functools.partial(self._arrive, fill))
@@ -96,7 +96,7 @@ class ReadBack:
         host_copies.expect_arrivals(fill.gate)
         self.switches.append(switch)
         try:
-            self._residency.make_room({name}, host_copies.packed_bytes - job.reserved_bytes)
+            self._placement.make_room({name}, host_copies.packed_bytes - job.reserved_bytes)
             job.allow(host_copies.packed_bytes)
             if fresh:
                 self._reader.start(job)
@@ -162,7 +162,7 @@ class ReadBack:
         if fill.source is not None:
             fill.source.read_done()
         if job.how is not None and job.how.written:
-            self._residency.forget_files(job.component)
+            self._placement.forget_files(job.component)
         logger.info(
             "host tier: %s read from disk in %.3f s (%s read ahead), waited %.3f s",
             job.component,

@@ -10,31 +10,31 @@ from typing import Any
 
 from ...engine import format_bytes
 from .forecast import SwitchForecast
+from .placement import Placement
 from .records import Reading, Switch
-from .residency import Residency
 
 #: Where a component waits on disk, as the report names it.
 WEIGHTS_FILES, CACHE_FILE = "weights files", "cache file"
 
 
 def tier_report(
-    residency: Residency, switches: list[Switch], readings: list[Reading], forecasts: list[SwitchForecast]
+    placement: Placement, switches: list[Switch], readings: list[Reading], forecasts: list[SwitchForecast]
 ) -> dict[str, Any]:
     """Budget and where it went (the process's own memory at enable, the reserve, the host copies' share),
     RAM, per component its bytes, where it is, where it waits and its reads; per switch the read, the wait,
     what was read ahead and the read's bandwidth; disk read bandwidth; the reads under way; the forecast of
     each switch that reads from disk."""
-    budget = residency.budget
+    budget = placement.budget
     read_s = sum(s.read_s for s in switches)
     nbytes = sum(s.nbytes for s in switches)
-    components = _components(residency, switches)
+    components = _components(placement, switches)
     return {
         "host_budget_bytes": budget.budget,
         "process_own_bytes": budget.overhead.own_bytes,
         "host_reserve_bytes": budget.overhead.reserve_bytes,
         "weights_budget_bytes": budget.weights_budget,
-        "host_ram_bytes": residency.ram_bytes(),
-        "peak_host_ram_bytes": residency.peak_ram_bytes,
+        "host_ram_bytes": placement.ram_bytes(),
+        "peak_host_ram_bytes": placement.peak_ram_bytes,
         "on_disk": [n for n, c in components.items() if c["host"] == "disk"],
         "disk_reads_s": [round(s.read_s, 4) for s in switches],
         "disk_read_s": round(read_s, 4),
@@ -45,20 +45,20 @@ def tier_report(
         "switches": [s.as_dict() for s in switches],
         "reading": [r.as_dict() for r in readings],
         "forecasts": [f.as_dict() for f in forecasts],
-        "cache_folder": str(residency.folder),
+        "cache_folder": str(placement.folder),
         "components": components,
     }
 
 
-def _components(residency: Residency, switches: list[Switch]) -> dict[str, dict[str, Any]]:
+def _components(placement: Placement, switches: list[Switch]) -> dict[str, dict[str, Any]]:
     """Per component: its bytes, where it is now, where it waits on disk, and the totals of its reads."""
     components = {}
-    for name, handle in residency.handles.items():
+    for name, handle in placement.handles.items():
         mine = [s for s in switches if s.component == name]
         components[name] = {
             "bytes": handle.host.packed_bytes,
             "host": handle.host.where().label,
-            "source": WEIGHTS_FILES if name in residency.sources else CACHE_FILE,
+            "source": WEIGHTS_FILES if name in placement.sources else CACHE_FILE,
             "reads": len(mine),
             "disk_read_s": round(sum(s.read_s for s in mine), 4),
             "wait_s": round(sum(s.wait_s for s in mine), 4),

@@ -16,11 +16,11 @@ from ..host_budget import HostOverhead
 from ..weight_files import WeightSource
 from .forecast import SlowSwitchWarning, SwitchForecast, forecast_switches
 from .order import ComponentOrder
+from .placement import Placement, TierBudget
 from .read_ahead import ReadAheads
 from .read_back import ReadBack
 from .records import Reading, Switch
 from .report import tier_report
-from .residency import Residency, TierBudget
 
 if TYPE_CHECKING:
     from ...engine import OffloadHandle
@@ -30,7 +30,7 @@ class HostTier:
     """Which components' host copies are in RAM, under ``weights_budget`` (the host ``budget`` less
     ``overhead``); the rest wait on disk (their own weight files, else cache files in ``folder``).
 
-    One lock around the parts' state (`Residency`, `ReadBack`, `ReadAheads`, `ComponentOrder`); the reader
+    One lock around the parts' state (`Placement`, `ReadBack`, `ReadAheads`, `ComponentOrder`); the reader
     threads only read a component's bytes into new buffers (`ReadJob`) and touch no state here.
 
     Args:
@@ -61,10 +61,10 @@ class HostTier:
         self._reader = Reader()
         self._seen = ComponentOrder(self.order)
         self._split = TierBudget(budget, overhead)
-        self._residency = Residency(self._split, folder, weights_root, reserved=self._reserved_bytes)
-        self._aheads = ReadAheads(self._residency, self._reader, self._seen, pin)
+        self._placement = Placement(self._split, folder, weights_root, reserved=self._reserved_bytes)
+        self._aheads = ReadAheads(self._placement, self._reader, self._seen, pin)
         slow = SlowSwitchWarning(budget, self.forecasts)
-        self._read_back = ReadBack(self._lock, self._residency, self._reader, self._aheads, slow, pin)
+        self._read_back = ReadBack(self._lock, self._placement, self._reader, self._aheads, slow, pin)
 
     @property
     def weights_budget(self) -> int:
@@ -73,16 +73,16 @@ class HostTier:
 
     @property
     def handles(self) -> dict[str, OffloadHandle]:
-        return self._residency.handles
+        return self._placement.handles
 
     @property
     def sources(self) -> dict[str, WeightSource]:
         """Components that wait in their own weight files (the others wait in cache files)."""
-        return self._residency.sources
+        return self._placement.sources
 
     @property
     def peak_ram_bytes(self) -> int:
-        return self._residency.peak_ram_bytes
+        return self._placement.peak_ram_bytes
 
     @property
     def switches(self) -> list[Switch]:
@@ -97,7 +97,7 @@ class HostTier:
     def ram_bytes(self) -> int:
         """Host RAM of the host copies now, and what the reads under way may hold (reserved ahead)."""
         with self._lock:
-            return self._residency.ram_bytes()
+            return self._placement.ram_bytes()
 
     def _readings(self) -> list[Reading]:
         """The reads under way: the active component's read back, then the read aheads in order."""
@@ -110,12 +110,12 @@ class HostTier:
         """Track a component just packed (in RAM): find its weight files, then move others to disk if
         it does not fit with them."""
         with self._lock:
-            self._residency.add(name, handle)
+            self._placement.add(name, handle)
 
     def room_for_packing(self, nbytes: int) -> None:
         """Before a component of ``nbytes`` is packed: move others to disk until it fits."""
         with self._lock:
-            self._residency.make_room(set(), nbytes)
+            self._placement.make_room(set(), nbytes)
 
     def bring_in(self, handle: OffloadHandle) -> None:
         """Before ``handle`` becomes active (the one before is released): the previous component's read
@@ -124,8 +124,8 @@ class HostTier:
         gate). Then the read aheads of the components expected next start or go on (`ReadAheads.after`)."""
         started = disk_reads.clock()
         with self._lock:
-            name = self._residency.name_of(handle)
-            self._residency.mark_active(name)
+            name = self._placement.name_of(handle)
+            self._placement.mark_active(name)
             self._seen.note(name)
             if self._read_back.serves(name):
                 return  # activated again while its units arrive: the gate still serves them
@@ -134,7 +134,7 @@ class HostTier:
             if handle.host.spilled_to is not None:
                 self._aheads.give_up_before(name)
                 switch = self._read_back.start(name)
-            self._residency.note_peak()
+            self._placement.note_peak()
             self._aheads.after(name)
             if switch is not None:  # all of it kept the component from computing
                 switch.wait_s += disk_reads.clock() - started
@@ -143,7 +143,7 @@ class HostTier:
         """What `report.tier_report` tells, the switch under way counted up to now."""
         with self._lock:
             self._read_back.note_read_time()
-            return tier_report(self._residency, self.switches, self._readings(), self.forecasts())
+            return tier_report(self._placement, self.switches, self._readings(), self.forecasts())
 
     def forecasts(self) -> list[SwitchForecast]:
         """A `SwitchForecast` per switch seen so far whose two components do not fit in RAM together (so the
@@ -154,11 +154,11 @@ class HostTier:
     def stop(self) -> None:
         """Before offload is disabled: give up the reads under way (a component still arriving goes back to
         disk as it was), and check the weight files of components waiting in them, which removal reads their
-        weights back from (`Residency.check_files_for_removal`)."""
+        weights back from (`Placement.check_files_for_removal`)."""
         with self._lock:
             self._read_back.give_up()  # first: a read ahead queued behind it is then skipped at once
             self._aheads.give_up_all()
-            self._residency.check_files_for_removal()
+            self._placement.check_files_for_removal()
 
     def close(self) -> None:
         """Join the reader threads and delete the cache files (called once every handle is removed);
@@ -167,4 +167,4 @@ class HostTier:
             self._read_back.give_up()
             self._aheads.give_up_all()
             self._reader.close()
-            self._residency.delete_files()
+            self._placement.delete_files()

@@ -40,7 +40,7 @@ class TierBudget:
 
     @property
     def weights_budget(self) -> int:
-        """The host copies' share: what `Residency.ram_bytes` stays under."""
+        """The host copies' share: what `Placement.ram_bytes` stays under."""
         return self.budget - self.overhead.nbytes
 
 
@@ -58,7 +58,7 @@ def kept_in_ram_bytes(name: str, module: nn.Module, root: Path | None) -> int:
     return sum(t.numel() * t.element_size() for t in buffers.values())
 
 
-class Residency:
+class Placement:
     """The components' host copies against ``budget.weights_budget``: which are in RAM, which wait on disk and
     where (``sources``: those that wait in their own weight files; the others' cache files in ``folder``), and
     the peak. ``reserved`` tells what the reads under way may still take: RAM they hold before the host copies
