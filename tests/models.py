@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -128,28 +129,45 @@ def enable_with_one_component_in_ram(pipe, budget: int, cache) -> None:
     pipe.enable_flextensor_offload(budget=budget, device="cpu", host_budget=largest + 1, cache_dir=cache)
 
 
+def setup_minimum(model: nn.Module, device: str, **config: object) -> int:
+    """The least budget ``model`` (units ``blocks.*``) streams in before any activation is measured: what the
+    refusal of a 1-byte budget names, before anything is packed."""
+    import flextensor_diffusers as ft
+
+    try:
+        ft.offload(model, include_patterns=["blocks.*"], gpu_budget=1, device=device, **config)
+    except ft.BudgetError as refused:
+        assert refused.required_bytes is not None
+        return refused.required_bytes
+    raise AssertionError("a 1-byte budget was accepted")
+
+
+def measured_smallest(model: nn.Module, run: Callable[[nn.Module], object], device: str, **config: object) -> int:
+    """The least budget ``model`` (units ``blocks.*``) streams in once its activations are measured: a copy,
+    offloaded with room to spare, runs ``run(copy)`` (its forwards); then `OffloadHandle.smallest_budget`."""
+    import flextensor_diffusers as ft
+
+    probe = copy.deepcopy(model).to("cpu")
+    handle = ft.offload(probe, include_patterns=["blocks.*"], gpu_budget=2**30, device=device, **config)
+    run(probe)
+    need = handle.smallest_budget()
+    handle.remove()
+    return need
+
+
 def device_headroom(device: str, model: nn.Module, x: torch.Tensor, **config: object) -> int:
     """Budget room beyond a small model's weights and two slots. On the CPU, only rounding: nothing counts
     activations there. On CUDA a budget bounds the whole process's peak of allocated memory, with the engine's
     activation margin on all of it: what the process holds already (earlier tests' tensors, the cuBLAS workspace)
-    and the model's own activations. So it is measured: a copy of ``model`` (units ``blocks.*``, ``config`` as the
-    test's) runs ``x`` twice with room to spare; the room is its smallest budget less the set-up minimum that a
-    1-byte budget names, plus 8 KiB for activations measured again."""
+    and the model's own activations. So it is measured: a copy of ``model`` (``config`` as the test's) runs ``x``
+    twice with room to spare; the room is its smallest budget less the set-up minimum, plus 8 KiB for activations
+    measured again."""
     if device != "cuda":
         return 2048
-    import flextensor_diffusers as ft
 
-    probe = copy.deepcopy(model).to("cpu")
-    try:
-        ft.offload(probe, include_patterns=["blocks.*"], gpu_budget=1, device="cuda", **config)
-        raise AssertionError("a 1-byte budget was accepted")
-    except ft.BudgetError as refused:
-        setup_minimum = refused.required_bytes
-    assert setup_minimum is not None
-    handle = ft.offload(probe, include_patterns=["blocks.*"], gpu_budget=2**30, device="cuda", **config)
-    with torch.inference_mode():
-        for _ in range(2):
-            probe(x.to("cuda"))
-    need = handle.smallest_budget()
-    handle.remove()
-    return need - setup_minimum + 8192
+    def run(probe: nn.Module) -> None:
+        with torch.inference_mode():
+            for _ in range(2):
+                probe(x.to("cuda"))
+
+    return measured_smallest(model, run, "cuda", **config) - setup_minimum(model, "cuda", **config) + 8192

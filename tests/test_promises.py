@@ -16,7 +16,7 @@ from torch import nn
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import FlexTensorError, InferenceOnlyError
-from tests.models import assert_same, snapshot
+from tests.models import assert_same, measured_smallest, setup_minimum, snapshot
 
 PATTERNS = ["blocks.*"]
 RESIDENT = 10**9  # bytes: every unit of these models fits, so the plan keeps them all on the device
@@ -61,18 +61,15 @@ def smallest_budget(model: nn.Module, device: str) -> int:
     """The least budget in which ``model`` streams every unit: on the CPU the set-up minimum (it refuses 1 byte
     naming it, before packing); on CUDA the minimum once a copy of it has measured its activations."""
     if device == "cpu":
-        with pytest.raises(ft.BudgetError) as refused:
-            ft.offload(model, include_patterns=PATTERNS, gpu_budget=1, device=device)
-        assert refused.value.required_bytes is not None
-        return refused.value.required_bytes
-    probe = copy.deepcopy(model)
-    handle = ft.offload(probe, include_patterns=PATTERNS, gpu_budget="1GiB", device=device)
-    with torch.no_grad():
-        for x in inputs(2, device):
-            probe(x)
-    need = handle.smallest_budget()
-    handle.remove()
-    return need + 2**20  # activations measured again vary by some KiB; a MiB is far from a third slot
+        return setup_minimum(model, device)
+
+    def run(probe: nn.Module) -> None:
+        with torch.no_grad():
+            for x in inputs(2, device):
+                probe(x)
+
+    # activations measured again vary by some KiB; a MiB is far from a third slot
+    return measured_smallest(model, run, device) + 2**20
 
 
 def offload(model: nn.Module, budget: str, device: str, **config) -> ft.OffloadHandle:

@@ -160,16 +160,17 @@ class HostCopies:
             self.host_gate = None
 
     def where(self) -> HostPlaces:
-        """Where the host copies are now, in bytes: RAM raw, RAM compressed, on disk (and which file or
-        folder), arriving from disk."""
+        """Where the host copies are now, in bytes: in RAM (all of them; while spilled, what stand-ins keep in
+        RAM and the units already taken back), compressed in RAM, the rest on disk (and which file or folder),
+        and whether units are arriving from disk."""
         payloads = self.compressed.payload_bytes
         if self.spilled_to is None:
             return HostPlaces(ram_raw_bytes=self.packed_bytes, ram_compressed_bytes=payloads)
-        taken = sum(self.positions[p].nbytes for p in self._taken)
+        in_ram = (self._held_bytes or 0) + sum(self.positions[p].nbytes for p in self._taken)
         return HostPlaces(
-            ram_raw_bytes=taken,
+            ram_raw_bytes=in_ram,
             ram_compressed_bytes=payloads,
-            disk_bytes=self.packed_bytes - taken,
+            disk_bytes=max(self.packed_bytes - in_ram, 0),
             disk_path=str(self.spilled_to),
             arriving=self.host_gate is not None,
         )
@@ -198,13 +199,9 @@ class HostCopies:
 
     @property
     def host_ram_bytes(self) -> int:
-        """Host RAM the host copies take now: all of them in RAM; while spilled, what stand-ins keep in RAM and
-        the units already taken back; and the compressed copies."""
-        payloads = self.compressed.payload_bytes
-        if self.spilled_to is None:
-            return payloads + self.packed_bytes
-        taken = sum(self.positions[p].nbytes for p in self._taken)
-        return payloads + (self._held_bytes or 0) + taken
+        """Host RAM the host copies take now, raw and compressed (`where`)."""
+        places = self.where()
+        return places.ram_raw_bytes + places.ram_compressed_bytes
 
     # ------------------------------------------------------------------------------------ edits
 

@@ -229,13 +229,15 @@ class Phases:
 
     def profile_again(self) -> None:
         """Profile the next forward, in the current layout (loads of streamed units are timed)."""
-        self.handle.schedule.leave()
-        self.handle.profiler.restart()
-        self.switch(Profiling)
+        self._measure_again(Profiling)
 
     def rediscover(self) -> None:
         """Units were compiled after set-up: measure again from a warm-up forward (which compiles)."""
         if self.kind in (Phase.STEADY, Phase.PROFILING, Phase.OVER_BUDGET) and self.handle.units:
-            self.handle.schedule.leave()
-            self.handle.profiler.restart()
-            self.switch(Discovery)
+            self._measure_again(Discovery)
+
+    def _measure_again(self, phase: type[PhaseBehaviour]) -> None:
+        """What was measured no longer holds: the schedule stops, profiled runs are forgotten, ``phase`` next."""
+        self.handle.schedule.leave()
+        self.handle.profiler.restart()
+        self.switch(phase)

@@ -8,9 +8,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .config import format_bytes
+from .phases import Phase
 
 if TYPE_CHECKING:
     from .handle import OffloadHandle
+    from .planner import Plan
 
 
 @dataclass
@@ -98,11 +100,12 @@ def collect_stats(handle: OffloadHandle) -> OffloadStats:
             calls[call.unit] = calls.get(call.unit, 0) + 1
             compute[call.unit] = compute.get(call.unit, 0.0) + call.compute_ms
     copies, host = handle.device_copies, handle.host
+    layout = handle.phases.current.layout()  # once: before a plan it is made afresh at each call
     units = [
         UnitStats(
             name=unit.name,
             nbytes=unit.nbytes,
-            placement=_placement(handle, unit.index),
+            placement=_placement(handle, layout, unit.index),
             calls_per_forward=calls.get(unit.index, 0),
             compute_ms_per_forward=compute.get(unit.index),
             loads=copies.loads[unit.index],
@@ -132,11 +135,10 @@ def collect_stats(handle: OffloadHandle) -> OffloadStats:
     )
 
 
-def _placement(handle: OffloadHandle, index: int) -> str:
-    layout = handle.phases.current.layout()
+def _placement(handle: OffloadHandle, layout: Plan | None, index: int) -> str:
     if layout is None:
         return "on demand"
-    if handle.phase.value not in ("steady", "desynced"):
+    if handle.phase not in (Phase.STEADY, Phase.DESYNCED):
         return "resident (until planned)"
     if index in layout.resident:
         return "resident"

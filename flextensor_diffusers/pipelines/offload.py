@@ -364,7 +364,9 @@ class OffloadRequest:
         includes = _includes(available, chosen, patterns or {})
         shared = shared_host is not None  # processes that attach build their pipeline on the meta device
         excludes = list(config.get("exclude_patterns", []))
-        layouts = _check_setup_budgets(available, includes, budget_bytes, device, shared, shared, excludes)
+        layouts = _check_setup_budgets(
+            available, includes, budget_bytes, device, canonical=shared, meta_ok=shared, excludes=excludes
+        )
         return cls(
             pipeline=pipeline,
             available=available,
