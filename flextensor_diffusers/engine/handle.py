@@ -37,6 +37,7 @@ from .boundaries import refuse_if_inside_whole_model_compile, refuse_whole_model
 from .call_guards import nested_call_error, outside_a_call_error, refuse_autograd, refuse_views_of
 from .config import OffloadConfig, resolve_budget, resolve_device
 from .errors import BudgetError, FlexTensorError, OffloadStateError
+from .payload_cache import PayloadCache
 from .phases import Discovery, OnDemand, Phase, Phases, Removed, Steady
 from .planner import Plan, WorkloadProfile
 from .planning import Planning
@@ -173,7 +174,8 @@ class OffloadHandle:
         return self.set_up.raw_file is not None
 
     @property
-    def payload_cache(self) -> Any:
+    def payload_cache(self) -> PayloadCache | None:
+        """With ``compression_cache``: the file of the compressed copies, read or written at set-up."""
         return self.set_up.payload_cache
 
     @property
