@@ -4,8 +4,11 @@ LTX-2 frame counts are 8k+1 (its VAE compresses time 8x). A trial is the whole g
 `LTX2ConditionPipeline` (``--size full``: assets/ltx2/full.json, Gemma 3 12B, the 18.9B-parameter
 video+audio transformer, connectors, video and audio VAEs; random bf16 weights), ``--steps`` denoising
 steps without guidance (memory, not quality, is measured; default: the outpainting recipe's steps for
-the size, stated in the JSON), the VAE decode (``output_type="np"``, diffusers' VAE tiling on unless
-``--vae-tiling off``) and the mp4, written frame by frame as it is encoded (`reports.video.Mp4Writer`).
+the size, stated in the JSON), the VAE decode (``output_type="pt"``: the decoded video stays on the GPU,
+diffusers' VAE tiling on unless ``--vae-tiling off``) and the mp4, written 32 frames at a time: each chunk
+made uint8 and YUV 4:2:0 on the GPU (`reports.video.float_to_uint8`, `Mp4Writer.write_tensor`, the same
+bytes as the NumPy path) so that the video never sits on the host as float32 (at 2 000 frames of 1280x704
+that would be 21.6 GB, twice over inside diffusers' ``output_type="np"``).
 
 - native: ``pipe.to(cuda)`` (every component resident, as a user would run it).
 - offload: ``enable_flextensor_offload(budget=cap x 0.95)`` (it streams the VAE too); before each
@@ -23,14 +26,16 @@ is set up again before the next trial. Outcomes: ``completed``, ``gpu_oom`` (tor
 saved as ``"outcome": "running"`` before it starts: a process the kernel kills (host OOM) or a call cut
 off leaves that in the file.
 
-The search per cap and mode starts from a guess (``--start-frames``; else the affine peak model of
-``--fit-from FILE``'s ``fit``, or of an uncapped native fit at ``--fit-frames`` run here first), steps by
-one latent frame (8 frames), doubling while the outcome does not change, then bisects, until the longest
-completing length and the next one that does not complete are found. ``--max-frames`` bounds the lengths:
-a mode that completes there is reported "at least" that length, ``first_failing_frames`` null.
+The search per cap and mode starts from a guess (``--start-frames``, ``--offload-start-frames`` for the
+offloaded one; else the affine peak model of ``--fit-from FILE``'s ``fit``, or of an uncapped native fit at
+``--fit-frames`` run here first), steps by ``--first-step-frames`` (default one latent frame, 8 frames),
+doubling while the outcome does not change, then bisects, until the longest completing length and the next
+one that does not complete are found. ``--max-frames`` bounds the lengths: a mode that completes there is
+reported "at least" that length, ``first_failing_frames`` null. A search cut short by ``--deadline`` reports
+the bracket it had; ``--resume`` goes on from it.
 
-Quality: after a cap's offloaded search, one more offloaded trial at the native maximum compares its
-final latents and decoded frames with the native trial's at that length (``runs[*].quality``).
+Quality: right after a cap's native search (its frames still in memory), one offloaded trial at the native
+maximum compares its final latents and decoded frames with the native trial's (``runs[*].quality``).
 
 Kept files (beside ``--out``): each cap's longest offloaded mp4 if under 16 MiB, else its first and last
 frames as PNGs (the sha256 of the mp4 is in the JSON either way).
@@ -78,15 +83,20 @@ TRIAL_SCOPE = (
     "generation with the VAE decode, mp4"
 )
 KEEP_MP4_BELOW = 16 * 2**20
+#: Decoded frames made uint8 and YUV on the GPU per chunk; only the chunk's YUV planes come to the host.
+WRITE_CHUNK_FRAMES = 32
 OUTCOMES = ("completed", "gpu_oom", "host_oom", "budget_refused")
 
 
+TEMPORAL_FACTOR = 8  # frames per latent frame
+
+
 def frames_of(latent_frames: int) -> int:
-    return 8 * (latent_frames - 1) + 1
+    return TEMPORAL_FACTOR * (latent_frames - 1) + 1
 
 
 def latent_frames_of(frames: int) -> int:
-    return (frames - 1) // 8 + 1
+    return (frames - 1) // TEMPORAL_FACTOR + 1
 
 
 def seconds_of(frames: int | None) -> float | None:
@@ -198,7 +208,7 @@ class Bench:
         Returns the JSON record and, for a completed trial, what stays in memory (``latents``, and the
         ``frames`` as uint8 when ``keep``; the ``first`` and ``last`` frames always)."""
         from flextensor_diffusers.engine import BudgetError
-        from flextensor_diffusers.reports.video import Mp4Writer
+        from flextensor_diffusers.reports.video import Mp4Writer, float_to_uint8
 
         args = self.args
         record: dict[str, Any] = {"mode": mode, "frames": frames, "video_s": seconds_of(frames), "cap_bytes": self.cap}
@@ -219,24 +229,24 @@ class Bench:
                 record["profiling_s"] = round(time.perf_counter() - start, 2)
             stage = "generation"
             start = time.perf_counter()
-            out, latents = self.call(frames, args.steps, "np", SimulatedOOM(args.simulate_oom_above, frames))
+            out, latents = self.call(frames, args.steps, "pt", SimulatedOOM(args.simulate_oom_above, frames))
             sync(self.device)
             record["generation_s"] = round(time.perf_counter() - start, 2)  # steps, VAE decode, audio
             stage = "writing the mp4"
             start = time.perf_counter()
-            video = out.frames[0]  # (F, H, W, 3) float32 in [0, 1], on the host
+            video = out.frames[0]  # (F, 3, H, W) in [0, 1], on the GPU: it never comes to the host as float
             out = None
-            stored = np.empty((len(video), *video.shape[1:]), np.uint8) if keep else None
+            stored = np.empty((len(video), *video.shape[2:], 3), np.uint8) if keep else None
             with Mp4Writer(path, fps=FPS, preset=args.x264_preset) as writer:
-                for i, frame in enumerate(video):
-                    pixels = (np.clip(frame, 0.0, 1.0) * 255.0).round().astype(np.uint8)
-                    writer.write(pixels)
+                for begin in range(0, len(video), WRITE_CHUNK_FRAMES):
+                    pixels = float_to_uint8(video[begin : begin + WRITE_CHUNK_FRAMES].permute(0, 2, 3, 1))
+                    writer.write_tensor(pixels)
                     if stored is not None:
-                        stored[i] = pixels
-                    if i == 0:
-                        kept["first"] = pixels
-                kept["last"] = pixels
-            del video
+                        stored[begin : begin + len(pixels)] = pixels.cpu().numpy()
+                    if begin == 0:
+                        kept["first"] = pixels[0].cpu().numpy()
+                kept["last"] = pixels[-1].cpu().numpy()
+            del video, pixels
             record["write_s"] = round(time.perf_counter() - start, 2)
             record.update(outcome="completed", reason=None, codec=writer.codec)
             record.update(mp4_sha256=sha256_of(path), mp4_bytes=path.stat().st_size)
@@ -382,7 +392,7 @@ def search(bench: Bench, run: dict, mode: str, guess: int, deadline: float, save
     if first is None:
         return answer(None, None, "cut short (deadline or an error)")
     good, bad = (start, None) if first else (None, start)
-    step = 1
+    step = max(1, args.first_step_frames // TEMPORAL_FACTOR)
     while good is None or bad is None:  # gallop until the outcome flips
         if good is None and bad == 1:
             return answer(None, bad, "the shortest length (1 frame) does not complete")
@@ -425,8 +435,8 @@ def keep_files(bench: Bench, run: dict[str, Any], best: dict[str, Any], out_dir:
     from PIL import Image
 
     kept = best.get("offload")
-    if not kept:
-        run["kept_files"] = []
+    if not kept:  # none completed in this call: a resumed cap keeps the files of the call that made them
+        run.setdefault("kept_files", [])
         return
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"ltx2_offload_{run['cap_bytes']}_{kept['length']}f"
@@ -441,6 +451,28 @@ def keep_files(bench: Bench, run: dict[str, Any], best: dict[str, Any], out_dir:
     run["kept_files"] = names
 
 
+def quality_trial(bench: Bench, run: dict[str, Any], native: dict[str, Any] | None, deadline: float) -> None:
+    """One offloaded trial at the native maximum, compared with the native trial there (``run["quality"]``).
+
+    It runs right after the native search, while the native frames are in memory (a resumed search has
+    none: the earlier call's comparison stays)."""
+    if native is None or not bench.args.quality or time.perf_counter() > deadline:
+        run.setdefault("quality", None)
+        return
+    record, kept = bench.trial("offload", native["length"], keep=True, purpose="quality")
+    run["trials"].append({**record, "purpose": "quality"})
+    run["quality"] = compare(native, {**kept, "length": native["length"], "record": record}) if kept else None
+    if kept:
+        kept["path"].unlink(missing_ok=True)
+    print("quality", json.dumps(run["quality"]), flush=True)
+
+
+def longest_completed(run: dict[str, Any], mode: str) -> dict[str, Any] | None:
+    """The longest completed search trial of ``mode`` in this cap (this call's or a resumed one)."""
+    done = [t for t in run["trials"] if t["mode"] == mode and t["outcome"] == "completed" and t["purpose"] == "search"]
+    return max(done, key=lambda t: t["frames"], default=None)
+
+
 def search_cap(bench: Bench, result: dict, cap: int, deadline: float, save: Any) -> None:
     args = bench.args
     run = next((r for r in result["runs"] if r["cap_bytes"] == cap), None)
@@ -449,29 +481,22 @@ def search_cap(bench: Bench, result: dict, cap: int, deadline: float, save: Any)
         result["runs"].append(run)
     bench.set_cap(cap)
     best: dict[str, Any] = {}
-    modes = [m for m in ("native", "offload") if m in args.modes]  # native first: the quality check needs it
-    for mode in modes:
-        guess = predict(result["fit"], mode, cap, args.start_frames)
+    modes = [m for m in ("native", "offload") if m in args.modes]
+    for mode in modes:  # native first: the quality trial, right after it, needs its frames
+        start = args.offload_start_frames if mode == "offload" and args.offload_start_frames else args.start_frames
+        guess = predict(result["fit"], mode, cap, start)
         run[f"{mode}_predicted_frames"] = guess
         found = search(bench, run, mode, guess, deadline, save, best)
         run[f"{mode}_max_frames"] = found["max_frames"]
         run[f"{mode}_first_failing_frames"] = found["first_failing_frames"]
         run[f"{mode}_max_video_s"] = seconds_of(found["max_frames"])
         run[f"{mode}_status"] = found["status"]
+        if mode == "native" and "offload" in modes:
+            quality_trial(bench, run, best.get("native"), deadline)
         if mode == "offload":
-            record = best.get("offload", {}).get("record")
-            run["mp4_sha256"] = record["mp4_sha256"] if record else None
+            longest = longest_completed(run, "offload")
+            run["mp4_sha256"] = longest["mp4_sha256"] if longest else None
         save()
-    native = best.get("native")
-    if native and "offload" in modes and args.quality and time.perf_counter() < deadline:
-        record, kept = bench.trial("offload", native["length"], keep=True, purpose="quality")
-        run["trials"].append({**record, "purpose": "quality"})
-        run["quality"] = compare(native, {**kept, "length": native["length"], "record": record}) if kept else None
-        if kept:
-            kept["path"].unlink(missing_ok=True)
-        print("quality", json.dumps(run["quality"]), flush=True)
-    elif "quality" not in run:
-        run["quality"] = None
     bench.unplace()
     keep_files(bench, run, best, (args.out.parent if args.out else bench.videos))
     save()
@@ -497,6 +522,10 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--vae-tiling", choices=("on", "off"), default="on", help="diffusers' VAE tiling (both modes)")
     parser.add_argument("--x264-preset", default="medium", help="x264 preset of the mp4s (medium: the recipes')")
     parser.add_argument("--start-frames", type=int, help="first length tried in each search (default: predicted)")
+    parser.add_argument("--offload-start-frames", type=int, help="first length of the offloaded searches")
+    parser.add_argument(
+        "--first-step-frames", type=int, default=8, help="the search's first step from its start (doubles after)"
+    )
     parser.add_argument("--fit-from", type=Path, help="take the peak model (`fit`) from an earlier result")
     parser.add_argument("--fit-frames", nargs=2, type=int, default=[193, 385])
     parser.add_argument("--max-frames", type=int, default=2001, help="longest length tried")
@@ -520,8 +549,9 @@ def workload_of(args: argparse.Namespace) -> dict[str, Any]:
         "profiling_steps": args.profiling_steps,
         "guidance": "none (guidance_scale 1, no STG, no modality guidance)",
         "text_tokens": args.text_tokens,
-        "vae_decode": f"output_type='np', VAE tiling {args.vae_tiling}",
-        "mp4": f"written frame by frame, {FPS} fps, x264 preset {args.x264_preset}",
+        "vae_decode": f"output_type='pt' (decoded video kept on the device), VAE tiling {args.vae_tiling}",
+        "mp4": f"written {WRITE_CHUNK_FRAMES} frames at a time (uint8 and YUV made on the device), {FPS} fps, "
+        f"x264 preset {args.x264_preset}",
         "offload_budget": f"{BUDGET_OF_CAP} x cap",
         "alloc_conf": ALLOC_CONF,
         "simulated_oom_above_frames": args.simulate_oom_above,
