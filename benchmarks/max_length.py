@@ -66,6 +66,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
@@ -390,7 +391,7 @@ def search(bench: Bench, run: dict, mode: str, guess: int, deadline: float, save
     start = min(latent_frames_of(guess), limit)
     first = completes(start)
     if first is None:
-        return answer(None, None, "cut short (deadline or an error)")
+        return answer(None, None, "cut short (deadline, an error, or a call ended during a trial)")
     good, bad = (start, None) if first else (None, start)
     step = max(1, args.first_step_frames // TEMPORAL_FACTOR)
     while good is None or bad is None:  # gallop until the outcome flips
@@ -401,14 +402,14 @@ def search(bench: Bench, run: dict, mode: str, guess: int, deadline: float, save
         probe = min(good + step, limit) if bad is None else max(1, bad - step)
         ok = completes(probe)
         if ok is None:
-            return answer(good, bad, "cut short (deadline or an error)")
+            return answer(good, bad, "cut short (deadline, an error, or a call ended during a trial)")
         good, bad = (probe, bad) if ok else (good, probe)
         step *= 2
     while bad - good > 1:
         mid = (good + bad) // 2
         ok = completes(mid)
         if ok is None:
-            return answer(good, bad, "cut short (deadline or an error)")
+            return answer(good, bad, "cut short (deadline, an error, or a call ended during a trial)")
         good, bad = (mid, bad) if ok else (good, mid)
     return answer(good, bad, "found")
 
@@ -473,6 +474,35 @@ def longest_completed(run: dict[str, Any], mode: str) -> dict[str, Any] | None:
     return max(done, key=lambda t: t["frames"], default=None)
 
 
+def record_search(run: dict[str, Any], mode: str, found: dict[str, Any]) -> None:
+    """A search's answer as the run's summary fields (the schema's ``<mode>_*`` and ``mp4_sha256``)."""
+    run[f"{mode}_max_frames"] = found["max_frames"]
+    run[f"{mode}_first_failing_frames"] = found["first_failing_frames"]
+    run[f"{mode}_max_video_s"] = seconds_of(found["max_frames"])
+    run[f"{mode}_status"] = found["status"]
+    if mode == "offload":
+        longest = longest_completed(run, "offload")
+        run["mp4_sha256"] = longest["mp4_sha256"] if longest else None
+
+
+def summarise(args: argparse.Namespace) -> dict[str, Any]:
+    """``--summarise FILE``: each run's summary fields recomputed from its trials, on any machine.
+
+    For a file whose GPU call was cut off during a trial (that trial stays ``"running"``): the search walks
+    the recorded outcomes from the same start with the same steps and stops at the first length it has no
+    outcome for, as it would have at the deadline. Trials are not touched."""
+    result = json.loads(args.summarise.read_text())
+    recorded_only = SimpleNamespace(args=args)  # the search never runs a trial after its deadline
+    for run in result["runs"]:
+        for mode in ("native", "offload"):
+            if f"{mode}_predicted_frames" in run:
+                guess = run[f"{mode}_predicted_frames"]
+                record_search(run, mode, search(recorded_only, run, mode, guess, float("-inf"), lambda: None, {}))
+    result["summarised_from_trials"] = True
+    write_json(args.out or args.summarise, result)
+    return result
+
+
 def search_cap(bench: Bench, result: dict, cap: int, deadline: float, save: Any) -> None:
     args = bench.args
     run = next((r for r in result["runs"] if r["cap_bytes"] == cap), None)
@@ -486,16 +516,9 @@ def search_cap(bench: Bench, result: dict, cap: int, deadline: float, save: Any)
         start = args.offload_start_frames if mode == "offload" and args.offload_start_frames else args.start_frames
         guess = predict(result["fit"], mode, cap, start)
         run[f"{mode}_predicted_frames"] = guess
-        found = search(bench, run, mode, guess, deadline, save, best)
-        run[f"{mode}_max_frames"] = found["max_frames"]
-        run[f"{mode}_first_failing_frames"] = found["first_failing_frames"]
-        run[f"{mode}_max_video_s"] = seconds_of(found["max_frames"])
-        run[f"{mode}_status"] = found["status"]
+        record_search(run, mode, search(bench, run, mode, guess, deadline, save, best))
         if mode == "native" and "offload" in modes:
             quality_trial(bench, run, best.get("native"), deadline)
-        if mode == "offload":
-            longest = longest_completed(run, "offload")
-            run["mp4_sha256"] = longest["mp4_sha256"] if longest else None
         save()
     bench.unplace()
     keep_files(bench, run, best, (args.out.parent if args.out else bench.videos))
@@ -534,6 +557,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--simulate-oom-above", type=int, help="CPU check: trials longer than this run out of memory")
     parser.add_argument("--video-dir", type=Path, help="where each trial's mp4 is written (default: a temp folder)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--summarise", type=Path, help="recompute the summaries of a result from its trials; no GPU")
     parser.add_argument("--resume", type=Path, help="an earlier result of the same workload: reuse its fit and trials")
     return parser
 
@@ -574,6 +598,8 @@ def resumed(path: Path, workload: dict[str, Any], device: str) -> dict[str, Any]
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
+    if args.summarise:
+        return summarise(args)
     from flextensor_diffusers.engine import parse_bytes
     from flextensor_diffusers.engine.config import resolve_device
     from flextensor_diffusers.recipes.ltx2_outpaint import DEFAULTS

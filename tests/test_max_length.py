@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flextensor_diffusers.reports.video import Mp4Writer, read_mp4, write_mp4, write_mp4_frames
+from flextensor_diffusers.reports.video import Mp4Writer, read_mp4, to_uint8_frames, write_mp4, write_mp4_frames
 
 ROOT = Path(__file__).resolve().parents[1]
 FRAMES = np.random.default_rng(0).integers(0, 256, size=(5, 34, 48, 3), dtype=np.uint8)
@@ -96,3 +96,49 @@ def test_max_length_says_at_least_when_it_completes_at_max_frames(tmp_path) -> N
     (run,) = json.loads(out.read_text())["runs"]
     assert (run["offload_max_frames"], run["offload_first_failing_frames"]) == (9, None)
     assert run["offload_status"].startswith("at least 9 frames")
+
+
+def test_summarise_recomputes_the_answers_of_a_call_cut_off_mid_trial(tmp_path) -> None:
+    """The H200 result's 80 GB search was ended by the call's time limit during its 2 481-frame trial: the
+    summary walks the recorded outcomes and answers "at least 2 473", never "2 481 fails"."""
+    source = ROOT / "benchmarks" / "results" / "ltx2_max_length_decoded_h200.json"
+    out = tmp_path / "s.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "max_length.py"), "--summarise", str(source)]
+    subprocess.run([*cmd, "--max-frames", "4241", "--out", str(out)], check=True, capture_output=True, timeout=120)
+    runs = {run["cap_bytes"]: run for run in json.loads(out.read_text())["runs"]}
+    big, small = runs[80_000_000_000], runs[40_000_000_000]
+    assert (big["native_max_frames"], big["native_first_failing_frames"]) == (409, 417)
+    assert (big["offload_max_frames"], big["offload_first_failing_frames"]) == (2473, None)
+    assert big["offload_status"].startswith("cut short")
+    assert big["mp4_sha256"] == next(t["mp4_sha256"] for t in big["trials"] if t["frames"] == 2473)
+    assert (small["offload_max_frames"], small["offload_first_failing_frames"], small["offload_status"]) == (
+        1185,
+        1193,
+        "found",
+    )
+
+
+def test_frames_made_uint8_and_yuv_as_tensors_write_the_same_mp4_bytes(tmp_path) -> None:
+    """max_length.py converts decoded frames on the GPU (`float_to_uint8`, `Mp4Writer.write_tensor`): the same
+    rounding and integer colour conversion as the NumPy path, so the same bytes; odd sizes cropped alike."""
+    import torch
+
+    from flextensor_diffusers.reports.video import float_to_uint8, rgb_to_yuv420p, rgb_to_yuv420p_tensor
+
+    video = torch.rand(6, 35, 47, 3, generator=torch.Generator().manual_seed(1)) * 1.2 - 0.1
+    video[0, 0, :8, 0] = (torch.arange(8) + 0.5) / 255  # ties: round half to even in both
+    video = video.bfloat16()
+    as_numpy = to_uint8_frames(video.float().numpy())
+    as_tensor = float_to_uint8(video)
+    assert np.array_equal(as_numpy, as_tensor.numpy())
+    even = as_tensor[:, :34, :46]
+    assert np.array_equal(rgb_to_yuv420p_tensor(even)[3].numpy(), rgb_to_yuv420p(even[3].numpy()))
+    frame_by_frame, in_batches = tmp_path / "a.mp4", tmp_path / "b.mp4"
+    write_mp4_frames(frame_by_frame, list(as_numpy), fps=24)
+    with Mp4Writer(in_batches, fps=24) as writer:
+        writer.write_tensor(as_tensor[:4])
+        writer.write_tensor(as_tensor[4:])
+    assert writer.frames == 6
+    assert frame_by_frame.read_bytes() == in_batches.read_bytes()
+    with pytest.raises(ValueError, match="uint8"), Mp4Writer(tmp_path / "c.mp4") as bad:
+        bad.write_tensor(video)
