@@ -211,6 +211,30 @@ def test_profile_from_another_device_is_refused(tmp_path) -> None:
         ft.offload(model, include_patterns=["blocks.*"], gpu_budget=100_000, device="cpu", profile=path)
 
 
+def test_out_of_memory_while_measuring_names_the_fix_and_the_model_recovers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An out-of-memory in the first (measuring) forward comes before the planner has the activation peak to
+    refuse the budget with: it is re-raised as MeasuringOutOfMemoryError, still a torch.OutOfMemoryError,
+    saying what the budget left the activations and what to change; the next, smaller call is right."""
+    model, x = make()
+    ref = native_copy(model, x)
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=100_000, device="cpu")
+    forward = Block.forward
+
+    def too_big(self: Block, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[1] > x.shape[1]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.38 GiB.")
+        return forward(self, hidden)
+
+    monkeypatch.setattr(Block, "forward", too_big)
+    longer = torch.randint(0, 50, (1, x.shape[1] + 8))
+    with torch.no_grad(), pytest.raises(ft.MeasuringOutOfMemoryError, match=r"while measuring .* frames") as caught:
+        model(longer)
+    assert isinstance(caught.value, torch.OutOfMemoryError) and isinstance(caught.value, ft.BudgetError)
+    assert "Tried to allocate 3.38 GiB" in str(caught.value)
+    assert all(torch.equal(o, ref) for o in run(model, x, "cpu", 3))
+    handle.remove()
+
+
 def test_budget_below_two_slots_names_smallest_budget() -> None:
     model, _ = make()
     before = snapshot(model)

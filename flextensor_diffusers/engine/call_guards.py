@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import FlexTensorError, InferenceOnlyError
+from .config import format_bytes
+from .errors import FlexTensorError, InferenceOnlyError, MeasuringOutOfMemoryError
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -69,4 +70,16 @@ def outside_a_call_error(model: str, exc: BaseException) -> FlexTensorError:
         f"{model} used weights of a streamed unit outside that unit's call ({exc}); between its calls a streamed "
         "unit's weights stay in host memory. Call the unit as a module (block(x), not block.forward(x)), or keep "
         "it on the device with exclude_patterns=[...]"
+    )
+
+
+def measuring_out_of_memory_error(model: str, budget: int, room: int, exc: BaseException) -> MeasuringOutOfMemoryError:
+    """What an out-of-memory in a measuring forward means: the activations, not yet measured, need more than
+    ``room`` (the budget less the weights outside units and two slots), or the device holds less than the budget."""
+    return MeasuringOutOfMemoryError(
+        f"{model}: the GPU ran out of memory while measuring this workload's first forward under gpu_budget "
+        f"{format_bytes(budget)}: its activations need more than the {format_bytes(max(room, 0))} the budget leaves "
+        "beside the weights outside units and 2 slots (or the device holds less than the budget). Shrink the "
+        f"workload (fewer frames, smaller resolution, VAE tiling) or raise gpu_budget. "
+        f"({(str(exc).splitlines() or [''])[0][:120]})"
     )

@@ -6,6 +6,8 @@ traceback knows what to change.
 
 from __future__ import annotations
 
+import torch
+
 
 class FlexTensorError(RuntimeError):
     """Base class of every error this package raises on purpose."""
@@ -30,6 +32,13 @@ class BudgetError(FlexTensorError, ValueError):
 
 class HostBudgetError(BudgetError):
     """The host-memory budget cannot hold the largest component; ``required_bytes`` is the least that can."""
+
+
+class MeasuringOutOfMemoryError(BudgetError, torch.OutOfMemoryError):
+    """The GPU ran out of memory during a measuring (discovery or profiling) forward, before the planner had
+    the activation peak it checks the budget against: the workload's activations do not fit beside the
+    weights outside units and two slots. Both a `BudgetError` (it names the fix) and a
+    ``torch.OutOfMemoryError`` (what it is: code that catches out-of-memory keeps working)."""
 
 
 class ProfileMismatchError(FlexTensorError):

@@ -34,7 +34,13 @@ import torch
 from torch import nn
 
 from .boundaries import refuse_if_inside_whole_model_compile, refuse_whole_model_compile
-from .call_guards import nested_call_error, outside_a_call_error, refuse_autograd, refuse_views_of
+from .call_guards import (
+    measuring_out_of_memory_error,
+    nested_call_error,
+    outside_a_call_error,
+    refuse_autograd,
+    refuse_views_of,
+)
 from .config import OffloadConfig, resolve_budget, resolve_device
 from .errors import BudgetError, FlexTensorError, OffloadStateError
 from .payload_cache import PayloadCache
@@ -273,12 +279,17 @@ class OffloadHandle:
         """The workload raised: forget its partial records and resynchronise at the next one. A device
         mismatch is what using a streamed unit's weights outside its call gives on CUDA (they view their host
         copy then): that is said, with the fix."""
+        measuring = self.phase in (Phase.DISCOVERY, Phase.PROFILING)
         self._depth, self._open_unit = 0, None
         self.profiler.abandon()
         self.phases.current.fail()
         logger.debug("a forward of %s raised; resynchronising at the next one", type(self.model).__name__)
         if isinstance(exc, RuntimeError) and "same device" in str(exc) and self.cuda:
             return outside_a_call_error(type(self.model).__name__, exc)
+        if isinstance(exc, torch.OutOfMemoryError) and measuring and not isinstance(exc, BudgetError):
+            slots = 2 * max((u.nbytes for u in self.units), default=0)
+            room = self.budget_bytes - self.resident_weight_bytes - slots
+            return measuring_out_of_memory_error(type(self.model).__name__, self.budget_bytes, room, exc)
         return None
 
     def units_compiled(self) -> None:
