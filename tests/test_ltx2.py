@@ -14,7 +14,7 @@ from flextensor_diffusers.recipes import ltx2_outpaint
 from flextensor_diffusers.recipes.ltx2_outpaint import LTX2OutpaintPipeline, place_on_canvas
 from flextensor_diffusers.recipes.models import build_pipeline, load_config
 from flextensor_diffusers.recipes.options import OptionsError
-from flextensor_diffusers.reports.video import read_mp4, write_mp4
+from flextensor_diffusers.reports.video import read_mp4, to_uint8_frames, write_mp4
 
 
 def generate(pipe):
@@ -149,6 +149,25 @@ def test_outpaint_recipe_writes_the_canvas_video(tmp_path) -> None:
     assert info["canvas"]["conditioned_tokens_per_frame"] == 16 * 16
     assert info["frames"] == info["frames_written"] == 9
     assert info["peak_host_rss_bytes"] > 2**20 and "ru_maxrss" in info["peak_host_rss_scope"]
+
+
+def test_outpaint_recipe_streams_the_bytes_of_the_whole_video_written_on_the_host(tmp_path, monkeypatch) -> None:
+    """The recipe keeps the decoded video on the device and writes it in uint8 chunks (here 4, 4 and 1 frames),
+    pasting the source per chunk: the same mp4 bytes as the whole float video made uint8, pasted and written."""
+    from flextensor_diffusers.recipes import common
+
+    monkeypatch.setattr(common, "WRITE_CHUNK_FRAMES", 4)
+    clip, out = tmp_path / "source.mp4", tmp_path / "out.mp4"
+    write_mp4(clip, SOURCE[:9], fps=24)
+    argv = ["--random-weights", "tiny", "--input", str(clip), "--canvas", "96x64", "--steps", "2", "-q"]
+    ltx2_outpaint.main([*argv, "--output", str(out), "--profile-dir", str(tmp_path / "profiles")])
+    options = ltx2_outpaint.parse_args([*argv, "--output", str(tmp_path / "unused.mp4")])
+    pipe = ltx2_outpaint.load(options, torch.device("cpu"))
+    frames = to_uint8_frames(ltx2_outpaint.generate(pipe, options, torch.device("cpu"), options.steps, "np")[0])
+    mask = pipe.canvas.pixel_mask
+    frames[:, mask] = pipe.canvas.pixels[: len(frames), mask]
+    write_mp4(tmp_path / "whole.mp4", frames, fps=24)
+    assert out.read_bytes() == (tmp_path / "whole.mp4").read_bytes()
 
 
 def test_outpaint_defaults_to_the_whole_clip_with_real_weights(tmp_path) -> None:

@@ -9,7 +9,10 @@ A recipe module provides:
   attaches to another's shared weights);
 - ``generate(pipe, options, device, steps, output_type, **extra)`` and
   ``profiling_generation(pipe, options, device)``;
-- optionally ``finish_frames(pipe, options, frames)`` and ``describe(pipe, options)`` (extra
+- optionally ``DECODED_ON_DEVICE = True`` (the generation asks for ``output_type="pt"``: the decoded video
+  stays on the device and is written to the mp4 in chunks, each made uint8 there, so that a long video never
+  sits in host memory whole), ``finish_chunk(pipe, options, pixels, start)`` (with it: edits each uint8
+  chunk of frames ``start:start+len(pixels)`` before it is written) and ``describe(pipe, options)`` (extra
   summary fields).
 
 `run_recipe` does the rest; `main` runs a command line's arguments (errors propagate), `cli` is the
@@ -39,7 +42,7 @@ from ..engine.errors import BudgetError, FlexTensorError, HostBudgetError
 from ..engine.setup_threads import progress_bars
 from ..pipelines.offload import check_setup_budget, format_report, pipeline_offload, resolve_vae_tiling
 from ..reports import files
-from ..reports.video import to_uint8_frames, write_mp4
+from ..reports.video import Mp4Writer, float_to_uint8, to_uint8_frames, write_mp4
 from . import parallel
 from .interruption import INTERRUPT_EXIT, Interrupted, RunProgress
 from .options import RecipeOptions, budget_note, budget_suggestion
@@ -49,6 +52,8 @@ from .parallel import Placement
 NOT_STARTED = "interrupted (Ctrl-C) before the run began; nothing written"
 #: Exit status of a run stopped by a user error (argparse's own errors exit with 2 as well).
 USAGE_EXIT = 2
+#: Frames of a decoded video made uint8 and written per step of `write_decoded_video`.
+WRITE_CHUNK_FRAMES = 32
 
 
 def call_arguments(options: RecipeOptions, steps: int, output_type: str) -> dict[str, Any]:
@@ -297,7 +302,8 @@ def run_recipe(recipe: Any, options: RecipeOptions) -> dict[str, Any]:
             profiling_s = offload_and_profile(recipe, pipe, options, device, placement, progress)
         label_generation(pipe, "generation", options.quiet)
         with progress.during("the generation"):
-            result = timed(device, lambda: recipe.generate(pipe, options, device, options.steps, "np"))
+            output_type = "pt" if getattr(recipe, "DECODED_ON_DEVICE", False) else "np"
+            result = timed(device, lambda: recipe.generate(pipe, options, device, options.steps, output_type))
         info = summary(options, device, result, profiling_s, pipe)
         info["gpus"] = placement.rank.world_size
         if placement.rank.leader:  # every rank has the whole video; one writes it
@@ -310,15 +316,19 @@ def write_outputs(
     recipe: Any, pipe: Any, options: RecipeOptions, result: Timed, info: dict[str, Any], progress: RunProgress
 ) -> None:
     """The mp4 (and ``--json``), each written whole or not at all; the summary printed between them."""
-    frames = to_uint8_frames(result.output[0])
-    if hasattr(recipe, "finish_frames"):
-        frames = recipe.finish_frames(pipe, options, frames)
-    info["frames_written"] = len(frames)
     info["replaced_output"] = options.output.exists()
     made = files.missing_folder(options.output)
     info["made_folder"] = None if made is None else str(made)
     with progress.during(f"writing {options.output}"):
-        info["codec"] = write_mp4(options.output, frames, fps=options.fps)
+        video = result.output[0]
+        result.output = None  # the chunks below are the only other reference: freed as written
+        if isinstance(video, torch.Tensor):
+            writer = write_decoded_video(recipe, pipe, options, video)
+            info["frames_written"], info["codec"] = writer.frames, writer.codec
+        else:
+            frames = to_uint8_frames(video)
+            info["frames_written"] = len(frames)
+            info["codec"] = write_mp4(options.output, frames, fps=options.fps)
     progress.wrote(options.output)
     if hasattr(recipe, "describe"):
         info.update(recipe.describe(pipe, options))
@@ -329,6 +339,18 @@ def write_outputs(
             files.write_text(options.json, json.dumps(info, indent=1))
         progress.wrote(options.json)
         print(f"wrote {options.json}" + (f" ({'; '.join(notes)})" if notes else ""))
+
+
+def write_decoded_video(recipe: Any, pipe: Any, options: RecipeOptions, video: torch.Tensor) -> Mp4Writer:
+    """A decoded (F, 3, H, W) video in [0, 1], on any device, into ``options.output``, `WRITE_CHUNK_FRAMES` at a
+    time: each chunk made uint8 and YUV where the video is (`float_to_uint8`, `Mp4Writer.write_tensor`: the same
+    bytes as `write_mp4` of the same frames), edited by the recipe's ``finish_chunk`` first."""
+    finish = getattr(recipe, "finish_chunk", None)
+    with Mp4Writer(options.output, fps=options.fps) as writer:
+        for start in range(0, len(video), WRITE_CHUNK_FRAMES):
+            pixels = float_to_uint8(video[start : start + WRITE_CHUNK_FRAMES].permute(0, 2, 3, 1))
+            writer.write_tensor(finish(pipe, options, pixels, start) if finish else pixels)
+    return writer
 
 
 def written_notes(path: Path) -> list[str]:
