@@ -87,9 +87,7 @@ KEEP_MP4_BELOW = 16 * 2**20
 #: Decoded frames made uint8 and YUV on the GPU per chunk; only the chunk's YUV planes come to the host.
 WRITE_CHUNK_FRAMES = 32
 OUTCOMES = ("completed", "gpu_oom", "host_oom", "budget_refused")
-
-
-TEMPORAL_FACTOR = 8  # frames per latent frame
+TEMPORAL_FACTOR = 8  # LTX-2's frames per latent frame: lengths are 8k+1
 
 
 def frames_of(latent_frames: int) -> int:

@@ -207,6 +207,27 @@ def test_the_process_own_memory_leaves_out_the_weights_about_to_be_packed(saved)
     assert 0 < own <= anonymous - sum(weights.values()) + 2**20
 
 
+def test_without_a_host_budget_copies_beyond_the_ram_available_are_refused_before_packing(saved, monkeypatch) -> None:
+    """Loaded from its folder, the weights are file pages: every host copy is new anonymous memory. More than
+    the RAM available would have the kernel kill the process during set-up; it is refused first, naming
+    host_budget="auto", with the pipeline left as it was, and enabled once the RAM is there."""
+    folder, reference = saved
+    pipe = load(folder)
+    before = snapshot(pipe.transformer)
+    monkeypatch.setattr(host_budget, "available_ram_bytes", lambda: 2**16)
+    refusal = r"of new host RAM but 64.00 KiB is available: pass host_budget=\"auto\" \(--host-budget auto\)"
+    with pytest.raises(ft.HostBudgetError, match=refusal):
+        pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
+    assert ft.pipeline_offload(pipe) is None
+    assert_same(before, pipe.transformer)
+    with pytest.raises(ft.HostBudgetError, match=r"with compression=.none.: a host budget does not combine"):
+        pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", compression="lossless")
+    monkeypatch.setattr(host_budget, "available_ram_bytes", lambda: 2**40)
+    pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
+    assert torch.equal(wan_latents(pipe), reference)
+    pipe.disable_flextensor_offload()
+
+
 def test_an_unwritable_cache_dir_is_refused_before_packing(tmp_path, monkeypatch) -> None:
     """A cache folder the process may not write is refused at once, naming the fix, with the model as it was. The
     folder is made read-only by a fake ``os.access`` (what a read-only mount or a folder of another user reports),

@@ -145,3 +145,31 @@ def check_host_budget(
             f"budget is {format_bytes(smallest)}",
             required_bytes=smallest,
         )
+
+
+def available_ram_bytes() -> int:
+    """RAM the kernel can give this process now without swapping (MemAvailable: free and reclaimable pages)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_ram_for_host_copies(component_bytes: dict[str, int], modules: Iterable[nn.Module], compressed: bool) -> None:
+    """Without a host budget every host copy is made in RAM: refuse, before anything is packed, when the new
+    memory that takes is more than the RAM available, which would end in the kernel killing the process
+    (or in swapping) halfway through the set-up.
+
+    New memory: the packed bytes less the weights already in anonymous memory, which packing turns into host
+    copies (weights mapped from files, as ``from_pretrained`` gives, are not, and are copied). With
+    compression the compressed copies come on top, of sizes not known before encoding: not counted, so the
+    figure is a lower bound and the check never refuses what would fit."""
+    need = sum(component_bytes.values()) - anonymous_weight_bytes(modules)
+    available = available_ram_bytes()
+    if need <= available:
+        return
+    tail = ' (with compression="none": a host budget does not combine with compression yet)' if compressed else ""
+    raise HostBudgetError(
+        f"the host copies need {format_bytes(need)} of new host RAM but {format_bytes(available)} is available: "
+        f'pass host_budget="auto" (--host-budget auto) so that the components that do not fit wait on disk'
+        f"{tail}, or free host memory"
+    )

@@ -26,7 +26,13 @@ from ..engine.config import cache_folder, resolve_budget, resolve_device
 from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
 from ..engine.planner import CUDA_ALLOCATION_GRANULE, smallest_budget
 from ..engine.units import UnitLayout, find_units, plan_layout
-from .host_budget import HostOverhead, anonymous_bytes, check_host_budget, resolve_host_budget
+from .host_budget import (
+    HostOverhead,
+    anonymous_bytes,
+    check_host_budget,
+    check_ram_for_host_copies,
+    resolve_host_budget,
+)
 from .host_tier import HostTier, format_host_tier, kept_in_ram_bytes, offload_order, pipeline_folder
 from .patterns import patterns_for
 
@@ -296,6 +302,9 @@ def enable(
         pipeline, budget, device, components, patterns, profile_dir, shared_host, shared_host_root, cache_dir, config
     )
     tier = _host_tier(request, host_budget) if host_budget is not None else None
+    if tier is None and request.shared_host is None and request.config.get("raw_copies", "ram") == "ram":
+        compressed = request.config.get("compression", "none") != "none"
+        check_ram_for_host_copies(request.packed, (request.available[n] for n in request.packed), compressed)
     state = PipelineOffload(pipeline=pipeline, device=request.device, budget_bytes=request.budget_bytes, host_tier=tier)
     try:
         for name in request.chosen:
