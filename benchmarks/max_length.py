@@ -53,6 +53,9 @@ GPU (see benchmarks/results/README.md, "max_length.py schema")::
     python benchmarks/max_length.py --out $OUT/ltx2_max_length_decoded_h200.json --caps 80GB 40GB \\
         --steps 1 --fit-from benchmarks/results/ltx2_max_length_h200.json --deadline 480 --x264-preset ultrafast
     python benchmarks/max_length.py --resume benchmarks/results/ltx2_max_length_decoded_h200.json ...  # go on
+
+A call ended during a trial (the device's time limit) leaves that trial ``running`` and the summaries of the
+search it was in stale: ``--summarise FILE`` (no GPU) recomputes every summary from the recorded trials.
 """
 
 from __future__ import annotations
