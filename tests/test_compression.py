@@ -366,6 +366,37 @@ def test_raw_copies_on_disk_leave_only_compressed_copies_in_ram(tmp_path) -> Non
     assert all(torch.equal(t.view(torch.uint8), theirs[k].view(torch.uint8)) for k, t in model.state_dict().items())
 
 
+def test_raw_copies_on_a_full_disk_are_a_clear_error_and_leave_the_model_and_folder_as_they_were(
+    tmp_path, monkeypatch
+) -> None:
+    """``raw_copies="disk"`` on a disk that fills while the raw copies are written: one line naming the fix,
+    no file left in the cache folder, the model as it was and computing natively."""
+    from flextensor_diffusers.engine import cache_files
+
+    model, x = make(torch.bfloat16)
+    with torch.inference_mode():
+        ref = model(x)
+    before = snapshot(model)
+    real_open = open
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        if "w" in mode and str(path).endswith(".raw.tmp"):
+            file = real_open(path, mode, *args, **kwargs)
+            file.write = lambda data: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+            return file
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(cache_files, "open", full_disk, raising=False)
+    unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    config = dict(device="cpu", compression="lossless", raw_copies="disk", cache_dir=tmp_path)
+    with pytest.raises(ft.FlexTensorError, match=r"No space left on device\): free space there or choose another"):
+        ft.offload(model, include_patterns=["blocks.*"], gpu_budget=int(3.8 * unit), **config)
+    assert not any(tmp_path.iterdir())
+    assert_same(before, model)
+    with torch.inference_mode():
+        assert torch.equal(model(x), ref)
+
+
 def assert_residents_decoded(handle, model, x, ref) -> None:
     """At activation, resident units come from their compressed copies, not from the mapped file."""
     host = handle.host
