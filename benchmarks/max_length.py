@@ -6,7 +6,7 @@ video+audio transformer, connectors, video and audio VAEs; random bf16 weights),
 steps without guidance (memory, not quality, is measured; default: the outpainting recipe's steps for
 the size, stated in the JSON), the VAE decode (``output_type="pt"``: the decoded video stays on the GPU,
 diffusers' VAE tiling on unless ``--vae-tiling off``) and the mp4, written 32 frames at a time: each chunk
-made uint8 and YUV 4:2:0 on the GPU (`reports.video.float_to_uint8`, `Mp4Writer.write_tensor`, the same
+made uint8 and YUV 4:2:0 on the GPU (`reports.video.uint8_chunks`, `Mp4Writer.write_tensor`, the same
 bytes as the NumPy path) so that the video never sits on the host as float32 (at 2 000 frames of 1280x704
 that would be 21.6 GB, twice over inside diffusers' ``output_type="np"``).
 
@@ -87,8 +87,6 @@ TRIAL_SCOPE = (
     "generation with the VAE decode, mp4"
 )
 KEEP_MP4_BELOW = 16 * 2**20
-#: Decoded frames made uint8 and YUV on the GPU per chunk; only the chunk's YUV planes come to the host.
-WRITE_CHUNK_FRAMES = 32
 OUTCOMES = ("completed", "gpu_oom", "host_oom", "budget_refused")
 TEMPORAL_FACTOR = 8  # LTX-2's frames per latent frame: lengths are 8k+1
 
@@ -210,7 +208,7 @@ class Bench:
         Returns the JSON record and, for a completed trial, what stays in memory (``latents``, and the
         ``frames`` as uint8 when ``keep``; the ``first`` and ``last`` frames always)."""
         from flextensor_diffusers.engine import BudgetError
-        from flextensor_diffusers.reports.video import Mp4Writer, float_to_uint8
+        from flextensor_diffusers.reports.video import Mp4Writer, uint8_chunks
 
         args = self.args
         record: dict[str, Any] = {"mode": mode, "frames": frames, "video_s": seconds_of(frames), "cap_bytes": self.cap}
@@ -240,8 +238,7 @@ class Bench:
             out = None
             stored = np.empty((len(video), *video.shape[2:], 3), np.uint8) if keep else None
             with Mp4Writer(path, fps=FPS, preset=args.x264_preset) as writer:
-                for begin in range(0, len(video), WRITE_CHUNK_FRAMES):
-                    pixels = float_to_uint8(video[begin : begin + WRITE_CHUNK_FRAMES].permute(0, 2, 3, 1))
+                for begin, pixels in uint8_chunks(video):
                     writer.write_tensor(pixels)
                     if stored is not None:
                         stored[begin : begin + len(pixels)] = pixels.cpu().numpy()
@@ -565,6 +562,8 @@ def parser() -> argparse.ArgumentParser:
 
 def workload_of(args: argparse.Namespace) -> dict[str, Any]:
     """What every trial of this search runs (a resumed file must have measured the same)."""
+    from flextensor_diffusers.reports.video import WRITE_CHUNK_FRAMES
+
     return {
         "pipeline": "LTX2ConditionPipeline",
         "size": args.size,

@@ -154,9 +154,9 @@ def test_outpaint_recipe_writes_the_canvas_video(tmp_path) -> None:
 def test_outpaint_recipe_streams_the_bytes_of_the_whole_video_written_on_the_host(tmp_path, monkeypatch) -> None:
     """The recipe keeps the decoded video on the device and writes it in uint8 chunks (here 4, 4 and 1 frames),
     pasting the source per chunk: the same mp4 bytes as the whole float video made uint8, pasted and written."""
-    from flextensor_diffusers.recipes import common
+    from flextensor_diffusers.reports import video
 
-    monkeypatch.setattr(common, "WRITE_CHUNK_FRAMES", 4)
+    monkeypatch.setattr(video, "WRITE_CHUNK_FRAMES", 4)
     clip, out = tmp_path / "source.mp4", tmp_path / "out.mp4"
     write_mp4(clip, SOURCE[:9], fps=24)
     argv = ["--random-weights", "tiny", "--input", str(clip), "--canvas", "96x64", "--steps", "2", "-q"]

@@ -287,8 +287,7 @@ class OffloadHandle:
         if isinstance(exc, RuntimeError) and "same device" in str(exc) and self.cuda:
             return outside_a_call_error(type(self.model).__name__, exc)
         if isinstance(exc, torch.OutOfMemoryError) and measuring and not isinstance(exc, BudgetError):
-            slots = 2 * max((u.nbytes for u in self.units), default=0)
-            room = self.budget_bytes - self.resident_weight_bytes - slots
+            room = self.budget_bytes - self.planning.weights_minimum()
             return measuring_out_of_memory_error(type(self.model).__name__, self.budget_bytes, room, exc)
         return None
 

@@ -59,6 +59,11 @@ class Planning:
         activations = profile.activation_peak_bytes if profile is not None else 0
         return smallest_budget(*self._minimum_terms(), activations, *self._allowances())
 
+    def weights_minimum(self) -> int:
+        """The set-up minimum, whatever profile is current: weights outside units and two slots, no activations.
+        What a budget leaves the activations is the budget less this."""
+        return smallest_budget(*self._minimum_terms(), 0, *self._allowances())
+
     def check_budget(self, budget: int, profile: WorkloadProfile | None = None) -> None:
         """Raise `BudgetError`, naming the smallest workable budget, when ``budget`` is under it."""
         activations = profile.activation_peak_bytes if profile is not None else 0

@@ -34,9 +34,7 @@ HOST_RESERVE_BYTES = 2**30
 def resolve_host_budget(host_budget: int | str) -> int:
     """Bytes of host RAM for host copies; ``"auto"``: `AUTO_HOST_SHARE` of the RAM available now."""
     if is_auto(host_budget):
-        import psutil
-
-        return int(psutil.virtual_memory().available * AUTO_HOST_SHARE)
+        return int(available_ram_bytes() * AUTO_HOST_SHARE)
     return parse_bytes(host_budget)
 
 

@@ -42,7 +42,7 @@ from ..engine.errors import BudgetError, FlexTensorError, HostBudgetError
 from ..engine.setup_threads import progress_bars
 from ..pipelines.offload import check_setup_budget, format_report, pipeline_offload, resolve_vae_tiling
 from ..reports import files
-from ..reports.video import Mp4Writer, float_to_uint8, to_uint8_frames, write_mp4
+from ..reports.video import Mp4Writer, to_uint8_frames, uint8_chunks, write_mp4
 from . import parallel
 from .interruption import INTERRUPT_EXIT, Interrupted, RunProgress
 from .options import RecipeOptions, budget_note, budget_suggestion
@@ -52,8 +52,6 @@ from .parallel import Placement
 NOT_STARTED = "interrupted (Ctrl-C) before the run began; nothing written"
 #: Exit status of a run stopped by a user error (argparse's own errors exit with 2 as well).
 USAGE_EXIT = 2
-#: Frames of a decoded video made uint8 and written per step of `write_decoded_video`.
-WRITE_CHUNK_FRAMES = 32
 
 
 def call_arguments(options: RecipeOptions, steps: int, output_type: str) -> dict[str, Any]:
@@ -342,13 +340,12 @@ def write_outputs(
 
 
 def write_decoded_video(recipe: Any, pipe: Any, options: RecipeOptions, video: torch.Tensor) -> Mp4Writer:
-    """A decoded (F, 3, H, W) video in [0, 1], on any device, into ``options.output``, `WRITE_CHUNK_FRAMES` at a
-    time: each chunk made uint8 and YUV where the video is (`float_to_uint8`, `Mp4Writer.write_tensor`: the same
-    bytes as `write_mp4` of the same frames), edited by the recipe's ``finish_chunk`` first."""
+    """A decoded (F, 3, H, W) video in [0, 1], on any device, into ``options.output`` a chunk at a time: each
+    made uint8 and YUV where the video is (`uint8_chunks`, `Mp4Writer.write_tensor`: the same bytes as
+    `write_mp4` of the same frames), edited by the recipe's ``finish_chunk`` first."""
     finish = getattr(recipe, "finish_chunk", None)
     with Mp4Writer(options.output, fps=options.fps) as writer:
-        for start in range(0, len(video), WRITE_CHUNK_FRAMES):
-            pixels = float_to_uint8(video[start : start + WRITE_CHUNK_FRAMES].permute(0, 2, 3, 1))
+        for start, pixels in uint8_chunks(video):
             writer.write_tensor(finish(pipe, options, pixels, start) if finish else pixels)
     return writer
 

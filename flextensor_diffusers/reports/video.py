@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -28,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 #: Tried in order: H.264 (what players expect), then MPEG-4 part 2 where libx264 is missing.
 CODECS = ("libx264", "h264", "mpeg4")
+#: Frames of a decoded video made uint8 at a time by `uint8_chunks`.
+WRITE_CHUNK_FRAMES = 32
 
 
 def to_uint8_frames(video: Any) -> np.ndarray:
@@ -68,6 +71,14 @@ def float_to_uint8(video: torch.Tensor) -> torch.Tensor:
     """`to_uint8_frames`'s rounding (clip to [0, 1], x255 in float32, round half to even) on ``video``'s own
     device, so that a decoded video need not come to the host as float32 to be written."""
     return (video.float().clamp(0.0, 1.0) * 255.0).round().to(torch.uint8)
+
+
+def uint8_chunks(video: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """A decoded (F, 3, H, W) video in [0, 1], on any device, as ``(start, frames)`` chunks of
+    `WRITE_CHUNK_FRAMES` (N, H, W, 3) uint8 frames made where the video is (`float_to_uint8`), for
+    `Mp4Writer.write_tensor`: the video never comes to the host as float, nor whole."""
+    for start in range(0, len(video), WRITE_CHUNK_FRAMES):
+        yield start, float_to_uint8(video[start : start + WRITE_CHUNK_FRAMES].permute(0, 2, 3, 1))
 
 
 def rgb_to_yuv420p_tensor(frames: torch.Tensor) -> torch.Tensor:
