@@ -192,14 +192,15 @@ def weight_files(folder: Path) -> list[Path]:
 # ---------------------------------------------------------------------------------------- saving
 
 
-def child_save(args: argparse.Namespace) -> dict[str, Any]:
-    """Build each component (on the GPU at full size: quick), save it, free it before the next one."""
+def child_save(args: argparse.Namespace, names: tuple[str, ...] = (*EXPERTS, "vae")) -> dict[str, Any]:
+    """Build each component of ``names`` (on the GPU at full size: quick), save it, free it before the next one;
+    then the scheduler and ``model_index.json`` (which names every component, saved or not)."""
     from diffusers import WanPipeline
 
     cfg = wan_config(args.size)
     init = "cuda" if torch.cuda.is_available() and args.size == "full" else "cpu"
     out: dict[str, Any] = {"save_s": {}, "bytes": {}}
-    for name in (*EXPERTS, "vae"):
+    for name in names:
         module = make_component(name, cfg, init, args.seed)
         start = time.perf_counter()
         module.save_pretrained(args.folder / name, safe_serialization=True)

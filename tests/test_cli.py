@@ -124,8 +124,9 @@ HERE = str(Path(__file__).parent)
         (["--width", "832"], "error: --width 832 is more than the transformer of tiny random weights can place"),
         (["--frames", "129"], "error: --frames 129 is more than the transformer of tiny random weights can place"),
         (
-            ["--host-budget", "8GiB", "--compression", "lossless"],
-            "error: --host-budget cannot be combined with --compression lossless yet: drop one of them",
+            ["--host-budget", "8GiB", "--compression", "lossless", "--raw-copies", "ram"],
+            "error: --host-budget with --compression keeps the compressed copies only (the raw ones wait on disk): "
+            "drop --raw-copies ram",
         ),
         (
             ["--host-budget", "8GiB", "--gpus", "2"],

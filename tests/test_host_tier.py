@@ -220,7 +220,7 @@ def test_without_a_host_budget_copies_beyond_the_ram_available_are_refused_befor
         pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
     assert ft.pipeline_offload(pipe) is None
     assert_same(before, pipe.transformer)
-    with pytest.raises(ft.HostBudgetError, match=r"with compression=.none.: a host budget does not combine"):
+    with pytest.raises(ft.HostBudgetError, match=refusal):  # with compression too: its sizes are not known yet
         pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", compression="lossless")
     monkeypatch.setattr(host_budget, "available_ram_bytes", lambda: 2**40)
     pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
@@ -339,15 +339,6 @@ def test_the_recipe_names_the_host_budget_flag(tmp_path, capsys) -> None:
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --host-budget 1KiB cannot hold the largest component")
     assert re.search(r"; pass --host-budget \d+\.\d\dKiB$", err) and len(err.splitlines()) == 1  # exact, not 0.xx GiB
-
-
-def test_a_host_budget_with_compression_is_refused_for_now(tmp_path) -> None:
-    pipe = build_pipeline("wan22_t2v", "tiny")
-    with pytest.raises(ft.FlexTensorError, match="host_budget cannot be combined with compression='lossless' yet"):
-        pipe.enable_flextensor_offload(
-            budget="1GiB", device="cpu", host_budget="1GiB", cache_dir=tmp_path, compression="lossless"
-        )
-    assert ft.pipeline_offload(pipe) is None
 
 
 # ---------------------------------------------------------------------------------------- weight files

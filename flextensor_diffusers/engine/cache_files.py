@@ -5,11 +5,17 @@ waits in one cache file: every unit at a 512-byte aligned offset, in position or
 is written to a temporary name and renamed once complete, so a full disk or a Ctrl-C leaves no half-written
 file at its name; its name carries the process id, and the process deletes it when offload is removed, or at
 exit.
+
+`RawCacheFile` is the other kind: the raw home of a model kept compressed only (``raw_copies="disk"``), written
+unit by unit while set-up encodes, through a shared mapping. Each unit's room is reserved on disk
+(``posix_fallocate``) before a byte is copied there, so a full disk is a clear error, never a fault on a page
+the file system could not give.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 from pathlib import Path
 
@@ -58,6 +64,61 @@ def write_cache_file(path: Path, units: list[Unit], hosts: list[torch.Tensor]) -
     except BaseException:  # Ctrl-C while writing (seconds for an expert): no partial file stays behind
         tmp.unlink(missing_ok=True)
         raise
+
+
+class RawCacheFile:
+    """The raw bytes of a model's units kept compressed, in one file at ``where`` (each unit at its
+    `file_offsets` offset), written as set-up goes: a `host_copies.RawHome`. The file is created sparse at
+    once and each unit's room reserved when it arrives; it is deleted when offload is removed, or at exit."""
+
+    def __init__(self, where: Path, units: list[Unit]) -> None:
+        self.where = where
+        self._offsets = file_offsets(units)
+        self._mapped: torch.Tensor | None = None
+        self._fd: int | None = None
+
+    def _open(self) -> torch.Tensor:
+        if self._mapped is None:
+            try:
+                self._fd = os.open(self.where, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                _WRITTEN.add(self.where)
+                os.ftruncate(self._fd, max(self._offsets[-1], 1))
+            except OSError as exc:
+                raise self._error(exc) from exc
+            size = max(self._offsets[-1], 1)
+            self._mapped = torch.from_file(str(self.where), shared=True, size=size, dtype=torch.uint8)
+        return self._mapped
+
+    def _error(self, exc: OSError) -> FlexTensorError:
+        return FlexTensorError(
+            f"could not write the raw weights to {self.where} ({exc}): free space there or choose another cache_dir"
+        )
+
+    def stand_in(self, position: int, unit: Unit) -> torch.Tensor:
+        """Copy ``unit``'s bytes (``unit.host``) into its room in the file; that room, as a tensor."""
+        mapped = self._open()
+        start = self._offsets[position]
+        if unit.nbytes and hasattr(os, "posix_fallocate"):
+            try:
+                assert self._fd is not None
+                os.posix_fallocate(self._fd, start, unit.nbytes)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system that cannot reserve: write on
+                    raise self._error(exc) from exc
+        room = mapped[start : start + unit.nbytes]
+        room.copy_(unit.host)  # type: ignore[arg-type]
+        return room
+
+    def ram_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self._mapped = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self.where.unlink(missing_ok=True)
+        _WRITTEN.discard(self.where)
 
 
 def map_cache_file(path: Path, units: list[Unit]) -> list[torch.Tensor]:

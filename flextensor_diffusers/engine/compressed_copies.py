@@ -1,9 +1,14 @@
 """The compressed copy of each unit worth it: made at set-up, page-locked, checked, released before dropped.
 
 A unit kept compressed streams its *payload* (`codec`) and decodes it on the device into its slot, bit-exact;
-the raw host copy stays the weights' truth (`host_copies`). Payloads come from the encoder or from the payload
-cache (`payload_cache`), and none is used before it was shown to decode to the weights: on CUDA by decoding
-it there once and comparing, on the CPU by comparing it with a fresh encoding.
+the raw host copy stays the weights' truth (`host_copies`), in RAM or, with ``raw_copies="disk"``, in a file.
+Payloads come from the encoder or from the payload cache (`payload_cache`), and none is used before it was shown
+to decode to the weights: on CUDA by decoding it there once and comparing, on the CPU by comparing it with a
+fresh encoding.
+
+Payloads leave RAM too when the host tier keeps their model on disk (`spill`): they become views of the payload
+file, written once and unwritten again until an edit, and come back unit by unit (`read_payload`, `take`) while
+the model computes, each checked against its checksum.
 """
 
 from __future__ import annotations
@@ -15,13 +20,18 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
+from .cache_files import drop_cached_pages
 from .codec import CodecMismatch, EncodedUnit, Segment, check_decodes, encode_unit, worth_compressing
 from .device_encoding import DeviceEncoder, EncodeJob
-from .errors import FlexTensorError
-from .host_memory import page_locked, unpin_in_place
+from .errors import FlexTensorError, OffloadStateError
+from .host_memory import host_buffer, page_locked, unpin_in_place
 from .payload_cache import PayloadCache
 from .setup_threads import PACK_THREADS, on_threads
 from .units import Unit
+
+#: ``settled(index, kept)``: unit ``index`` is done with at set-up (its payload kept, or it is not worth
+#: compressing), told in unit order; what `HostCopies` uses to move raw bytes out of RAM as encoding goes.
+Settled = Callable[[int, bool], None]
 
 
 def segments_of(unit: Unit) -> list[Segment]:
@@ -44,8 +54,13 @@ class CompressedCopies:
         self.encoded: dict[int, EncodedUnit] = {}
         self.pinned = False  # payloads are page-locked (asked at the last `make`)
         self._registered: list[torch.Tensor] = []  # payloads page-locked in place
+        #: The file payloads wait in while their model is on disk (the payload cache): set at set-up.
+        self.file: PayloadCache | None = None
+        #: Units whose payloads wait in ``file`` now (views of its mapping), by index: `spill` to `take`.
+        self.waiting: set[int] = set()
+        self._file_holds = False  # ``file`` holds every payload as it is now (written or read, no edit since)
 
-    def make(self, pin: bool, cache: PayloadCache | None = None) -> None:
+    def make(self, pin: bool, cache: PayloadCache | None = None, settled: Settled | None = None) -> None:
         """Keep a compressed copy of every unit that streams faster that way (see `codec`): loads then
         move the payload and decode it on the device, bit-exact. The raw host copy stays the truth.
 
@@ -55,15 +70,22 @@ class CompressedCopies:
         and the file is written. On a CUDA device the encoder decodes every new payload once there and
         compares it with the weights too (``verify``). Payloads are page-locked in place
         (``cudaHostRegister`` on their own mapping, which locks the pages where they are instead of copying them
-        as ``pin_memory()`` does) and unregistered before they are dropped (`release`)."""
+        as ``pin_memory()`` does) and unregistered before they are dropped (`release`).
+
+        ``settled`` is told of every unit once it is done with, in unit order: as each is encoded on CUDA,
+        after all of them on the CPU (`Settled`)."""
         self.release()
         self.pinned = pin
-        if cache is None or not self._keep_cached(cache.read(PACK_THREADS), pin, cache):
-            self._encode_all(pin, cache)
+        told = _InOrder(settled, [unit.index for unit in self.units])
+        if cache is not None and self._keep_cached(cache.read(PACK_THREADS), pin, cache, told):
+            self._file_holds = True
+        else:
+            self._encode_all(pin, cache, told)
+        told.rest(self.encoded)
         if self.cuda:  # the checks' decode buffers go back to the device, not to the allocator's cache
             torch.cuda.empty_cache()
 
-    def _encode_all(self, pin: bool, cache: PayloadCache | None) -> None:
+    def _encode_all(self, pin: bool, cache: PayloadCache | None, told: _InOrder) -> None:
         """Encode every unit worth it, keep the payloads (locked in place) and write ``cache``. On the CPU
         one unit per thread; on CUDA one after the other on the device (`DeviceEncoder`: each payload
         checked there, copies both ways overlapped with the coding, payloads locked as they arrive).
@@ -74,7 +96,7 @@ class CompressedCopies:
         locked: set[int] = set()
         try:
             if self.cuda:
-                self._encode_on_device(pin, encoded_by_unit, locked)
+                self._encode_on_device(pin, encoded_by_unit, locked, told)
             else:
                 hosts = {unit.index: self._host_of(unit) for unit in self.units}  # the gate asked on this thread
                 on_threads(lambda unit: self._encode_on_host(unit, hosts, encoded_by_unit), self.units, "compressing")
@@ -87,7 +109,7 @@ class CompressedCopies:
             raise error from exc
         self._keep({index: encoded_by_unit[index] for index in sorted(encoded_by_unit)}, pin, frozenset(locked))
         if cache is not None:
-            cache.write(self.encoded)
+            self._file_holds = cache.write(self.encoded)
 
     @staticmethod
     def _encode_on_host(unit: Unit, hosts: dict[int, torch.Tensor], encoded_by_unit: dict[int, EncodedUnit]) -> None:
@@ -95,9 +117,12 @@ class CompressedCopies:
         if worth_compressing(encoded):
             encoded_by_unit[unit.index] = encoded
 
-    def _encode_on_device(self, pin: bool, encoded_by_unit: dict[int, EncodedUnit], locked: set[int]) -> None:
+    def _encode_on_device(
+        self, pin: bool, encoded_by_unit: dict[int, EncodedUnit], locked: set[int], told: _InOrder
+    ) -> None:
         """Units in order through `DeviceEncoder`; each unit's host bytes are asked for (the gate waits
-        while it is packed) only when its turn comes."""
+        while it is packed) only when its turn comes, and each kept payload is kept at once, so that
+        ``told`` may move the unit's raw bytes out of RAM."""
         jobs = [EncodeJob(unit.index, functools.partial(self._host_of, unit), segments_of(unit)) for unit in self.units]
         encoder = DeviceEncoder(self.device, lock=pin, keep=worth_compressing)
         desc = "compressing weights on the device"
@@ -105,6 +130,7 @@ class CompressedCopies:
             encoded_by_unit[done.index] = done.encoded
             if done.locked:
                 locked.add(done.index)
+            told.upto(done.index, encoded_by_unit)
 
     def _encoder_error(self, exc: BaseException) -> BaseException:
         """What a failed encoding raises: a mismatch names the unit and tensor; a CUDA fault or an
@@ -121,7 +147,7 @@ class CompressedCopies:
             )
         return exc
 
-    def _keep_cached(self, cached: dict[int, EncodedUnit], pin: bool, cache: PayloadCache) -> bool:
+    def _keep_cached(self, cached: dict[int, EncodedUnit], pin: bool, cache: PayloadCache, told: _InOrder) -> bool:
         """Keep the payloads read from ``cache`` when every one decodes to its unit's weights; else keep none."""
         if not cached:
             return False
@@ -144,10 +170,13 @@ class CompressedCopies:
         if self.cuda:  # one decode at a time on the device
             for unit in units:
                 check(unit)
+                if not mismatches:
+                    told.upto(unit.index, self.encoded)
         else:  # fresh encodings, one unit per thread as `_encode_all` encodes
             on_threads(check, units, "checking cached compressed weights")
         if mismatches:
             self.release()
+            told.restart()
             name = min(mismatches)
             cache.refuse(f"its copy of {name!r} does not decode to the weights ({mismatches[name]})")
             return False
@@ -210,6 +239,8 @@ class CompressedCopies:
         old = self.encoded.pop(unit.index, None)
         if old is None:
             return
+        self.waiting.discard(unit.index)  # its new payload is in RAM; the file's is stale
+        self._file_holds = False
         if any(payload is old.payload for payload in self._registered):
             if self.cuda:  # a copy issued before may still read it
                 torch.cuda.synchronize(self.device)
@@ -221,14 +252,105 @@ class CompressedCopies:
 
     def release(self) -> None:
         """Drop the compressed copies, unregistering those pinned in place (once no copy reads them)."""
-        if self._registered and self.cuda:
-            torch.cuda.synchronize(self.device)
-        for payload in self._registered:
-            unpin_in_place(payload)
-        self._registered = []
+        self._unregister(self._registered)
         self.encoded = {}
+        self.waiting = set()
+        self._file_holds = False
+
+    def _unregister(self, payloads: list[torch.Tensor]) -> None:
+        """Unlock ``payloads`` (locked in place), once no copy issued before reads them."""
+        if payloads and self.cuda:
+            torch.cuda.synchronize(self.device)
+        ids = {id(p) for p in payloads}
+        for payload in payloads:
+            unpin_in_place(payload)
+        self._registered = [p for p in self._registered if id(p) not in ids]
 
     @property
     def payload_bytes(self) -> int:
-        """Host bytes of all payloads."""
+        """Host RAM of the payloads (those waiting in the file are not in RAM)."""
+        return sum(e.payload.numel() for i, e in self.encoded.items() if i not in self.waiting)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of all payloads, wherever they are: what they take in RAM when all are there."""
         return sum(e.payload.numel() for e in self.encoded.values())
+
+    # ------------------------------------------------------------------------------------ waiting on disk
+
+    @property
+    def file_current(self) -> bool:
+        """The payload file holds every payload as it is now (no edit re-encoded one since it was written)."""
+        return self.file is not None and self._file_holds and self.file.path.exists()
+
+    def spill(self) -> None:
+        """Move every payload out of RAM into the payload file: written first when it does not hold them (a
+        full disk raises with the payloads still in RAM), then each payload becomes a view of the file's
+        mapping and its RAM is freed. The model must be inactive."""
+        if self.file is None:
+            raise OffloadStateError("compressed copies can wait on disk only with a payload file (set-up sets it)")
+        if self.waiting or not self.encoded:
+            return
+        if not self.file_current:
+            self._file_holds = self.file.write(self.encoded, strict=True)
+        views = self.file.map()
+        self._unregister(list(self._registered))
+        self.encoded = {i: dataclasses.replace(e, payload=views[i]) for i, e in self.encoded.items()}
+        self.waiting = set(self.encoded)
+
+    def read_payload(self, index: int, pin: bool) -> tuple[torch.Tensor, bool]:
+        """Unit ``index``'s waiting payload in a new RAM buffer (page-locked when ``pin``: in place where CUDA
+        allows, else a pinned copy; True when in place), read from the file and checked against its checksum.
+        Changes nothing here: runs on a reader thread while the model waits or computes."""
+        assert self.file is not None
+        buffer = host_buffer(self.file.records[index].payload_nbytes)
+        self.file.read_payload(index, buffer)
+        return page_locked(buffer) if pin else (buffer, False)
+
+    def take(self, index: int, payload: torch.Tensor, locked: bool) -> None:
+        """Adopt ``payload`` (from `read_payload`) as unit ``index``'s payload in RAM; the last one taken drops
+        the file's pages from the page cache."""
+        self.encoded[index] = dataclasses.replace(self.encoded[index], payload=payload)
+        if locked:
+            self._registered.append(payload)
+        self.waiting.discard(index)
+        if not self.waiting and self.file is not None:
+            drop_cached_pages(self.file.path)
+
+    def untake(self, indices: list[int]) -> None:
+        """Point the payloads of ``indices`` (taken back) at the file again, which still holds them: a read
+        back given up leaves the model on disk as before."""
+        if not indices:
+            return
+        assert self.file is not None
+        views = self.file.map()
+        payloads = [self.encoded[i].payload for i in indices]
+        self._unregister([p for p in payloads if any(p is r for r in self._registered)])
+        for index in indices:
+            self.encoded[index] = dataclasses.replace(self.encoded[index], payload=views[index])
+            self.waiting.add(index)
+
+
+class _InOrder:
+    """Tells a `Settled` callback of units in order, each once (``upto`` a unit index; the ``rest`` at the end);
+    ``restart`` after payloads were dropped (a refused cache) tells them again as they are encoded."""
+
+    def __init__(self, settled: Settled | None, indices: list[int]) -> None:
+        self._settled = settled
+        self._indices = indices
+        self._next = 0
+
+    def upto(self, index: int, kept: dict[int, EncodedUnit]) -> None:
+        if self._settled is None:
+            return
+        while self._next < len(self._indices) and self._indices[self._next] <= index:
+            unit = self._indices[self._next]
+            self._settled(unit, unit in kept)
+            self._next += 1
+
+    def rest(self, kept: dict[int, EncodedUnit]) -> None:
+        if self._indices:
+            self.upto(self._indices[-1], kept)
+
+    def restart(self) -> None:
+        self._next = 0

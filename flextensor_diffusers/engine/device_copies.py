@@ -98,7 +98,7 @@ class DeviceCopies:
         self.binding.sweep()  # edits made while inactive reach the copies made below
         with torch.no_grad(), torch.inference_mode(False):
             buffer = aligned_buffer(self.base.nbytes, self.device)
-            buffer.copy_(self.host.host_of(self.base), non_blocking=True)
+            self.host.copy_raw_into(self.base, buffer)
             self.binding.to_device(self.base, buffer)
             self.buffers.base = buffer
             self.foreign = self.find_foreign()
@@ -196,17 +196,20 @@ class DeviceCopies:
 
     def _fill_resident(self, index: int, buffer: torch.Tensor) -> None:
         """A resident unit's device copy, on the current stream: decoded from its compressed copy through a
-        staging buffer when its raw copy waits on disk (reading the mapped file would be a pageable, possibly
-        disk-bound copy), else copied from its host copy. Every later use of the staging buffer is ordered
-        after these decodes (the schedule's streams wait for this stream when they follow a plan)."""
-        encoded = self.host.encoded.get(index)
+        staging buffer when its raw copy is not in a RAM buffer of its own (a stand-in in a file would be a
+        pageable, possibly disk-bound copy), else copied from its host copy. Every later use of the staging
+        buffer is ordered after these decodes (the schedule's streams wait for this stream when they follow a
+        plan)."""
+        unit = self.units[index]
         room = self.buffers.staging[0].numel() if self.buffers.staging else 0
-        if self.host.spilled_to is not None and encoded is not None and encoded.payload.numel() <= room:
-            staging = self.buffers.staging[0][: encoded.payload.numel()]
-            staging.copy_(encoded.payload, non_blocking=True)
-            decode_into(encoded, staging, buffer)
-            return
-        buffer.copy_(self.host.host_of(self.units[index]), non_blocking=True)
+        if index in self.host.encoded and not self.host.raw_at_hand(unit):
+            encoded = self.host.payload_of(unit)
+            if encoded.payload.numel() <= room:
+                staging = self.buffers.staging[0][: encoded.payload.numel()]
+                staging.copy_(encoded.payload, non_blocking=True)
+                decode_into(encoded, staging, buffer)
+                return
+        self.host.copy_raw_into(unit, buffer)
 
     def _allocate_staging(self, num_slots: int) -> None:
         """Per slot, room for the largest payload a load decodes (none without such loads)."""
@@ -254,9 +257,9 @@ class DeviceCopies:
         occupant is pointed back at its host copy first."""
         self.evict(slot)
         if index not in self.decoding:
-            self._dst[index].copy_(self.host.host_of(self.units[index]), non_blocking=True)  # type: ignore[union-attr]
+            self.host.copy_raw_into(self.units[index], self._dst[index])  # type: ignore[arg-type]
             return False
-        encoded = self.host.encoded[index]
+        encoded = self.host.payload_of(self.units[index])
         self.buffers.staging[slot][: encoded.payload.numel()].copy_(encoded.payload, non_blocking=True)
         return True
 

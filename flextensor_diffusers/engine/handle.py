@@ -43,6 +43,7 @@ from .call_guards import (
 )
 from .config import OffloadConfig, resolve_budget, resolve_device
 from .errors import BudgetError, FlexTensorError, OffloadStateError
+from .host_copies import RawHome
 from .payload_cache import PayloadCache
 from .phases import Discovery, OnDemand, Phase, Phases, Removed, Steady
 from .planner import Plan, WorkloadProfile
@@ -70,9 +71,13 @@ class OffloadHandle:
         layout: ``model``'s units already laid out for ``config`` and its device (`units.plan_layout`), by a
             caller that checked budgets from it (the pipelines do, for every component before offloading any);
             None lays them out here.
+        raw_home: with ``raw_copies="disk"``, where the raw bytes of units kept compressed wait (`RawHome`; the
+            pipelines give their weight files); None: a cache file in ``config.cache_dir``.
     """
 
-    def __init__(self, model: nn.Module, config: OffloadConfig, layout: UnitLayout | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, config: OffloadConfig, layout: UnitLayout | None = None, raw_home: RawHome | None = None
+    ) -> None:
         started = time.perf_counter()
         self._refuse_model(model, config)
         self.model, self.config = model, config
@@ -97,7 +102,7 @@ class OffloadHandle:
         # A compressed model loads other bytes (and needs staging room): its profiles are its own.
         marker = [f"compression={config.compression}"] if config.compression != "none" else []
         self.fingerprint = model_fingerprint(model, [u.name for u in self.units] + marker)
-        self.set_up = SetUp(self)
+        self.set_up = SetUp(self, raw_home)
         self.planning = Planning(self, resolve_budget(config.gpu_budget, self.device))
         self.planning.check_budget(self.budget_bytes)
         given = self.planning.profiles.given
@@ -177,7 +182,7 @@ class OffloadHandle:
     @property
     def raw_on_disk(self) -> bool:
         """``raw_copies="disk"``: the raw host copies wait in a cache file; loads decode compressed copies."""
-        return self.set_up.raw_file is not None
+        return self.host.compressed_only
 
     @property
     def payload_cache(self) -> PayloadCache | None:

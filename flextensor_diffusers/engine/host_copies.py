@@ -7,6 +7,11 @@ these places, and this object alone knows which:
 * **RAM, raw**: a flat buffer of its own (page-locked for CUDA), packed at set-up (`start_packing`);
 * **RAM, compressed** as well, when compression is on (`compressed`, a `CompressedCopies`): loads may move the
   payload and decode it on the device; the raw bytes stay the truth;
+* **compressed only** (``raw_copies="disk"``, and always under a pipeline's host budget with compression): the
+  raw bytes of each unit kept compressed leave RAM as soon as its payload is made (`settle`), for a `RawHome`
+  (the weight files it was loaded from, else one cache file); RAM holds payloads, plus the raw bytes of the base
+  and of units not worth compressing. Every load of such a unit decodes its payload. Its payloads can then wait
+  on disk as well (`spill_payloads`: in the payload file), and come back unit by unit as below;
 * **a cache file** (`spill`): a shared mapping of one file for all units, written once and kept, unwritten
   again, until an edit;
 * **the weight files** the model was loaded from (`spill` with stand-ins): private copy-on-write views, so an
@@ -25,8 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -47,6 +54,34 @@ logger = logging.getLogger(__name__)
 ReadInto = Callable[[int, torch.Tensor], None]
 
 
+#: Units packed ahead of the one the encoder asks for when raw bytes leave RAM as encoding goes (compressed
+#: only): enough that packing keeps ahead of the encoder, few enough that RAM holds only a few raw units at a
+#: time (a Wan2.2-A14B block is 0.7 GB).
+PACKING_WINDOW = 3
+
+
+class RawHome(Protocol):
+    """Where the raw bytes of units kept compressed wait outside RAM (compressed only): the weight files a
+    component was loaded from (the pipelines' `WeightFilesHome`), or one cache file (`RawCacheFile`)."""
+
+    #: The file or folder, for reports.
+    where: Path
+
+    def stand_in(self, position: int, unit: Unit) -> object:
+        """A stand-in for ``unit``'s flat host buffer (``unit.host``, in RAM now, holds its current bytes) that
+        holds the same bytes outside RAM: a tensor, or an object that gives each tensor's bytes when sliced at
+        its range, as `PackedTensor.view_of` slices."""
+        ...
+
+    def ram_bytes(self) -> int:
+        """What its stand-ins keep in RAM (tensors the files lack)."""
+        ...
+
+    def close(self) -> None:
+        """Offload is removed: delete what it wrote."""
+        ...
+
+
 @dataclasses.dataclass(frozen=True)
 class HostPlaces:
     """Where one model's host copies are (`HostCopies.where`): the bytes in each place."""
@@ -56,26 +91,63 @@ class HostPlaces:
     disk_bytes: int = 0
     disk_path: str | None = None  # the cache file or the weight files' folder they wait in
     arriving: bool = False  # being read back from disk while the model computes
+    raw_disk_bytes: int = 0  # compressed only: the raw bytes that wait in a `RawHome`, outside RAM for good
 
     @property
     def label(self) -> str:
-        """One word for a report: "disk" while any of them waits there (arriving or not), else "ram"."""
-        return "disk" if self.disk_bytes else "ram"
+        """A word for a report: "disk" while any copy a load needs waits there (arriving or not), else
+        "ram compressed" when RAM holds compressed copies only, else "ram"."""
+        if self.disk_bytes:
+            return "disk"
+        return "ram compressed" if self.raw_disk_bytes else "ram"
+
+
+class PackingWindow:
+    """Lets a unit be packed only within ``size`` positions of the furthest one asked for so far, so that
+    packing cannot run far ahead of a consumer that frees each unit's RAM once done with it (compressed only).
+    The consumer asks in order, and a position asked for is always within the window: no wait can deadlock."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._asked = 0
+        self._cond = threading.Condition()
+
+    def ask(self, position: int) -> None:
+        with self._cond:
+            if position > self._asked:
+                self._asked = position
+                self._cond.notify_all()
+
+    def wait_to_pack(self, position: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: position <= self._asked + self.size)
+
+    def open_all(self) -> None:
+        """Let every remaining unit be packed (the consumer is done, or failed)."""
+        self.ask(1 << 62)
 
 
 class Packing:
     """Units being packed on threads (`HostCopies.start_packing`): the host gate meanwhile."""
 
-    def __init__(self, host: HostCopies, work: ThreadedWork[Unit], positions: dict[int, int]) -> None:
+    def __init__(
+        self, host: HostCopies, work: ThreadedWork[Unit], positions: dict[int, int], window: PackingWindow | None
+    ) -> None:
         self._host = host
         self._work = work
         self._positions = positions
+        self._window = window
 
     def gate(self, unit: Unit) -> None:
-        self._work.wait_for(self._positions[unit.index])
+        position = self._positions[unit.index]
+        if self._window is not None:
+            self._window.ask(position)
+        self._work.wait_for(position)
 
     def finish(self) -> float:
         """Wait for every unit, lift the gate, raise the first failure; seconds the packing took."""
+        if self._window is not None:
+            self._window.open_all()
         try:
             return self._work.finish()
         finally:
@@ -98,7 +170,7 @@ class HostCopies:
         self.cuda = device.type == "cuda"
         self.binding = binding
         #: Units kept compressed as well (`CompressedCopies.make`; payloads pinned for CUDA).
-        self.compressed = CompressedCopies(units, device, self.host_of)
+        self.compressed = CompressedCopies(units, device, self.raw_tensor)
         #: Called on the main thread with a unit before its host bytes are read while units arrive (see the
         #: module docstring); None when every host copy is final.
         self.host_gate: Callable[[Unit], None] | None = None
@@ -107,6 +179,11 @@ class HostCopies:
         self._current = False  # where they spill to holds their bytes (no edit since)
         self._held_bytes: int | None = None  # while on stand-ins: what those keep in RAM
         self._taken: set[int] = set()  # positions already taken back into RAM during a spill
+        #: Compressed only (see the module docstring): where raw bytes of units kept compressed wait, and the
+        #: positions whose ``unit.host`` is a stand-in there.
+        self.raw_home: RawHome | None = None
+        self._homed: set[int] = set()
+        self._payloads_taken: list[int] = []  # units whose payloads were taken back during a payload spill
 
     @property
     def positions(self) -> list[Unit]:
@@ -115,7 +192,9 @@ class HostCopies:
 
     # ------------------------------------------------------------------------------------ packing
 
-    def start_packing(self, pin: bool, shared: SharedHostMemory | None, attaching: bool) -> Packing:
+    def start_packing(
+        self, pin: bool, shared: SharedHostMemory | None, attaching: bool, window: int | None = None
+    ) -> Packing:
         """Start copying every unit and the base into flat host buffers (or attaching them to shared ones),
         each page-locked by the task that packed it when ``pin``; set-up goes on meanwhile, and `host_of` waits
         for the unit it asks for (the device encoder codes the first blocks while the last are packed).
@@ -123,9 +202,14 @@ class HostCopies:
         One task per unit on a few threads: a copy into host memory is bound by one core's memory bandwidth,
         and the copies and ``cudaHostRegister`` release the GIL, so one thread's registration overlaps the
         others' copies. Host memory grows by at most one unit per thread. A failure is raised by
-        `Packing.finish` once every task has ended: the caller restores whatever was packed."""
+        `Packing.finish` once every task has ended: the caller restores whatever was packed. With ``window``, a
+        unit is packed only within that many positions of the furthest one asked for (`PackingWindow`)."""
+        gate = PackingWindow(window) if window is not None else None
+        positions = {unit.index: position for position, unit in enumerate(self.positions)}
 
         def pack_one(unit: Unit) -> None:
+            if gate is not None:
+                gate.wait_to_pack(positions[unit.index])
             with torch.no_grad():
                 pack_unit(unit, host=shared.buffer(unit.index) if shared is not None else None, filled=attaching)
             if pin:
@@ -134,9 +218,111 @@ class HostCopies:
         units = self.positions
         verb = "attaching to shared weights" if attaching else "packing weights"
         work = ThreadedWork(pack_one, units, f"{verb} and pinning them" if pin else verb)
-        packing = Packing(self, work, {unit.index: position for position, unit in enumerate(units)})
+        packing = Packing(self, work, positions, gate)
         self.host_gate = packing.gate
         return packing
+
+    # ------------------------------------------------------------------------------------ compressed only
+
+    @property
+    def compressed_only(self) -> bool:
+        """Raw bytes of units kept compressed wait outside RAM (``raw_copies="disk"``; see the module docstring)."""
+        return self.raw_home is not None
+
+    def settle(self, index: int, kept: bool) -> None:
+        """Compressed only, at set-up, as each unit is done with (`CompressedCopies.make`'s ``settled``): a unit
+        kept compressed moves its raw bytes to the raw home and frees its RAM buffer; another stays in RAM."""
+        position = index + 1
+        unit = self.positions[position]
+        if not kept or position in self._homed or self.raw_home is None:
+            return
+        stand_in = self.raw_home.stand_in(position, unit)
+        self.binding.to_host(unit, stand_in)  # type: ignore[arg-type]
+        unpin_unit(unit)
+        unit.host = stand_in  # type: ignore[assignment]
+        self._homed.add(position)
+
+    def pin_the_rest(self) -> None:
+        """Compressed only, once set-up encoded everything: page-lock what stays in RAM raw (the base, units not
+        worth compressing), which loads copy as they are."""
+        for position, unit in enumerate(self.positions):
+            stays = position not in self._homed and isinstance(unit.host, torch.Tensor)
+            if stays and not unit.pinned_in_place and not unit.host.is_pinned():  # type: ignore[union-attr]
+                pin_unit(unit)
+
+    def raw_at_hand(self, unit: Unit) -> bool:
+        """Whether ``unit``'s raw bytes are in a RAM buffer of its own (a raw load copies them at full speed),
+        not in a stand-in of the raw home or of a spill."""
+        position = unit.index + 1
+        if position in self._homed:
+            return False
+        return self.spilled_to is None or position in self._taken
+
+    def raw_tensor(self, unit: Unit) -> torch.Tensor:
+        """``unit``'s current raw bytes as one flat tensor: its host buffer, or, when a stand-in holds them,
+        gathered tensor by tensor into a new buffer (an edit of a unit compressed only re-encodes from it)."""
+        host = self.host_of(unit)
+        if isinstance(host, torch.Tensor):
+            return host
+        flat = host_buffer(unit.nbytes)
+        flat.zero_()  # the padding between tensors, as packing leaves it
+        for packed in unit.tensors:
+            end = packed.offset + packed.nbytes
+            flat[packed.offset : end].copy_(host[packed.offset : end])  # type: ignore[index]
+        return flat
+
+    def copy_raw_into(self, unit: Unit, buffer: torch.Tensor) -> None:
+        """Enqueue a raw load of ``unit`` into the device ``buffer`` on the current stream: one copy of its host
+        buffer, or, from a stand-in (a unit compressed only whose edited payload no longer fits its staging
+        room), one copy per tensor."""
+        host = self.host_of(unit)
+        if isinstance(host, torch.Tensor):
+            buffer.copy_(host, non_blocking=True)
+            return
+        for packed in unit.tensors:
+            end = packed.offset + packed.nbytes
+            buffer[packed.offset : end].copy_(host[packed.offset : end], non_blocking=True)  # type: ignore[index]
+
+    def spill_payloads(self) -> None:
+        """Compressed only: move the payloads out of RAM into the payload file (`CompressedCopies.spill`). The
+        model must be inactive; units still arriving are waited for first."""
+        self.gate_all()
+        if any(self.binding.on_device(unit) is not None for unit in self.positions):
+            raise OffloadStateError("spill_payloads() needs an inactive model: release() it first")
+        self.binding.sweep()  # an edit found now re-encodes before the payloads leave
+        self.compressed.spill()
+        self._payloads_taken = []
+
+    @property
+    def waiting_on_disk(self) -> bool:
+        """Whether bytes a load needs wait on disk: the payloads (compressed only), else the raw host copies."""
+        if self.compressed_only:
+            return bool(self.compressed.waiting)
+        return self.spilled_to is not None
+
+    def waiting_positions(self) -> list[int]:
+        """The positions a read back brings into RAM: those whose payloads wait in the payload file
+        (compressed only), else all of a spill's."""
+        if self.compressed_only:
+            return sorted(index + 1 for index in self.compressed.waiting)
+        return list(range(len(self.positions))) if self.spilled_to is not None else []
+
+    def arrival_bytes(self) -> list[int]:
+        """Per position, the bytes a read back of it brings into RAM (0 for one that does not wait)."""
+        if self.compressed_only:
+            waiting = self.compressed.waiting
+            return [
+                self.encoded[p - 1].payload.numel() if p and p - 1 in waiting else 0 for p in range(len(self.positions))
+            ]
+        return [u.nbytes for u in self.positions]
+
+    @property
+    def stored_bytes(self) -> int:
+        """Host RAM the host copies take when all are in RAM: raw and compressed copies, less the raw bytes
+        that wait in the raw home for good (compressed only)."""
+        homed = sum(self.positions[p].nbytes for p in self._homed)
+        kept = self.raw_home.ram_bytes() if self.raw_home is not None else 0
+        return self.packed_bytes - homed + kept + self.compressed.stored_bytes
 
     # ------------------------------------------------------------------------------------ reading host bytes
 
@@ -146,6 +332,14 @@ class HostCopies:
         if gate is not None:
             gate(unit)
         return unit.host  # type: ignore[return-value]
+
+    def payload_of(self, unit: Unit) -> EncodedUnit:
+        """``unit``'s compressed copy once its payload is final (`host_gate` is asked first, when set: a payload
+        may be arriving from the payload file)."""
+        gate = self.host_gate
+        if gate is not None:
+            gate(unit)
+        return self.compressed.encoded[unit.index]
 
     def expect_arrivals(self, gate: Callable[[Unit], None]) -> None:
         """Units are about to arrive from disk (the caller reads them back and adopts each with `take_unit`):
@@ -164,6 +358,18 @@ class HostCopies:
         RAM and the units already taken back), compressed in RAM, the rest on disk (and which file or folder),
         and whether units are arriving from disk."""
         payloads = self.compressed.payload_bytes
+        if self.compressed_only:
+            assert self.raw_home is not None
+            homed = sum(self.positions[p].nbytes for p in self._homed)
+            waiting = self.compressed.stored_bytes - payloads
+            return HostPlaces(
+                ram_raw_bytes=self.packed_bytes - homed + self.raw_home.ram_bytes(),
+                ram_compressed_bytes=payloads,
+                disk_bytes=waiting,
+                disk_path=str(self.compressed.file.path) if waiting and self.compressed.file else None,
+                arriving=self.host_gate is not None,
+                raw_disk_bytes=homed,
+            )
         if self.spilled_to is None:
             return HostPlaces(ram_raw_bytes=self.packed_bytes, ram_compressed_bytes=payloads)
         in_ram = (self._held_bytes or 0) + sum(self.positions[p].nbytes for p in self._taken)
@@ -223,7 +429,10 @@ class HostCopies:
 
     @property
     def spill_is_current(self) -> bool:
-        """No edit since the last spill or `mark_spill_current`: where the copies spill to still holds them."""
+        """No edit since the last spill or `mark_spill_current`: where the copies spill to still holds them
+        (compressed only: the payload file holds every payload as it is)."""
+        if self.compressed_only:
+            return self.compressed.file_current
         return self._current
 
     # ------------------------------------------------------------------------------------ spilling
@@ -263,6 +472,8 @@ class HostCopies:
     def spilled_hosts(self) -> list[object]:
         """The stand-ins of a spill, per position: what `read_unit` reads from and what `untake_units` points
         units back at. Taken with the model spilled and nothing taken yet."""
+        if self.compressed_only:  # payloads are read from the payload file; nothing to point back at
+            return [None] * len(self.positions)
         assert self.spilled_to is not None and not self._taken, "spilled_hosts() needs a spill with nothing taken"
         return [u.host for u in self.positions]
 
@@ -270,8 +481,14 @@ class HostCopies:
         """One spilled unit's bytes in a new RAM buffer, as a copy of the unit for `take_unit`: from
         ``read(position, buffer)`` when given, else copied from its stand-in ``host``. Page-locked when ``pin``
         (in place where CUDA allows, else a pinned copy), so that taking it back does no heavy work. Changes
-        nothing of the model: runs on any thread, while the model waits or computes."""
+        nothing of the model: runs on any thread, while the model waits or computes.
+
+        Compressed only, the unit's payload is read from the payload file instead (checked against its
+        checksum): the copy returned holds it as ``host``, its size as ``nbytes``."""
         unit = self.positions[position]
+        if self.compressed_only:
+            payload, locked = self.compressed.read_payload(unit.index, pin)
+            return dataclasses.replace(unit, host=payload, nbytes=payload.numel(), pinned_in_place=locked)
         buffer = host_buffer(unit.nbytes)
         if read is not None:
             read(position, buffer)
@@ -291,6 +508,11 @@ class HostCopies:
         taken ends the spill; a cache file is kept for the next one, its pages dropped from the page cache."""
         position = new.index + 1
         unit = self.positions[position]
+        if self.compressed_only:
+            assert new.index in self.compressed.waiting, f"{unit.name}'s payload is not waiting to be taken"
+            self.compressed.take(new.index, new.host, new.pinned_in_place)  # type: ignore[arg-type]
+            self._payloads_taken.append(new.index)
+            return
         assert self.spilled_to is not None and position not in self._taken, f"{unit.name} is not waiting to be taken"
         self.binding.rehost(unit, new.host)  # type: ignore[arg-type]
         unit.host, unit.pinned_in_place = new.host, new.pinned_in_place
@@ -304,6 +526,10 @@ class HostCopies:
         """Undo `take_unit` for every unit taken so far in this spill, pointing them back at their stand-ins
         ``hosts`` (`spilled_hosts`), which still hold their bytes: a read back given up leaves the model spilled
         as before. The taken buffers are freed, so copies that may still read them finish first."""
+        if self.compressed_only:
+            self.compressed.untake(self._payloads_taken)
+            self._payloads_taken = []
+            return
         if not self._taken:
             return
         if self.cuda:
@@ -342,3 +568,6 @@ class HostCopies:
                     ) from exc
                 on_restored(unit)
         self.compressed.release()
+        if self.raw_home is not None:
+            self.raw_home.close()
+            self.raw_home, self._homed = None, set()

@@ -10,9 +10,13 @@ decodes each one and compares it with the weights, byte for byte, before it is u
 the whole file (a warning says why), every unit is encoded again and the file is written anew.
 
 Layout: an 8-byte little-endian header length, a JSON header (format version, key, one record per unit:
-its index, the payload's offset and size and the `EncodedUnit` launch parameters), then the payloads, each
-at a 4 KiB-aligned offset after the header. The file is written to a temporary name and renamed, so a reader never sees
-half a file; a write that fails (disk full) removes it and only costs the next run its encoding.
+its index, the payload's offset, size and CRC-32 and the `EncodedUnit` launch parameters), then the payloads,
+each at a 4 KiB-aligned offset after the header. The file is written to a temporary name and renamed, so a reader
+never sees half a file; a write that fails (disk full) removes it and only costs the next run its encoding.
+
+The same file is where a component's payloads wait while the host tier keeps it on disk (`CompressedCopies.spill`):
+they are read back one unit at a time (`read_payload`), each checked against its CRC-32 as it arrives, so a file
+changed on disk during the run is refused at the read, never decoded into the weights.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,13 +34,15 @@ from pathlib import Path
 import torch
 
 from .codec import EncodedUnit, Segment
+from .errors import FlexTensorError
 from .host_memory import host_buffer
+from .setup_threads import PACK_THREADS
 from .units import Unit, align
 
 logger = logging.getLogger(__name__)
 
 #: Bumped whenever the codec's payload layout or this file's layout changes: old files then never match.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 #: Bytes sampled from each unit for the key: at its start, middle and end.
 SAMPLE_BYTES = 4096
 FILE_ALIGNMENT = 4096
@@ -57,9 +64,10 @@ class CacheRecord:
     n32: int
     n_pieces: int
     coded_raw_nbytes: int
+    crc32: int
 
     @classmethod
-    def of(cls, index: int, offset: int, encoded: EncodedUnit) -> CacheRecord:
+    def of(cls, index: int, offset: int, encoded: EncodedUnit, crc32: int) -> CacheRecord:
         return cls(
             index=index,
             offset=offset,
@@ -72,6 +80,7 @@ class CacheRecord:
             n32=encoded.n32,
             n_pieces=encoded.n_pieces,
             coded_raw_nbytes=encoded.coded_raw_nbytes,
+            crc32=crc32,
         )
 
     def encoded(self, payload: torch.Tensor) -> EncodedUnit:
@@ -99,6 +108,11 @@ def weights_key(fingerprint: str, units: list[Unit], hosts: dict[int, torch.Tens
     return digest.hexdigest()
 
 
+def crc32_of(payload: torch.Tensor) -> int:
+    """The CRC-32 of a payload's bytes (zlib releases the GIL: threads check several at once)."""
+    return zlib.crc32(memoryview(payload.numpy())) if payload.numel() else 0
+
+
 def _read_at(fd: int, position: int, record: CacheRecord) -> torch.Tensor | None:
     """``record``'s payload, read from ``position`` of the open file ``fd`` into a new host buffer (``pread``
     keeps no shared file position, so threads can share ``fd``); None when the file ends first."""
@@ -120,6 +134,10 @@ class PayloadCache:
         self.path = folder / f"{model_class}-{key[:24]}.payloads"
         #: What the last `read`/`write` did, for the report: "read", "written", "refused: ...", "not written: ...".
         self.status = "not used"
+        #: The records of the file as last read or written (what `read_payload` and `map` trust), and where
+        #: its payloads start.
+        self.records: dict[int, CacheRecord] = {}
+        self.data_start = 0
 
     def read(self, threads: int = 1) -> dict[int, EncodedUnit]:
         """The cached payloads by unit index, in new host buffers; empty when there is no usable file.
@@ -146,6 +164,13 @@ class PayloadCache:
         if any(payload is None for payload in payloads):
             self.refuse("it is shorter than its header says")
             return {}
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            sums = list(pool.map(crc32_of, payloads))  # type: ignore[arg-type]
+        if any(r.crc32 != c for r, c in zip(records, sums, strict=True)):
+            self.refuse("a payload's checksum differs from its record (the file was changed on disk)")
+            return {}
+        self.records = {r.index: r for r in records}
+        self.data_start = data_start
         self.status = "read"
         return {r.index: r.encoded(p) for r, p in zip(records, payloads, strict=True) if p is not None}
 
@@ -157,12 +182,18 @@ class PayloadCache:
         self.status = f"refused: {reason}"
         logger.warning("payload cache %s refused: %s; encoding again", self.path, reason)
 
-    def write(self, encoded: dict[int, EncodedUnit]) -> None:
-        """Write every payload (atomically); a failure only leaves no file behind. Offsets in the header are
+    def write(self, encoded: dict[int, EncodedUnit], strict: bool = False) -> bool:
+        """Write every payload (atomically), each with its CRC-32 (computed on `PACK_THREADS` threads). A
+        failure leaves no file behind: with ``strict`` it raises a one-line error naming the fix (the file is
+        where payloads wait on disk), else it only costs the next run its encoding. Offsets in the header are
         relative to the first payload, which starts at the first 4 KiB boundary after the header."""
+        order = sorted(encoded)
+        with ThreadPoolExecutor(PACK_THREADS) as pool:
+            sums = dict(zip(order, pool.map(lambda i: crc32_of(encoded[i].payload), order), strict=True))
         records, offset = [], 0
-        for index, unit in sorted(encoded.items()):
-            records.append(CacheRecord.of(index, offset, unit))
+        for index in order:
+            unit = encoded[index]
+            records.append(CacheRecord.of(index, offset, unit, sums[index]))
             offset = align(offset + unit.payload.numel(), FILE_ALIGNMENT)
         header = {"version": FORMAT_VERSION, "key": self.key, "units": [dataclasses.asdict(r) for r in records]}
         blob = json.dumps(header).encode()
@@ -178,9 +209,51 @@ class PayloadCache:
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             self.status = f"not written: {exc}"
+            if strict:
+                raise FlexTensorError(
+                    f"could not write the compressed weights to {self.path} ({exc}): free space there or pass "
+                    "another cache_dir"
+                ) from exc
             logger.warning("payload cache %s not written (%s): the next run encodes again", self.path, exc)
-            return
+            return False
         except BaseException:  # Ctrl-C while writing (seconds for a large model): no partial file stays behind
             tmp.unlink(missing_ok=True)
             raise
+        self.records = {r.index: r for r in records}
+        self.data_start = data_start
         self.status = f"{self.status}; written again" if self.status.startswith("refused") else "written"
+        return True
+
+    def map(self) -> dict[int, torch.Tensor]:
+        """Each payload as a view of a read-only private mapping of the file: what stands in for the payloads
+        while they wait on disk (file pages, not anonymous memory). Raises when the file is shorter than its
+        records say."""
+        size = self.path.stat().st_size
+        end = max((self.data_start + r.offset + r.payload_nbytes for r in self.records.values()), default=0)
+        if size < end:
+            raise FlexTensorError(f"the compressed weights file {self.path} was truncated: enable offload again")
+        mapped = torch.from_file(str(self.path), shared=False, size=max(size, 1), dtype=torch.uint8)
+        return {
+            i: mapped[self.data_start + r.offset : self.data_start + r.offset + r.payload_nbytes]
+            for i, r in self.records.items()
+        }
+
+    def read_payload(self, index: int, into: torch.Tensor) -> None:
+        """Read unit ``index``'s payload into ``into`` (its size) with ``pread`` and check its CRC-32: a
+        payload changed on disk since it was written is refused with a one-line error, never used."""
+        record = self.records[index]
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            view, done = memoryview(into.numpy()), 0
+            while done < record.payload_nbytes:
+                n = os.preadv(fd, [view[done:]], self.data_start + record.offset + done)
+                if n == 0:
+                    raise FlexTensorError(f"the compressed weights file {self.path} was truncated: enable offload anew")
+                done += n
+        finally:
+            os.close(fd)
+        if crc32_of(into) != record.crc32:
+            raise FlexTensorError(
+                f"the compressed weights of unit {index} in {self.path} changed on disk since they were written: "
+                "delete the file and enable offload again"
+            )

@@ -339,13 +339,12 @@ def plan_residency(
     that way (`WorkloadProfile.paying_compressed`), and loading every unit raw, which needs no
     staging room and so fits smaller budgets or keeps more units resident. The faster plan wins; when
     both hide their loads equally, the one that moves fewer bytes over the link (and leaves it to
-    other transfers). Without ``raw_fallback`` (raw copies are not in RAM) only the first is made.
+    other transfers). Without ``raw_fallback`` (raw copies are not in RAM: a raw load would read a file)
+    every unit kept compressed loads compressed, paying or not.
     """
-    if not profile.compressed:
+    if not profile.compressed or not raw_fallback:
         return _plan_one(profile, budget, max_slots, margin)
-    candidates = {profile.compressed - profile.paying_compressed()}
-    if raw_fallback:
-        candidates.add(profile.compressed)
+    candidates = {profile.compressed - profile.paying_compressed(), profile.compressed}
     plans: list[Plan] = []
     refusals: list[BudgetError] = []
     for raw in candidates:

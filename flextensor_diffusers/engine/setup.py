@@ -1,7 +1,8 @@
 """Set-up: everything offloading adds to a model, done in one place and undone in one place.
 
 In order: host buffers packed (or attached to another process's shared ones) and page-locked, compressed copies
-made while later units are still packed, the raw copies moved to a cache file (``raw_copies="disk"``), the
+made while later units are still packed (with ``raw_copies="disk"`` each unit's raw bytes leave RAM for its raw
+home as soon as its payload is made, the packing kept a few units ahead of the encoder), the
 boundaries that route the model's and its units' calls to the handle, ``state_dict`` hooks that read host
 copies. Any failure undoes all of it (`SetUp.undo`, with the host copies restored by the handle), so a model
 that could not be offloaded is left as it was.
@@ -13,18 +14,18 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from .binding import Binding
 from .boundaries import Boundaries, Crossing, hidden
+from .cache_files import RawCacheFile
 from .config import cache_folder
 from .device_copies import DeviceCopies
 from .edits import Edits
 from .errors import FlexTensorError
-from .host_copies import HostCopies
+from .host_copies import PACKING_WINDOW, HostCopies, RawHome
 from .payload_cache import PayloadCache, weights_key
 from .units import Unit, UnitLayout
 
@@ -76,11 +77,11 @@ def assemble(model: nn.Module, layout: UnitLayout, device: torch.device) -> Copi
 class SetUp:
     """Runs the set-up steps for ``handle`` and undoes them."""
 
-    def __init__(self, handle: OffloadHandle) -> None:
+    def __init__(self, handle: OffloadHandle, raw_home: RawHome | None = None) -> None:
         self.handle = handle
         self.boundaries = Boundaries()
-        self.raw_file: Path | None = None  # raw_copies="disk": the cache file of the raw host copies
         self.payload_cache: PayloadCache | None = None  # compression_cache: the file of the compressed copies
+        self._raw_home = raw_home  # raw_copies="disk": where raw bytes go (None: a cache file in cache_dir)
         self._state_dict_hooks: list[Any] = []
 
     def run(self) -> None:
@@ -89,18 +90,27 @@ class SetUp:
         if shared is not None:
             self._open_shared(shared)
         pin = h.cuda and h.config.pin_memory
-        packing = h.host.start_packing(pin=pin, shared=shared, attaching=h.attaching)
+        compressed_only = h.config.compression == "lossless" and h.config.raw_copies == "disk"
+        if compressed_only:  # raw bytes leave RAM as encoding goes: pinned later, only those that stay
+            h.host.raw_home = self._raw_home or self._raw_cache_file()
+        window = PACKING_WINDOW if compressed_only and h.cuda else None  # the CPU encoder asks for all at once
+        pin_now = pin and not compressed_only
+        packing = h.host.start_packing(pin=pin_now, shared=shared, attaching=h.attaching, window=window)
         try:
             if h.config.compression == "lossless":  # units are compressed as they are packed
                 start = time.perf_counter()
                 self.payload_cache = self._payload_cache() if h.config.compression_cache else None
-                h.host.compressed.make(pin, self.payload_cache)
+                h.host.compressed.file = self.payload_cache
+                h.host.compressed.make(pin, self.payload_cache, settled=h.host.settle if compressed_only else None)
                 h.setup_times.compress = 1e3 * (time.perf_counter() - start)
         finally:
             h.setup_times.pack = 1e3 * packing.finish()
+        if compressed_only:
+            if pin:
+                h.host.pin_the_rest()
+            given = h.planning.profiles.given
+            h.planning.check_budget(h.budget_bytes, given.profile if given is not None else None)  # staging room now
         h.binding.record()  # packing re-pointed tensors; edits count from here
-        if h.config.compression == "lossless" and h.config.raw_copies == "disk":
-            self._raw_copies_to_disk()
         if shared is not None and shared.create:
             shared.publish(h.fingerprint["sha256"])
         hooking = time.perf_counter()
@@ -115,9 +125,6 @@ class SetUp:
         self._state_dict_hooks = []
         if self.handle.config.shared_host is not None:
             self.handle.config.shared_host.unlink()
-        if self.raw_file is not None:
-            self.raw_file.unlink(missing_ok=True)
-            self.raw_file = None
 
     def _open_shared(self, shared: Any) -> None:
         h = self.handle
@@ -128,14 +135,11 @@ class SetUp:
             )
         shared.open(h.fingerprint["sha256"], {u.index: u.nbytes for u in h.host.positions})
 
-    def _raw_copies_to_disk(self) -> None:
-        """The raw host copies wait in a cache file; RAM keeps the compressed ones, which every load decodes."""
+    def _raw_cache_file(self) -> RawCacheFile:
+        """The raw home of ``raw_copies="disk"`` when the caller gave none: a cache file in ``cache_dir``."""
         h = self.handle
-        given = h.planning.profiles.given
-        h.planning.check_budget(h.budget_bytes, given.profile if given is not None else None)  # staging room now
         name = f"{type(h.model).__name__}-{h.fingerprint['sha256'][:16]}-{os.getpid()}-{id(h):x}.raw"
-        self.raw_file = cache_folder(h.config.cache_dir) / name
-        h.host.spill(self.raw_file)
+        return RawCacheFile(cache_folder(h.config.cache_dir) / name, h.host.positions)
 
     def _payload_cache(self) -> PayloadCache:
         """This model's payload file: named by its structure and sampled bytes of every unit."""

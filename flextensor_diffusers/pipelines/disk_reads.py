@@ -69,16 +69,18 @@ read_hooks = ReadHooks()
 
 
 def read_order(handle: OffloadHandle) -> list[int]:
-    """The positions of ``handle``'s host copies (0: the base, ``i + 1``: unit ``i``) in the order the
-    engine reads them when it becomes active: the base, the plan's resident units (laid out at
-    activation, by index), then the streamed units in the profiled call order, then any others."""
+    """The positions of ``handle``'s host copies that wait on disk (0: the base, ``i + 1``: unit ``i``;
+    `HostCopies.waiting_positions`) in the order the engine reads them when it becomes active: the base, the
+    plan's resident units (laid out at activation, by index), then the streamed units in the profiled call
+    order, then any others."""
+    waiting = set(handle.host.waiting_positions())
     order = [0]
     if handle.plan is not None:
         order += [i + 1 for i in sorted(handle.plan.resident)]
     if handle.profile is not None:
         order += [call.unit + 1 for call in handle.profile.calls]
     order += range(1, len(handle.units) + 1)
-    return list(dict.fromkeys(order))
+    return [p for p in dict.fromkeys(order) if p in waiting]
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ class ReadJob:
         self.order = order
         self.pin = pin
         self.hosts = host_copies.spilled_hosts()  # what reads copy from; what a given-up fill points back at
-        self.nbytes = [u.nbytes for u in host_copies.positions]
+        self.nbytes = host_copies.arrival_bytes()  # per position: what its read brings into RAM
         self.ends = list(itertools.accumulate(self.nbytes[p] for p in order))  # bytes up to each unit, in order
         self.how: HowToRead | None = None
         self.allowed = 0  # main thread: bytes of the order the reader may read
@@ -123,6 +125,11 @@ class ReadJob:
         self._in_flight = 0
         self._busy_since: float | None = None
         self._cond = threading.Condition()
+
+    @property
+    def total_bytes(self) -> int:
+        """What the whole read brings into RAM."""
+        return self.ends[-1] if self.ends else 0
 
     def units_within(self, nbytes: int) -> int:
         """How many units of the order fit, whole, in ``nbytes``."""
@@ -293,9 +300,11 @@ class FillGate:
     """The gate (`HostCopies.expect_arrivals`) while a component's units arrive: one list lookup for a unit
     already taken; for another, ``arrive(position)`` waits for the reader and adopts the unit's buffer."""
 
-    def __init__(self, positions: int, arrive: Callable[[int], None]) -> None:
-        self.pending = [True] * positions
-        self.left = positions
+    def __init__(self, positions: int, waiting: list[int], arrive: Callable[[int], None]) -> None:
+        self.pending = [False] * positions
+        for position in waiting:
+            self.pending[position] = True
+        self.left = len(waiting)
         self._arrive = arrive
 
     def __call__(self, unit: Unit) -> None:

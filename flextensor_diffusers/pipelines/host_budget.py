@@ -16,11 +16,13 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ..engine import format_bytes
 from ..engine.config import is_auto, parse_bytes
 from ..engine.errors import HostBudgetError
+from ..engine.units import UnitLayout
 
 #: What ``host_budget="auto"`` takes: this share of the RAM available when offload is enabled.
 AUTO_HOST_SHARE = 0.8
@@ -145,6 +147,21 @@ def check_host_budget(
         )
 
 
+#: The least share of its raw bytes a tensor's compressed copy can take: the codec codes exponents only, and keeps
+#: sign and mantissa bits as they are (half of a bfloat16, 11/16 of a float16, 3/4 of a float32).
+LEAST_COMPRESSED_SHARE = {torch.bfloat16: 8 / 16, torch.float16: 11 / 16, torch.float32: 24 / 32}
+
+
+def least_compressed_bytes(layout: UnitLayout) -> int:
+    """The least host RAM a component's copies can take with compression, from its architecture alone: its
+    base raw, its units at `LEAST_COMPRESSED_SHARE` of their tensors' bytes (a unit never takes more than raw).
+    What a host budget must hold at least; the real sizes are known once encoded."""
+    least = layout.base.nbytes
+    for unit in layout.units:
+        least += sum(int(p.nbytes * LEAST_COMPRESSED_SHARE.get(p.dtype, 1.0)) for p in unit.tensors)
+    return least
+
+
 def available_ram_bytes() -> int:
     """RAM the kernel can give this process now without swapping (MemAvailable: free and reclaimable pages)."""
     import psutil
@@ -165,9 +182,8 @@ def check_ram_for_host_copies(component_bytes: dict[str, int], modules: Iterable
     available = available_ram_bytes()
     if need <= available:
         return
-    tail = ' (with compression="none": a host budget does not combine with compression yet)' if compressed else ""
     raise HostBudgetError(
         f"the host copies need {format_bytes(need)} of new host RAM but {format_bytes(available)} is available: "
-        f'pass host_budget="auto" (--host-budget auto) so that the components that do not fit wait on disk'
-        f"{tail}, or free host memory"
+        f'pass host_budget="auto" (--host-budget auto) so that the components that do not fit wait on disk, '
+        "or free host memory"
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from torch import nn
 
 from ..engine import OffloadConfig, OffloadHandle, Phase, format_bytes, offload_shared
 from ..engine.boundaries import refuse_whole_model_compile
+from ..engine.cache_files import RawCacheFile
 from ..engine.config import cache_folder, resolve_budget, resolve_device
 from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
 from ..engine.planner import CUDA_ALLOCATION_GRANULE, smallest_budget
@@ -31,10 +33,13 @@ from .host_budget import (
     anonymous_bytes,
     check_host_budget,
     check_ram_for_host_copies,
+    least_compressed_bytes,
     resolve_host_budget,
 )
 from .host_tier import HostTier, format_host_tier, kept_in_ram_bytes, offload_order, pipeline_folder
 from .patterns import patterns_for
+from .raw_home import WeightFilesHome
+from .weight_files import component_folders
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +187,8 @@ COMPONENT_LEGEND = (
     "units: blocks streamed / blocks found (0/0: no repeated blocks, the component moves whole)\n"
     "overlap: share of copy time hidden behind compute (blank: nothing was streamed)\n"
     "host RAM: host copies in RAM now (raw ones unless they wait on disk, and compressed ones where kept)\n"
-    "waits: where the host copies are: RAM, or disk (being read back: arriving); +z: compressed copies in RAM too\n"
+    "waits: where the host copies are: RAM, or disk (being read back: arriving); +z: compressed copies in RAM too;\n"
+    "  ' z': compressed copies only, the raw ones wait in the weight files or a cache file (raw_copies='disk')\n"
     "link: bytes compressed loads of the blocks move / the blocks' bytes (1.00: not compressed; the plan may\n"
     "  load some raw when that is faster or fits the budget better)\n"
     "switches: times the active component changed (the previous one gives its GPU memory back)"
@@ -235,6 +241,8 @@ def format_report(report: dict[str, Any]) -> str:
 def _waits(places: dict[str, Any]) -> str:
     """Where a component's host copies are, in a word (`HostPlaces`)."""
     where = "arriving" if places["arriving"] else "disk" if places["disk_bytes"] else "RAM"
+    if places.get("raw_disk_bytes"):
+        return where + " z"
     return where + ("+z" if places["ram_compressed_bytes"] else "")
 
 
@@ -298,6 +306,8 @@ def enable(
     Everything is checked before anything is packed; a failure after that undoes all that was set up
     (`PipelineOffload.disable`), so the pipeline is left as it was.
     """
+    if host_budget is not None:
+        config = _compressed_only_under_a_host_budget(config)
     request = OffloadRequest.resolve(
         pipeline, budget, device, components, patterns, profile_dir, shared_host, shared_host_root, cache_dir, config
     )
@@ -309,6 +319,8 @@ def enable(
     try:
         for name in request.chosen:
             _offload_component(state, request, name)
+        if tier is not None:
+            tier.check_fits()
         _move_the_rest(state, request)
         _finish(state, vae_tiling)
     except BaseException:
@@ -408,6 +420,22 @@ class OffloadRequest:
         )
 
 
+def _compressed_only_under_a_host_budget(config: dict[str, Any]) -> dict[str, Any]:
+    """A host budget with compression keeps compressed copies only (``raw_copies="disk"``: the raw bytes
+    wait in the weight files, else in a cache file) and writes them to the payload file
+    (``compression_cache``), where they wait while their component is on disk. Refused, naming the fix,
+    when the caller asked otherwise."""
+    if config.get("compression", "none") == "none":
+        return config
+    for key, needed in (("raw_copies", "disk"), ("compression_cache", True)):
+        if key in config and config[key] != needed:
+            raise FlexTensorError(
+                f"host_budget with compression keeps the compressed copies only and waits on disk in their file: "
+                f"drop {key}={config[key]!r} (it needs {key}={needed!r})"
+            )
+    return {**config, "raw_copies": "disk", "compression_cache": True}
+
+
 def _host_tier(request: OffloadRequest, host_budget: int | str) -> HostTier:
     """The host tier for ``host_budget``, refused before anything is packed when it is under the smallest
     workable one. The process's own memory is measured now, before packing turns weights into host copies."""
@@ -416,16 +444,13 @@ def _host_tier(request: OffloadRequest, host_budget: int | str) -> HostTier:
             "host_budget cannot be combined with shared_host yet (the processes' one shared host copy is all in "
             "RAM): drop one of them"
         )
-    if request.config.get("compression", "none") != "none":
-        raise FlexTensorError(
-            f"host_budget cannot be combined with compression={request.config['compression']!r} yet: drop one of "
-            "them (compression alone keeps fewer bytes in RAM; host_budget alone keeps some on disk)"
-        )
     host_bytes = resolve_host_budget(host_budget)
     root = pipeline_folder(request.pipeline)
     packed, available = request.packed, request.available
     overhead = HostOverhead.measure(available[n] for n in packed)  # before packing: the process's own memory
     kept = {n: kept_in_ram_bytes(n, available[n], root) for n in packed}
+    if request.config.get("compression", "none") != "none":  # sizes known once encoded: the least they can be
+        packed = {n: least_compressed_bytes(layout) for n, layout in request.layouts.items()}
     check_host_budget(host_bytes, packed, overhead, kept)
     pin = request.device.type == "cuda" and request.config.get("pin_memory", True)
     return HostTier(
@@ -448,7 +473,8 @@ def _offload_component(state: PipelineOffload, request: OffloadRequest, name: st
         tier.room_for_packing(request.packed[name])
     try:
         if request.shared_host is None:
-            handle = OffloadHandle(module, cfg, layout=request.layouts[name])  # laid out once, when checked
+            home = _raw_home(name, module, request) if cfg.compression != "none" and cfg.raw_copies == "disk" else None
+            handle = OffloadHandle(module, cfg, layout=request.layouts[name], raw_home=home)  # laid out when checked
         else:
             handle = offload_shared(module, cfg, f"{request.shared_host}-{name}", root=request.shared_host_root)
     except BudgetError as exc:
@@ -459,6 +485,18 @@ def _offload_component(state: PipelineOffload, request: OffloadRequest, name: st
     if tier is not None:
         tier.add(name, handle)
     module._hf_hook = _ExecutionDevice(request.device)
+
+
+def _raw_home(name: str, module: nn.Module, request: OffloadRequest) -> WeightFilesHome | None:
+    """Where ``name``'s raw bytes wait when RAM keeps compressed copies only: the weight files it was loaded
+    from (units they do not hold go to a cache file); None for a component with no local folder (the engine
+    then writes them all to a cache file)."""
+    folders = component_folders(name, module, pipeline_folder(request.pipeline))
+    if not folders:
+        return None
+    layout = request.layouts[name]
+    path = cache_folder(request.cache_dir) / f"{name}-{os.getpid()}-{id(module):x}.raw"
+    return WeightFilesHome(name, folders, RawCacheFile(path, [layout.base, *layout.units]))
 
 
 def _move_the_rest(state: PipelineOffload, request: OffloadRequest) -> None:

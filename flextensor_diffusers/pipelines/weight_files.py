@@ -234,13 +234,57 @@ def _samples_match(fd: int, entry: TensorEntry, host: torch.Tensor) -> bool:
     return True
 
 
+def match_unit(
+    unit: Unit, entries: dict[str, TensorEntry], fds: dict[Path, int]
+) -> tuple[list[TensorPlace] | None, str]:
+    """Where each packed tensor of ``unit`` (packed, in RAM) is in the files of ``entries``, byte for byte
+    (sampled); None with the reason when one is not there as it is in RAM. ``fds``: files opened so far, by
+    path (the caller closes them)."""
+    assert unit.host is not None
+    found = []
+    for packed in unit.tensors:
+        keys = [rel if unit.index < 0 else f"{unit.name}.{rel}" for rel in packed.names]
+        entry = next((entries[k] for k in keys if k in entries), None)
+        if entry is None:
+            if packed.persistent:
+                return None, f"{keys[0]} is not in the files"
+            found.append(TensorPlace(packed.offset, packed.nbytes, None))
+            continue
+        if SAFETENSORS_DTYPES.get(packed.dtype) != entry.dtype or entry.nbytes != packed.nbytes:
+            return None, f"{keys[0]} is {packed.dtype} here, {entry.dtype} in the file (converted at load)"
+        if entry.start % packed.dtype.itemsize:
+            return None, f"{keys[0]} is not aligned to its dtype in the file"
+        if not packed.view_of(unit.host).is_contiguous():
+            return None, f"{keys[0]} has strides {packed.stride} here, the file holds it contiguous"
+        if entry.file not in fds:
+            fds[entry.file] = os.open(entry.file, os.O_RDONLY)
+        ram = unit.host[packed.offset : packed.offset + packed.nbytes]
+        if not _samples_match(fds[entry.file], entry, ram):
+            return None, f"{keys[0]} differs from the file (edited after loading?)"
+        found.append(TensorPlace(packed.offset, packed.nbytes, entry))
+    return found, ""
+
+
+def scattered_host(places: list[TensorPlace], host: torch.Tensor, maps: dict[Path, torch.Tensor]) -> ScatteredHost:
+    """A stand-in for a unit's flat buffer ``host`` over the files' mappings ``maps``; tensors the files lack
+    are copied from ``host`` and kept in RAM."""
+    views = {
+        p.key: host[p.offset : p.offset + p.nbytes].clone()
+        if p.entry is None
+        else maps[p.entry.file][p.entry.start : p.entry.start + p.nbytes]
+        for p in places
+    }
+    return ScatteredHost(views, kept_bytes=sum(p.nbytes for p in places if p.entry is None))
+
+
 class ScatteredHost:
     """Stands in for a unit's flat host buffer while its bytes are elsewhere: slicing it at a packed
     tensor's range gives that tensor's bytes (a view of a weight file's mapping, or a small RAM copy),
     which is all `PackedTensor.view_of` asks of a flat buffer. Anything else is refused loudly."""
 
-    def __init__(self, views: dict[tuple[int, int], torch.Tensor]) -> None:
+    def __init__(self, views: dict[tuple[int, int], torch.Tensor], kept_bytes: int = 0) -> None:
         self._views = views
+        self.kept_bytes = kept_bytes  # what it keeps in RAM (tensors the files lack)
 
     def __getitem__(self, key: slice) -> torch.Tensor:
         view = self._views.get((key.start, key.stop)) if isinstance(key, slice) else None
@@ -318,28 +362,9 @@ class WeightSource:
         try:
             places: list[list[TensorPlace]] = []
             for unit in units:
-                assert unit.host is not None
-                found = []
-                for packed in unit.tensors:
-                    keys = [rel if unit.index < 0 else f"{unit.name}.{rel}" for rel in packed.names]
-                    entry = next((entries[k] for k in keys if k in entries), None)
-                    if entry is None:
-                        if packed.persistent:
-                            return None, f"{keys[0]} is not in the files"
-                        found.append(TensorPlace(packed.offset, packed.nbytes, None))
-                        continue
-                    if SAFETENSORS_DTYPES.get(packed.dtype) != entry.dtype or entry.nbytes != packed.nbytes:
-                        return None, f"{keys[0]} is {packed.dtype} here, {entry.dtype} in the file (converted at load)"
-                    if entry.start % packed.dtype.itemsize:
-                        return None, f"{keys[0]} is not aligned to its dtype in the file"
-                    if not packed.view_of(unit.host).is_contiguous():
-                        return None, f"{keys[0]} has strides {packed.stride} here, the file holds it contiguous"
-                    if entry.file not in fds:
-                        fds[entry.file] = os.open(entry.file, os.O_RDONLY)
-                    ram = unit.host[packed.offset : packed.offset + packed.nbytes]
-                    if not _samples_match(fds[entry.file], entry, ram):
-                        return None, f"{keys[0]} differs from the file (edited after loading?)"
-                    found.append(TensorPlace(packed.offset, packed.nbytes, entry))
+                found, reason = match_unit(unit, entries, fds)
+                if found is None:
+                    return None, reason
                 places.append(found)
             return places, ""
         finally:

@@ -64,7 +64,7 @@ class RecipeOptions:
     host_budget: str | None = None
     cache_dir: Path | None = None
     compression: str = "none"
-    raw_copies: str = "ram"
+    raw_copies: str | None = None  # None: "ram", or "disk" under a host budget with compression
     compression_cache: bool = False
     profile_dir: Path | None = Path("profiles")
     device: str | None = None
@@ -212,9 +212,10 @@ def add_memory(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--raw-copies",
         choices=("ram", "disk"),
-        default="ram",
-        help="with --compression lossless, disk: the raw host copies wait in a cache file (--cache-dir), so host "
-        "RAM holds the compressed copies only",
+        default=None,
+        help="with --compression lossless, disk: the raw host copies wait in the weight files they were loaded "
+        "from, else in a cache file (--cache-dir), so host RAM holds the compressed copies only (the default "
+        "with --host-budget; else ram)",
     )
     parser.add_argument(
         "--compression-cache",
@@ -299,10 +300,10 @@ def common_values(ns: argparse.Namespace, recipe: str, defaults: dict[str, SizeD
         raise OptionsError(
             "--raw-copies disk keeps only compressed copies in RAM, and there are none: add --compression lossless"
         )
-    if ns.host_budget is not None and ns.compression != "none":
+    if ns.host_budget is not None and ns.compression != "none" and ns.raw_copies == "ram":
         raise OptionsError(
-            f"--host-budget cannot be combined with --compression {ns.compression} yet: drop one of them "
-            "(--compression alone keeps fewer bytes in RAM; --host-budget alone keeps some on disk)"
+            "--host-budget with --compression keeps the compressed copies only (the raw ones wait on disk): "
+            "drop --raw-copies ram"
         )
     if ns.host_budget is not None and ns.gpus > 1 and not ns.no_offload:
         raise OptionsError(

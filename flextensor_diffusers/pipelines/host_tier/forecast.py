@@ -100,7 +100,7 @@ def forecast_switches(
     if not done:
         return []
     gbps = sum(s.nbytes for s in done) / sum(s.read_s for s in done) / 1e9
-    packed = {name: handle.host.packed_bytes for name, handle in handles.items()}
+    packed = {name: handle.host.stored_bytes for name, handle in handles.items()}
     forecasts = []
     for name, handle in handles.items():
         nbytes = packed[name]

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from ...engine import format_bytes
-from ...engine.errors import FlexTensorError
+from ...engine.errors import FlexTensorError, HostBudgetError
 from ..host_budget import HostOverhead
+from ..raw_home import WeightFilesHome
 from ..weight_files import WeightSource, component_folders
 
 if TYPE_CHECKING:
@@ -84,8 +85,9 @@ class Placement:
     def note_peak(self) -> None:
         self.peak_ram_bytes = max(self.peak_ram_bytes, self.ram_bytes())
 
-    def packed_bytes(self, name: str) -> int:
-        return self.handles[name].host.packed_bytes
+    def stored_bytes(self, name: str) -> int:
+        """What ``name``'s host copies take in RAM when all are there (`HostCopies.stored_bytes`)."""
+        return self.handles[name].host.stored_bytes
 
     def name_of(self, handle: OffloadHandle) -> str:
         return next(n for n, h in self.handles.items() if h is handle)
@@ -95,14 +97,34 @@ class Placement:
         it does not fit with them."""
         self.handles[name] = handle
         self.recency.append(name)
-        folders = component_folders(name, handle.model, self.weights_root)
         host_copies = handle.host
-        source = WeightSource.find(name, folders, host_copies.positions) if folders else None
-        if source is not None:
-            self.sources[name] = source
-            host_copies.mark_spill_current()
+        if not host_copies.compressed_only:  # compressed only, its raw bytes already wait in their raw home
+            folders = component_folders(name, handle.model, self.weights_root)
+            source = WeightSource.find(name, folders, host_copies.positions) if folders else None
+            if source is not None:
+                self.sources[name] = source
+                host_copies.mark_spill_current()
         self.make_room({name}, 0)  # it is in RAM already: the others move out until all fit
         self.note_peak()
+
+    def check_fits(self) -> None:
+        """Once every component is added: refuse a host budget in which one component's host copies, all in
+        RAM, do not fit next to what the others keep in RAM while they wait on disk (compressed only: their raw
+        base; the sizes are known only once encoded), naming the smallest workable host budget."""
+        on_disk = {n: h.host.where().ram_raw_bytes if h.host.compressed_only else 0 for n, h in self.handles.items()}
+        need = {n: h.host.stored_bytes + sum(b for o, b in on_disk.items() if o != n) for n, h in self.handles.items()}
+        name = max(need, key=lambda n: need[n], default=None)
+        if name is None or need[name] <= self.budget.weights_budget:
+            return
+        smallest = need[name] + self.budget.overhead.nbytes
+        raise HostBudgetError(
+            f"host_budget {format_bytes(self.budget.budget)} cannot hold {name}'s host copies "
+            f"({format_bytes(self.handles[name].host.stored_bytes)} as kept), which must be in RAM while it runs, "
+            f"next to what the others keep in RAM on disk and the process's own memory and reserve "
+            f"({format_bytes(self.budget.overhead.nbytes)}): the smallest workable host budget is "
+            f"{format_bytes(smallest)}",
+            required_bytes=smallest,
+        )
 
     def mark_active(self, name: str) -> None:
         """``name`` becomes active: the most recently active, the last to move out."""
@@ -120,12 +142,17 @@ class Placement:
 
     def _movable(self, name: str, keep: set[str]) -> bool:
         handle = self.handles[name]
-        return name not in keep and handle.host.spilled_to is None and not handle.active
+        return name not in keep and not handle.host.waiting_on_disk and not handle.active
 
     def _move_out(self, name: str) -> None:
-        """To its weight files when they still hold its bytes (nothing written), else to a cache file."""
+        """To its weight files when they still hold its bytes (nothing written), else to a cache file; a
+        component kept compressed only moves its compressed copies to their payload file."""
         handle = self.handles[name]
         host_copies = handle.host
+        if host_copies.compressed_only:
+            host_copies.spill_payloads()
+            logger.info("host tier: %s's compressed copies moved to disk (%s)", name, host_copies.where().disk_path)
+            return
         source = self.sources.get(name)
         if source is not None and host_copies.spill_is_current:
             hosts = source.hosts(host_copies.positions)
@@ -143,7 +170,7 @@ class Placement:
         host_copies.spill(path)
         if path not in self._files:
             self._files.append(path)
-        logger.info("host tier: %s moved to disk (%s)", name, format_bytes(host_copies.packed_bytes))
+        logger.info("host tier: %s moved to disk (%s)", name, format_bytes(host_copies.stored_bytes))
 
     def forget_files(self, name: str) -> None:
         """The weight files no longer hold ``name``'s bytes (written into while it waited): from its next
@@ -158,8 +185,8 @@ class Placement:
         """Check the weight files of components waiting in them, which removal reads their weights back from.
         A changed file is restored as it is now (a warning says so); a truncated one would fault, so it is
         refused."""
-        for name, source in self.sources.items():
-            if self.handles[name].host.spilled_to is None:
+        for name, source in self._files_waited_in():
+            if self.handles[name].host.spilled_to is None and not self.handles[name].host.compressed_only:
                 continue
             truncated = source.truncated_file()
             if truncated is not None:
@@ -174,6 +201,11 @@ class Placement:
                     changed,
                     name,
                 )
+
+    def _files_waited_in(self) -> list[tuple[str, WeightSource | WeightFilesHome]]:
+        """Per component, the weight files its raw bytes may wait in: a spill's source, or its raw home."""
+        homes = [(n, h.host.raw_home) for n, h in self.handles.items() if isinstance(h.host.raw_home, WeightFilesHome)]
+        return [*self.sources.items(), *homes]  # type: ignore[list-item]
 
     def delete_files(self) -> None:
         """Delete the cache files (every handle is removed) and drop from the page cache the weight files'

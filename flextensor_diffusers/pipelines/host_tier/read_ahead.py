@@ -82,7 +82,7 @@ class ReadAheads:
         """Move others out until all of ``name`` fits next to ``keep``; reading ahead is optional, so a failure
         to move one out only warns (the component is read when it runs)."""
         job = self._jobs.get(name)
-        missing = self._placement.packed_bytes(name) - (job.reserved_bytes if job is not None else 0)
+        missing = self._placement.stored_bytes(name) - (job.reserved_bytes if job is not None else 0)
         try:
             self._placement.make_room(keep, missing)
         except FlexTensorError as exc:
@@ -103,7 +103,7 @@ class ReadAheads:
         self._jobs[name] = job
         self._reader.start(job)
         self._placement.note_peak()
-        packed = self._placement.packed_bytes(name)
+        packed = job.total_bytes
         logger.debug(
             "host tier: reading %s ahead while %s runs (%s of %s)",
             name,
@@ -117,7 +117,7 @@ class ReadAheads:
         """``name`` waits on disk, not active, unedited since it moved out, and its files unchanged."""
         handle = self._placement.handles[name]
         host_copies = handle.host
-        if host_copies.spilled_to is None or handle.active or not host_copies.spill_is_current:
+        if not host_copies.waiting_on_disk or handle.active or not host_copies.spill_is_current:
             return False
         source = self._placement.sources.get(name)
         return source is None or source.changed_file() is None  # a changed one is refused when it is needed

@@ -89,15 +89,15 @@ class ReadBack:
         if job is None:  # a new job runs after those queued: none may pause before it
             self._aheads.give_up_all()
             job = read_job(name, self._placement.handles[name], source, self._pin)
-        switch = Switch(name, host_copies.packed_bytes, read_ahead_bytes=job.read_bytes)
+        switch = Switch(name, job.total_bytes, read_ahead_bytes=job.read_bytes)
         fill = Fill(job, switch, source)
-        fill.gate = FillGate(len(job.nbytes), functools.partial(self._arrive, fill))
+        fill.gate = FillGate(len(job.nbytes), job.order, functools.partial(self._arrive, fill))
         self._fill = fill
         host_copies.expect_arrivals(fill.gate)
         self.switches.append(switch)
         try:
-            self._placement.make_room({name}, host_copies.packed_bytes - job.reserved_bytes)
-            job.allow(host_copies.packed_bytes)
+            self._placement.make_room({name}, job.total_bytes - job.reserved_bytes)
+            job.allow(job.total_bytes)
             if fresh:
                 self._reader.start(job)
         except BaseException:

@@ -14,7 +14,7 @@ from .placement import Placement
 from .records import Reading, Switch
 
 #: Where a component waits on disk, as the report names it.
-WEIGHTS_FILES, CACHE_FILE = "weights files", "cache file"
+WEIGHTS_FILES, CACHE_FILE, PAYLOAD_FILE = "weights files", "cache file", "compressed file"
 
 
 def tier_report(
@@ -56,15 +56,24 @@ def _components(placement: Placement, switches: list[Switch]) -> dict[str, dict[
     for name, handle in placement.handles.items():
         mine = [s for s in switches if s.component == name]
         components[name] = {
-            "bytes": handle.host.packed_bytes,
+            "bytes": handle.host.stored_bytes,  # in RAM when all there (compressed only: payloads, not raw)
             "host": handle.host.where().label,
-            "source": WEIGHTS_FILES if name in placement.sources else CACHE_FILE,
+            "source": _source(placement, name),
             "reads": len(mine),
             "disk_read_s": round(sum(s.read_s for s in mine), 4),
             "wait_s": round(sum(s.wait_s for s in mine), 4),
             "read_ahead_bytes": sum(s.read_ahead_bytes for s in mine),
         }
     return components
+
+
+def _source(placement: Placement, name: str) -> str:
+    """Where a component waits on disk: its weight files, a cache file, or (compressed only) its payload file,
+    its raw bytes in the weight files or a cache file."""
+    host = placement.handles[name].host
+    if host.compressed_only:
+        return PAYLOAD_FILE
+    return WEIGHTS_FILES if name in placement.sources else CACHE_FILE
 
 
 def format_host_tier(tier: dict[str, Any]) -> list[str]:

@@ -112,6 +112,12 @@ class HostTier:
         with self._lock:
             self._placement.add(name, handle)
 
+    def check_fits(self) -> None:
+        """Once every component is added: refuse a host budget too small for their host copies as kept
+        (`Placement.check_fits`)."""
+        with self._lock:
+            self._placement.check_fits()
+
     def room_for_packing(self, nbytes: int) -> None:
         """Before a component of ``nbytes`` is packed: move others to disk until it fits."""
         with self._lock:
@@ -131,7 +137,7 @@ class HostTier:
                 return  # activated again while its units arrive: the gate still serves them
             self._read_back.finish()
             switch = None
-            if handle.host.spilled_to is not None:
+            if handle.host.waiting_on_disk:
                 self._aheads.give_up_before(name)
                 switch = self._read_back.start(name)
             self._placement.note_peak()

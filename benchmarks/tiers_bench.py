@@ -1,0 +1,931 @@
+"""Issue 25's GPU proof: host-memory tiers of Wan2.2-T2V-A14B (random bf16 weights) side by side, and set-up time.
+
+**Pipeline.** The full pipeline (``transformer``, ``transformer_2``, ``vae``, no text encoder: seeded random
+``prompt_embeds`` / ``negative_prompt_embeds`` of UMT5-XXL's output shape, as in ``host_tier_bench.py``) is saved
+as a diffusers folder and loaded with ``WanPipeline.from_pretrained(folder, text_encoder=None, tokenizer=None,
+dtype=...)`` (``recipes.models.load_pipeline``, as ``host_tier_bench.py`` loads it). Each configuration runs in a
+child process of its own on an emulated card (``--card``, default 24 GB: ``set_per_process_memory_fraction``)
+under ``budget="8GiB"``, with ``cache_dir`` in the work folder:
+
+* ``ram_raw``: ``host_budget=None, compression="none"``: every host copy raw in RAM (the reference);
+* ``host32_compressed``: ``host_budget="32GiB", compression="lossless"``;
+* ``host24_compressed``: ``host_budget="24GiB", compression="lossless"``;
+* ``defaults``: nothing but ``budget`` and ``cache_dir``;
+* ``host32_raw`` (not run unless named in ``--configs``): ``host_budget="32GiB"`` alone (issue 15's tiered run).
+
+A child: page cache of the weight files dropped, ``from_pretrained``, ``enable_flextensor_offload`` (timed:
+``setup_s``), a warm-up generation (``--warmup-steps``) and a measured one (``--steps``; the page cache is dropped
+again before it when the configuration has a host budget, so its reads from disk are cold), 81 frames 832x480
+with CFG, same seed, latents out. Every step is timed with ``callback_on_step_end`` after a device
+synchronisation; ``time_to_first_step_s`` runs from the start of enable to the end of the warm-up's first step.
+Host memory (RssAnon + RssShmem: anonymous and page-locked) is sampled every 50 ms. A configuration that
+fails (say ``host_budget`` with ``compression`` refused) records its ``error`` and the others go on.
+
+Per configuration: ``host_budget_bytes``, ``peak_host_bytes`` (sampled, over load, enable and both
+generations), ``stored_host_bytes`` (host copies in RAM, raw and compressed, from ``pipe.flextensor_report()``:
+the largest of the components' ``host_ram_bytes`` summed after enable and after each generation, and of the
+host tier's ``peak_host_ram_bytes``), ``weights_bytes`` (the loaded components' tensors), ``step_s`` (median
+step of the measured generation that switches no expert), ``switch_wait_s`` (the host tier's waits, per
+switching step of the measured generation; empty without a host tier), ``overhead_40_steps_pct`` against
+``ram_raw`` (``host_tier_bench.summarise_switches``: ``ram_raw`` in the all-pinned run's place),
+``bitwise_equal`` (both generations' latents against ``ram_raw``'s), ``setup_s``, ``time_to_first_step_s``,
+and the trimmed offload report (``report``).
+
+**Set-up** (``setup``): the 40-block Wan2.2-A14B transformer stack of ``peers.py`` at ``17f_480x272``, each run in a
+child process with ``peers.set_up``: ours raw (``raw_s``), FlexTensor 0.5.0 (``flextensor_s``; "not installed"
+when it cannot be imported), ours ``compression="lossless", compression_cache=True`` with an empty cache folder
+(``compressed_first_s``, which writes the payload file) and again with the file there (``compressed_cached_s``),
+and ``time_to_first_step_*_s``: set-up plus the first forward (synchronised).
+
+**Disk plan.** The GPU machine has ~64 GB of free disk and one expert is 28.6 GB: ``transformer`` is saved once,
+``transformer_2`` is a folder with its own ``config.json`` whose weight files are symlinks to ``transformer``'s
+(so both experts hold the same random weights: the compute is unchanged; the JSON's ``notes`` say so). The folder
+takes ~29.2 GB; ``cache_dir`` (host tier and compressed payload cache files, up to ~20 GB) is emptied before and
+after every configuration; the set-up runs' payload file (~20 GB) lives in the work folder and is deleted after
+them. Free disk is checked before saving (folder + ``--cache-room`` + 2 GiB). The work folder is kept while a
+chosen configuration is unfinished (a later call on the same machine reuses the saved folder), else deleted.
+
+**On the GPU**, from the repository root, two calls of under 10 minutes each (every call writes ``--out`` after
+every phase; ``--resume`` keeps an earlier file's finished configurations and set-up runs, ``--redo`` runs them
+again; ``--time-limit`` stops starting phases past it, and stops a phase still running at it; the JSON's ``code``
+is ``$CODE_COMMIT`` where set, else the checkout's git commit, else "unknown")::
+
+    source benchmarks/device_setup.sh && python3 benchmarks/tiers_bench.py --no-setup \\
+        --out $OUT/tiers_h200.json --time-limit 520
+    # copy the returned tiers_h200.json to benchmarks/results/ (the working tree travels to the device), then
+    source benchmarks/device_setup.sh && python3 benchmarks/tiers_bench.py --setup-only \\
+        --resume benchmarks/results/tiers_h200.json --out $OUT/tiers_h200.json --time-limit 520
+
+Expected at full size (from host_tier_h200.json and the peers runs): saving ~1 min, ``ram_raw`` and ``defaults``
+~1.5 min each, each compressed configuration ~3 min (encoding, and reading the expert that waits on disk back
+twice per generation), the set-up runs ~4 min: the four configurations may not all fit in one call. If the first
+call stops before its last configuration (its row says ``not run`` or ``stopped at --time-limit``), run it again
+with ``--resume benchmarks/results/tiers_h200.json`` (the saved folder is reused when the machine is still the
+same, else saved again) before the ``--setup-only`` call; without ``--no-setup``/``--setup-only`` a call does
+whatever is unfinished of both. No phase starts with less than ``--phase-min-s`` (and a configuration's expected
+time) left. On this CPU, with a tiny pipeline and a 2-block stack (about a minute and a half)::
+
+    python benchmarks/tiers_bench.py --size tiny --out /tmp/tiers_tiny.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_common import (
+    HostMemorySampler,
+    PeakWatch,
+    StackShape,
+    build_stack,
+    default_device,
+    device_name,
+    rss_bytes,
+    stack_inputs,
+    sync,
+    write_json,
+)
+from host_tier_bench import (
+    BUDGETED_PHASES,
+    MARKER,
+    OVERHEAD_FORMULA,
+    ChildRun,
+    check_disk,
+    child_save,
+    component_bytes,
+    drop_page_cache,
+    fresh_workdir,
+    generate,
+    host_copies_only,
+    random_embeddings,
+    steady_step_s,
+    storage_read_bytes,
+    summarise_switches,
+    wan_config,
+    weight_files,
+)
+
+from flextensor_diffusers.engine import parse_bytes
+
+#: Keyword arguments of ``enable_flextensor_offload`` besides ``budget`` and ``cache_dir``, per configuration.
+#: A ``host_budget`` here is the full-size one; `host_budget_of` maps it for the tiny pipeline.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "ram_raw": {"host_budget": None, "compression": "none"},
+    "host32_compressed": {"host_budget": "32GiB", "compression": "lossless"},
+    "host24_compressed": {"host_budget": "24GiB", "compression": "lossless"},
+    "defaults": {},
+    "host32_raw": {"host_budget": "32GiB", "compression": "none"},
+}
+DEFAULT_CONFIGS = ("ram_raw", "host32_compressed", "host24_compressed", "defaults")
+#: The configuration the others are compared with (latents, step time, overhead).
+REFERENCE = "ram_raw"
+#: Seconds a full-size configuration is expected to take (load, enable, both generations; from
+#: host_tier_h200.json's runs, compression's encoding and the payload reads added): none starts with less left.
+EXPECTED_S = {"ram_raw": 100, "defaults": 100, "host32_compressed": 200, "host24_compressed": 200, "host32_raw": 200}
+#: Set-up runs on the block stack, in order, and the `peers.set_up` method of each. The two compressed runs share
+#: one cache folder, empty before the first: the first writes the payload file, the second reads it.
+SETUP_RUNS = {
+    "raw": "flextensor_diffusers",
+    "flextensor": "flextensor",
+    "compressed_first": "flextensor_diffusers_lossless_cached",
+    "compressed_cached": "flextensor_diffusers_lossless_cached",
+}
+SETUP_WORKLOAD = "17f_480x272"
+#: The tiny stack (``peers.py``'s quick check).
+TINY_STACK = StackShape(blocks=2, dim=256, heads=4, ffn=512, small=True)
+#: What a resumed file must share with this run (else ``--redo``).
+WORKLOAD_KEYS = ("size", "frames", "height", "width", "steps", "warmup_steps", "guidance", "seed", "card")
+#: A reported value longer than this (as JSON) is trimmed in the JSON (dictionaries are trimmed key by key).
+TRIM_CHARS = 4000
+
+
+def now(start: float) -> str:
+    return f"[{time.perf_counter() - start:7.1f} s]"
+
+
+def needed_s(name: str, args: argparse.Namespace) -> float:
+    """Seconds that must be left of ``--time-limit`` for configuration ``name`` to start."""
+    return args.phase_min_s if args.size == "tiny" else max(args.phase_min_s, EXPECTED_S.get(name, 0))
+
+
+def not_run(left: float) -> str:
+    return f"not run: {max(left, 0):.0f} s left of --time-limit"
+
+
+def error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:2000]
+
+
+def trim(value: Any, limit: int = TRIM_CHARS) -> Any:
+    """``value`` with anything longer than ``limit`` characters of JSON shortened: dictionaries key by key,
+    lists to their first 32 items, anything else to a note of its length."""
+    text = json.dumps(value, default=str)
+    if len(text) <= limit:
+        return value
+    if isinstance(value, dict):
+        return {k: trim(v, limit) for k, v in value.items()}
+    if isinstance(value, list):
+        return [trim(v, limit) for v in value[:32]] + ([f"... {len(value) - 32} more"] if len(value) > 32 else [])
+    return f"<trimmed: {len(text)} characters>"
+
+
+def code_commit() -> str:
+    """$CODE_COMMIT, else this checkout's commit (``+dirty`` with uncommitted changes), else "unknown"."""
+    if os.environ.get("CODE_COMMIT"):
+        return os.environ["CODE_COMMIT"]
+    root = Path(__file__).resolve().parents[1]
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout
+        return head + ("+dirty" if dirty.strip() else "")
+    return "unknown"
+
+
+# ---------------------------------------------------------------------------------------- configurations
+
+
+def host_budget_of(name: str, args: argparse.Namespace) -> int | str | None:
+    """The configuration's host budget as passed to enable: the full-size string, or for the tiny pipeline (whose
+    host budget bounds its host copies alone: `host_copies_only`) "32GiB" as one expert + the VAE + a quarter of
+    an expert (``host_tier_bench.py``'s tiny default) and "24GiB" as the VAE + one expert: at full size 24 GiB,
+    less the process's own memory and the 1 GiB reserve, holds less than the VAE and one raw expert need in RAM
+    (the other expert's base stays there too) but more than the VAE and one compressed expert; with the tiny
+    pipeline's packing (bases, alignment) and its fp32 weights (which compress to about 0.86) that is what the
+    VAE + one expert's parameter bytes + 64 KiB is (~480 KiB, between ~465 and ~503 KiB)."""
+    budget = CONFIGS[name].get("host_budget")
+    if budget is None or args.size == "full":
+        return budget
+    sizes = component_bytes(wan_config("tiny"))
+    expert, vae = sizes["transformer"], sizes["vae"]
+    fractions = {"32GiB": 1.25, "24GiB": 1.0}
+    return vae + int(fractions[budget] * expert) + 2**16
+
+
+def enable_options(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The configuration's keyword arguments of ``enable_flextensor_offload`` (budget and cache_dir added)."""
+    options = dict(CONFIGS[name])
+    if "host_budget" in options:
+        options["host_budget"] = host_budget_of(name, args)
+    return {"budget": args.budget_bytes, "cache_dir": str(args.cache_dir), **options}
+
+
+# ---------------------------------------------------------------------------------------- saving
+
+
+def link_expert(folder: Path) -> list[str]:
+    """``transformer_2``: a folder with ``transformer``'s config and symlinks to its weight files."""
+    source, target = folder / "transformer", folder / "transformer_2"
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir()
+    links = []
+    for path in sorted(source.iterdir()):
+        if path.name == "config.json":
+            shutil.copy2(path, target / path.name)
+        else:
+            (target / path.name).symlink_to(Path("..") / "transformer" / path.name)
+            links.append(path.name)
+    return links
+
+
+def child_save_linked(args: argparse.Namespace) -> dict[str, Any]:
+    """``host_tier_bench.child_save`` for ``transformer`` and ``vae`` only, then ``transformer_2`` linked."""
+    out = child_save(args, ("transformer", "vae"))
+    out["transformer_2_links"] = link_expert(args.folder)
+    out.update(complete=True, size=args.size, seed=args.seed)
+    return out
+
+
+def disk_probe(folder: Path, limit: int) -> dict[str, Any]:
+    """Read rate of the weight files straight after dropping the page cache: up to ``limit`` bytes of
+    ``transformer``'s files, 64 MiB at a time, on one thread."""
+    files = sorted((folder / "transformer").glob("*.safetensors"))
+    how = drop_page_cache(files)
+    io_before, start, done = storage_read_bytes(), time.perf_counter(), 0
+    buffer = bytearray(64 * 2**20)
+    for path in files:
+        with open(path, "rb", buffering=0) as file:
+            while done < limit and (n := file.readinto(buffer)):
+                done += n
+        if done >= limit:
+            break
+    seconds = time.perf_counter() - start
+    io_after = storage_read_bytes()
+    return {
+        "bytes": done,
+        "seconds": round(seconds, 3),
+        "GBps": round(done / seconds / 1e9, 3) if seconds > 0 else None,
+        "page_cache_drop": how,
+        "storage_read_bytes": None if io_before is None else io_after - io_before,
+    }
+
+
+# ---------------------------------------------------------------------------------------- a configuration
+
+
+class StepClock:
+    """The pipeline, with the end of every denoising step timestamped (``ends``) after ``generate``'s own
+    ``callback_on_step_end`` (which synchronises the device); everything else is the pipeline's."""
+
+    def __init__(self, pipe: Any) -> None:
+        self._pipe = pipe
+        self.ends: list[float] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
+
+    def __call__(self, *args: Any, callback_on_step_end: Any = None, **kwargs: Any) -> Any:
+        def on_step(pipe: Any, i: int, t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            out = callback_on_step_end(pipe, i, t, tensors) if callback_on_step_end is not None else tensors
+            self.ends.append(time.perf_counter())
+            return out
+
+        return self._pipe(*args, callback_on_step_end=on_step, **kwargs)
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.exists() else 0
+
+
+def host_copies(pipe: Any, cache_dir: Path) -> dict[str, Any]:
+    """Where the host copies are now, from the offload report: RAM (raw, compressed), disk, and the process;
+    and the bytes of the cache files in ``cache_dir``."""
+    report = pipe.flextensor_report()
+    components = report.get("components", {})
+    places = [c.get("host_places") or {} for c in components.values()]
+    tier = report.get("host_tier") or {}
+    return {
+        "host_ram_bytes": sum(c.get("host_ram_bytes") or 0 for c in components.values()),
+        **{key: sum(p.get(key) or 0 for p in places) for key in PLACES},
+        "process_host_bytes": report.get("process_host_bytes"),
+        "tier_host_ram_bytes": tier.get("host_ram_bytes"),
+        "cache_dir_bytes": folder_bytes(cache_dir),
+    }
+
+
+#: Where host copies are, as ``host_places`` of the offload report's components says (`HostPlaces`).
+PLACES = ("ram_raw_bytes", "ram_compressed_bytes", "disk_bytes")
+
+
+def latents_sha256(latents: torch.Tensor) -> str:
+    return hashlib.sha256(latents.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def child_pipeline(args: argparse.Namespace) -> None:
+    """One configuration (``--config``) in this process; see the module docstring. Errors are recorded."""
+    import diffusers
+    from diffusers import WanPipeline
+
+    from flextensor_diffusers.recipes.models import load_pipeline
+
+    diffusers.utils.logging.set_verbosity_error()
+    name = args.config
+    run = ChildRun(args)  # phases, host memory sampler, storage reads, progress file
+    run.role = name
+    options = enable_options(name, args)
+    tiered = options.get("host_budget") is not None
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    run.out.update(
+        config=name,
+        enable_kwargs=options,
+        device=device_name(device),
+        torch=torch.__version__,
+        diffusers=diffusers.__version__,
+        complete=False,
+    )
+    run.out["page_cache_drop_before_load"] = drop_page_cache(weight_files(args.folder))
+    host = run.out["host_copies_by_phase"] = {}
+    try:
+        with run.phase("load"):
+            dtype = getattr(torch, wan_config(args.size)["dtype"])
+            pipe = load_pipeline(args.folder, WanPipeline, dtype=dtype, text_encoder=None, tokenizer=None)
+            pipe.set_progress_bar_config(disable=True)
+        run.out["weights_bytes"] = sum(
+            t.numel() * t.element_size()
+            for part in ("transformer", "transformer_2", "vae")
+            for t in getattr(pipe, part).state_dict().values()
+        )
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(args.card) / total), device)
+        watch = PeakWatch(device)  # from before enable: the GPU budget is a ceiling for the whole run
+        clock = StepClock(pipe)
+        enable_start = time.perf_counter()
+        with run.phase("enable"), host_copies_only() if args.size == "tiny" else contextlib.nullcontext():
+            pipe.enable_flextensor_offload(**options)
+        run.out["setup_s"] = round(time.perf_counter() - enable_start, 4)
+        host["enable"] = host_copies(pipe, args.cache_dir)
+        run.save()
+        embeds = random_embeddings(pipe, args.seed, device)
+        for gen, steps in (("warmup", args.warmup_steps), ("measured", args.steps)):
+            if tiered and gen == "measured":  # cold reads for the measured switches
+                run.out["page_cache_drop_before_measured"] = drop_page_cache(weight_files(args.folder))
+            with run.phase(gen):
+                clock.ends.clear()
+                info = generate(clock, args, steps, embeds, device)
+                if gen == "warmup" and clock.ends:
+                    run.out["time_to_first_step_s"] = round(clock.ends[0] - enable_start, 4)
+                info["peak_allocated_bytes"] = watch.part()
+                latents = info.pop("latents")
+                torch.save(latents, args.progress.parent / f"{name}_{gen}.pt")
+                info["latents_sha256"] = latents_sha256(latents)
+                info["latents_shape"], info["latents_dtype"] = list(latents.shape), str(latents.dtype)
+                run.out[gen] = info
+            host[gen] = host_copies(pipe, args.cache_dir)
+        report = pipe.flextensor_report()
+        run.out["budget"] = watch.check(f"{name} run", report.get("budget_bytes", args.budget_bytes))
+        run.out["report"] = trim(report)
+    except Exception as exc:  # recorded, and the parent goes on with the next configuration
+        traceback.print_exc()
+        run.out["error"] = error_text(exc)
+        run.out["failed_phase"] = run.sampler.phase
+    run.sampler.stop()
+    run.out["complete"] = True
+    run.save()
+
+
+# ---------------------------------------------------------------------------------------- a set-up run
+
+
+def child_setup(args: argparse.Namespace) -> dict[str, Any]:
+    """One set-up run (``--setup-run``) of the block stack: set-up, then the first forward; its record."""
+    from peers import set_up
+
+    device = default_device()
+    shape = StackShape.from_args(args)
+    method = SETUP_RUNS[args.setup_run]
+    out: dict[str, Any] = {"run": args.setup_run, "method": method, "device": device_name(device), "complete": False}
+    try:
+        model = build_stack(shape, "cpu" if device.type == "cpu" else device).to("cpu")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        watch = PeakWatch(device)
+        with HostMemorySampler(rss_bytes, 0.005) as rss:
+            start = time.perf_counter()
+            keep = set_up(method, model, device, args.setup_budget_bytes, str(args.scratch))
+            setup_s = time.perf_counter() - start
+            runner = keep if method == "flextensor" else model
+            with torch.inference_mode():
+                x = stack_inputs(shape, SETUP_WORKLOAD, device)  # after set-up, as a pipeline makes its latents
+                sync(device)
+                start = time.perf_counter()
+                y = runner(*x)
+                sync(device)
+                first_s = time.perf_counter() - start
+        out.update(
+            setup_s=round(setup_s, 4),
+            first_forward_s=round(first_s, 4),
+            time_to_first_step_s=round(setup_s + first_s, 4),
+            peak_host_rss_bytes=rss.peak(),
+            output_sha256=latents_sha256(y.detach().cpu()),
+            **watch.check(f"set-up {args.setup_run}", args.setup_budget_bytes),
+        )
+        if method != "flextensor":
+            stats = keep.stats()
+            out.update(setup_ms=stats.setup_ms, payload_cache=stats.payload_cache)
+    except Exception as exc:
+        traceback.print_exc()
+        out["error"] = error_text(exc)
+    out["complete"] = True
+    return out
+
+
+# ---------------------------------------------------------------------------------------- the parent
+
+
+def run_child(
+    argv: list[str], progress: Path, deadline: float, limit: float | None = None
+) -> tuple[dict[str, Any] | None, str | None]:
+    """Run this script with ``argv``; its progress file (complete or not) and why it stopped early, if it did."""
+    progress.unlink(missing_ok=True)
+    timeout = deadline - time.perf_counter()
+    timeout = min(timeout, limit) if limit else timeout
+    error = None
+    try:
+        proc = subprocess.run([sys.executable, __file__, *argv, "--progress", str(progress)], timeout=timeout)
+        if proc.returncode != 0:
+            error = f"exit status {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        error = "stopped at --time-limit" if not limit or timeout < limit else f"timed out after {limit:.0f} s"
+    data = json.loads(progress.read_text()) if progress.exists() else None
+    return data, error
+
+
+def child_argv(args: argparse.Namespace) -> list[str]:
+    argv = ["--size", args.size, "--workdir", str(args.workdir), "--seed", str(args.seed)]
+    argv += ["--frames", str(args.frames), "--height", str(args.height), "--width", str(args.width)]
+    argv += ["--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps), "--guidance", str(args.guidance)]
+    argv += ["--budget", str(args.budget_bytes), "--card", args.card, "--sample-ms", str(args.sample_ms)]
+    return [*argv, "--setup-budget", str(args.setup_budget_bytes), *args.stack.argv()]
+
+
+def entry_of(name: str, args: argparse.Namespace, data: dict[str, Any] | None, error: str | None) -> dict[str, Any]:
+    """A configuration's row from its child's progress file (the figures against ``ram_raw`` come later)."""
+    data = data or {}
+    host_budget = host_budget_of(name, args)
+    entry: dict[str, Any] = {
+        "config": name,
+        "enable_kwargs": data.get("enable_kwargs") or enable_options(name, args),
+        "host_budget_bytes": None if host_budget is None else parse_bytes(host_budget),
+        "complete": bool(data.get("complete")) and error is None,
+    }
+    if data.get("error") or error:
+        entry["error"] = data.get("error") or f"{error} ({last_phase(data)})"
+    peaks = data.get("host_peak_by_phase", {})
+    entry["peak_host_bytes"] = max((v for k, v in peaks.items() if k in BUDGETED_PHASES), default=None)
+    host = data.get("host_copies_by_phase", {})
+    report = data.get("report") or {}
+    tier = report.get("host_tier") or {}
+    stored = [h["host_ram_bytes"] for h in host.values()] + [tier.get("peak_host_ram_bytes") or 0]
+    entry["stored_host_bytes"] = max(stored) if host else None
+    entry["weights_bytes"] = data.get("weights_bytes")
+    if entry["host_budget_bytes"] is not None and entry["stored_host_bytes"] is not None:
+        entry["stored_within_host_budget"] = entry["stored_host_bytes"] <= entry["host_budget_bytes"]
+        if args.size == "full":  # tiny: the host budget bounds the host copies alone (host_copies_only)
+            entry["peak_host_within_budget"] = entry["peak_host_bytes"] <= entry["host_budget_bytes"]
+    measured = data.get("measured")
+    entry["step_s"] = steady_step_s(measured) if measured else None
+    entry["switch_wait_s"] = []
+    entry["overhead_40_steps_pct"] = None
+    entry["bitwise_equal"] = None
+    entry["setup_s"] = data.get("setup_s")
+    entry["time_to_first_step_s"] = data.get("time_to_first_step_s")
+    entry["host_tier"] = bool(tier)
+    entry["tier_peak_host_ram_bytes"] = tier.get("peak_host_ram_bytes")
+    entry["stored_host_bytes_by_phase"] = host
+    entry["host_peak_by_phase"] = peaks
+    entry["phases_s"] = data.get("phases_s", {})
+    entry["storage_read_bytes"] = data.get("storage_read_bytes", {})
+    entry["gpu_budget"] = data.get("budget")
+    for gen in ("warmup", "measured"):
+        if gen in data:
+            entry[gen] = data[gen]
+    entry["report"] = report or None
+    for key in ("device", "torch", "diffusers"):
+        entry[key] = data.get(key)
+    return entry
+
+
+def last_phase(data: dict[str, Any]) -> str:
+    """Where a child that did not finish got to, from its progress file."""
+    phases = list(data.get("phases_s", {}))
+    return f"after its phase {phases[-1]}" if phases else "before its first phase ended"
+
+
+def compare(result: dict[str, Any], scratch: Path) -> None:
+    """Every row against ``ram_raw``'s: latents (both generations), and the 40-step overhead with the switch
+    figures of ``host_tier_bench.summarise_switches`` (``ram_raw`` as its all-pinned run)."""
+    rows = {row["config"]: row for row in result["pipeline"]}
+    ref = rows.get(REFERENCE)
+    ref_ok = ref is not None and "measured" in ref and not ref.get("error")
+    for row in result["pipeline"]:
+        if "measured" not in row:
+            continue
+        terms: dict[str, Any] = {}
+        summarise_switches(terms, ref if ref_ok else row, row)
+        if row["host_tier"]:
+            row["switch_wait_s"] = terms.get("switch_wait_s", [])
+            for key in ("switch_s", "switch_prefetched", "disk_read_GBps", "cold", "cold_evidence"):
+                row[f"tier_{key}" if key == "disk_read_GBps" else key] = terms.get(key)
+        row["switch_steps"] = terms.get("switch_steps")
+        if not ref_ok:
+            continue
+        for key in ("overhead_40_steps_pct", "switch_exposed_s", "measured_generation_overhead_pct"):
+            row[key] = terms.get(key)
+        row["reference_step_s"] = ref["step_s"]
+        equal = {}
+        for gen in ("warmup", "measured"):
+            if gen in row and gen in ref:
+                a, b = scratch / f"{REFERENCE}_{gen}.pt", scratch / f"{row['config']}_{gen}.pt"
+                if a.exists() and b.exists():
+                    equal[gen] = bool(torch.equal(torch.load(a).view(torch.uint8), torch.load(b).view(torch.uint8)))
+                else:  # a row of an earlier call: its latents' hash
+                    equal[gen] = row[gen]["latents_sha256"] == ref[gen]["latents_sha256"]
+        row["bitwise_equal_by_generation"] = equal
+        row["bitwise_equal"] = len(equal) == 2 and all(equal.values())
+
+
+def header(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = wan_config(args.size)
+    return {
+        "benchmark": "host-memory tiers (issue 25): Wan2.2-T2V-A14B configurations of enable_flextensor_offload, "
+        "and set-up time on the 40-block stack",
+        "device": None,
+        "code": code_commit(),
+        "disk_read_GBps": None,
+        "model": f"Wan2.2-T2V-A14B architecture ({args.size}), random weights ({cfg['dtype']} experts, "
+        f"{cfg['vae_dtype']} VAE), latents out (no VAE decode)",
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "stack"},
+        "budget_bytes": args.budget_bytes,
+        "card_cap_bytes": parse_bytes(args.card),
+        "notes": [
+            "transformer_2's weight files are symlinks to transformer's (disk: one 28.6 GB expert saved): both "
+            "experts hold identical random weights; the compute and the bytes moved are those of two experts",
+            "no text encoder: every generation gets seeded random prompt_embeds and negative_prompt_embeds of "
+            "UMT5-XXL's output shape (1, 512, text_dim) in the transformer's dtype",
+            "the page cache of the weight files is dropped before each configuration's load and, for a "
+            "configuration with a host budget, before its measured generation (cold reads for its switches); "
+            "as the two experts share their files, a switch may still find pages of the other expert's reads "
+            "in the page cache (storage_read_bytes, per phase from /proc/self/io, says what came from the disk)",
+            "peak_host_bytes: RssAnon + RssShmem of the configuration's process, sampled every "
+            f"{args.sample_ms:g} ms over its phases {', '.join(BUDGETED_PHASES)}",
+            "identical experts give identical payload-cache keys: with compression, both experts' host tier "
+            "payload files in cache_dir have one name (each writes it when it moves to disk, renamed into place "
+            "whole; their bytes are the same), so cache_dir holds one expert's payloads where distinct experts "
+            "would hold two (stored_host_bytes_by_phase[...].cache_dir_bytes)",
+            "stored_host_bytes: the largest of the components' host_ram_bytes summed (flextensor_report, after "
+            "enable and after each generation) and the host tier's peak_host_ram_bytes",
+            "overhead_40_steps_pct: host_tier_bench's formula with ram_raw in the all-pinned run's place and the "
+            "configuration in the tiered run's",
+            "disk_read_GBps: one thread reading transformer's weight files after a page cache drop (disk_probe); "
+            "tier_disk_read_GBps per configuration: the host tier's own reads",
+            *(
+                [
+                    "tiny: the host budgets bound the host copies alone (host_tier_bench.host_copies_only); 32GiB "
+                    "maps to VAE + 1.25 experts, 24GiB to VAE + 1 expert (+ 64 KiB; see host_budget_of)"
+                ]
+                if args.size == "tiny"
+                else []
+            ),
+        ],
+        "overhead_formula": OVERHEAD_FORMULA,
+        "pipeline": [],
+        "setup": {},
+        "phases": [],
+    }
+
+
+def resumed(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """Keep an earlier file's finished rows and set-up runs, refusing another workload. With ``--redo``, the rows
+    this call runs (``--configs`` unless ``--setup-only``; the set-up runs unless ``--no-setup``) are dropped."""
+    path = args.resume if args.resume is not None else (args.out if args.out.exists() else None)
+    if path is None:
+        return
+    earlier = json.loads(Path(path).read_text())
+    differ = [k for k in WORKLOAD_KEYS if earlier.get("config", {}).get(k) != result["config"][k]]
+    if differ:
+        raise SystemExit(f"{path} was measured with another {', '.join(differ)}: delete it, or pass another --out")
+    redo = set(args.configs) if args.redo and not args.setup_only else set()
+    result["resumed_from"] = str(path)
+    result["pipeline"] = [r for r in earlier.get("pipeline", []) if r.get("complete") and r["config"] not in redo]
+    runs = {k: v for k, v in earlier.get("setup", {}).get("runs", {}).items() if v.get("complete")}
+    if runs and not (args.redo and not args.no_setup):
+        result["setup"] = {"runs": runs}
+    for key in ("device", "disk_read_GBps", "disk_probe", "disk", "save"):
+        result[key] = result[key] if result.get(key) is not None else earlier.get(key)
+    result["phases"] = [{**p, "resumed": True} for p in earlier.get("phases", [])]
+
+
+def saved_folder(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The save record of a folder an earlier call left in the work folder, if complete and of this size."""
+    record = args.workdir / "scratch" / "save.json"
+    if not ((args.workdir / MARKER).exists() and record.exists() and (args.folder / "model_index.json").exists()):
+        return None
+    data = json.loads(record.read_text())
+    return data if data.get("complete") and data.get("size") == args.size and data.get("seed") == args.seed else None
+
+
+def empty(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
+
+
+def pipeline_phase(args: argparse.Namespace, result: dict[str, Any], deadline: float, phase_done: Any) -> None:
+    """Save (or reuse) the folder, probe the disk, then each configuration not finished yet."""
+    done = {row["config"] for row in result["pipeline"]}
+    todo = [name for name in args.configs if name not in done]
+    if not todo:
+        return
+    scratch = args.workdir / "scratch"
+    t0 = time.perf_counter()
+    earlier = saved_folder(args)
+    if earlier is None:
+        fresh_workdir(args.workdir)
+        sizes = {**component_bytes(wan_config(args.size)), "transformer_2": 0}  # a link
+        margin = parse_bytes("2GiB") + args.cache_room_bytes
+        result["disk"] = check_disk(args.workdir, sizes, margin, args.allow_tmpfs)
+        data, error = run_child(["--child", "save", *child_argv(args)], scratch / "save.json", deadline)
+        result["save"] = data
+        if data is None or error:
+            raise SystemExit(f"saving failed: {error or 'no result'}")
+        result["disk_probe"] = disk_probe(args.folder, args.probe_bytes)
+        result["disk_read_GBps"] = result["disk_probe"]["GBps"]
+        phase_done("save", t0)
+    else:
+        result.setdefault("save", earlier)
+        phase_done("save", t0, reused=str(args.folder))
+    for name in todo:
+        t0 = time.perf_counter()
+        left = deadline - time.perf_counter()
+        if left < needed_s(name, args):
+            row = {"config": name, "complete": False, "error": not_run(left)}
+        else:
+            empty(args.cache_dir)
+            argv = ["--child", "pipeline", "--config", name, *child_argv(args)]
+            data, error = run_child(argv, scratch / f"{name}.json", deadline)
+            empty(args.cache_dir)
+            row = entry_of(name, args, data, error)
+            result["device"] = result.get("device") or row.get("device")
+        result["pipeline"] = [r for r in result["pipeline"] if r["config"] != name] + [row]
+        result["pipeline"].sort(key=lambda r: list(CONFIGS).index(r["config"]))
+        compare(result, scratch)
+        phase_done(name, t0, **({"error": row["error"]} if row.get("error") else {}))
+
+
+SETUP_KEYS = {
+    "raw": ("raw_s", "time_to_first_step_raw_s"),
+    "flextensor": ("flextensor_s", "time_to_first_step_flextensor_s"),
+    "compressed_first": ("compressed_first_s", "time_to_first_step_compressed_first_s"),
+    "compressed_cached": ("compressed_cached_s", "time_to_first_step_compressed_cached_s"),
+}
+
+
+def setup_summary(setup: dict[str, Any], args: argparse.Namespace) -> None:
+    """The set-up block's figures from its runs; each run's error under ``errors``."""
+    runs = setup.get("runs", {})
+    errors = {}
+    for run, (setup_key, first_key) in SETUP_KEYS.items():
+        record = runs.get(run, {})
+        setup[setup_key] = record.get("setup_s")
+        setup[first_key] = record.get("time_to_first_step_s")
+        if record.get("error"):
+            errors[run] = record["error"]
+    setup["errors"] = errors
+    setup.update(
+        stack=vars(args.stack),
+        workload=SETUP_WORKLOAD,
+        budget_bytes=args.setup_budget_bytes,
+        scope="setup_s: the set-up call (peers.set_up); time_to_first_step_s: set-up plus the first forward of the "
+        "workload's inputs (made after set-up, untimed), device synchronised; one fresh process per run",
+    )
+    ours, theirs = setup.get("raw_s"), setup.get("flextensor_s")
+    setup["raw_vs_flextensor"] = round(ours / theirs, 3) if ours and theirs else None
+
+
+def setup_phase(args: argparse.Namespace, result: dict[str, Any], deadline: float, phase_done: Any) -> None:
+    """The set-up runs not finished yet (both compressed runs when the cached one is to run: it needs the file
+    the first one writes in this call)."""
+    setup = result["setup"]
+    runs = setup.setdefault("runs", {})
+    todo = [run for run in SETUP_RUNS if not runs.get(run, {}).get("complete")]
+    if "compressed_cached" in todo and "compressed_first" not in todo:
+        todo.insert(todo.index("compressed_cached"), "compressed_first")
+    if not todo:
+        setup_summary(setup, args)
+        return
+    if args.workdir.exists() and any(args.workdir.iterdir()) and not (args.workdir / MARKER).exists():
+        raise SystemExit(f"--workdir {args.workdir} holds files this script did not write: pass a new or empty folder")
+    (args.workdir / "scratch").mkdir(parents=True, exist_ok=True)
+    (args.workdir / MARKER).touch()
+    cache = args.workdir / "setup_cache"
+    empty(cache)
+    try:
+        for run in todo:
+            t0 = time.perf_counter()
+            left = deadline - time.perf_counter()
+            if run == "flextensor" and importlib.util.find_spec("flextensor") is None:
+                runs[run] = {"run": run, "complete": False, "error": "not installed"}
+            elif left < args.phase_min_s:
+                runs[run] = {"run": run, "complete": False, "error": not_run(left)}
+            else:
+                argv = ["--child", "setup", "--setup-run", run, "--scratch", str(cache), *child_argv(args)]
+                data, error = run_child(
+                    argv, args.workdir / "scratch" / f"setup_{run}.json", deadline, args.setup_timeout
+                )
+                runs[run] = data or {"run": run}
+                if error:
+                    runs[run].update(complete=False, error=runs[run].get("error") or error)
+                result["device"] = result.get("device") or runs[run].get("device")
+            setup_summary(setup, args)
+            phase_done(f"setup {run}", t0, **({"error": runs[run]["error"]} if runs[run].get("error") else {}))
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def parent(args: argparse.Namespace) -> None:
+    start = time.perf_counter()
+    deadline = start + args.time_limit
+    result = header(args)
+    resumed(args, result)
+
+    def phase_done(name: str, t0: float, **extra: Any) -> None:
+        result["phases"].append({"phase": name, "seconds": round(time.perf_counter() - t0, 2), **extra})
+        write_json(args.out, result, quiet=True)
+        print(f"{now(start)} done: {name} ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+    write_json(args.out, result, quiet=True)
+    try:
+        if not args.setup_only:
+            pipeline_phase(args, result, deadline, phase_done)
+        if not args.no_setup:
+            setup_phase(args, result, deadline, phase_done)
+    except SystemExit as exc:
+        result["error"] = str(exc)
+        write_json(args.out, result)
+        raise
+    finally:
+        finished = {row["config"] for row in result["pipeline"] if row.get("complete")}
+        if set(args.configs) <= finished and not args.keep_workdir:
+            shutil.rmtree(args.workdir, ignore_errors=True)  # the folder (~29 GB at full size), cache and latents
+    result["elapsed_s"] = round(time.perf_counter() - start, 1)
+    write_json(args.out, result)
+    print(json.dumps(summary(result), indent=1))
+
+
+def summary(result: dict[str, Any]) -> dict[str, Any]:
+    """The issue's figures: the shape of the JSON without the details."""
+    keys = (
+        "config",
+        "host_budget_bytes",
+        "peak_host_bytes",
+        "stored_host_bytes",
+        "weights_bytes",
+        "step_s",
+        "switch_wait_s",
+        "overhead_40_steps_pct",
+        "bitwise_equal",
+        "setup_s",
+        "time_to_first_step_s",
+        "error",
+    )
+    setup = {k: v for k, v in result.get("setup", {}).items() if k not in ("runs", "stack", "scope")}
+    return {
+        **{k: result.get(k) for k in ("device", "code", "disk_read_GBps")},
+        "pipeline": [{k: row.get(k) for k in keys if k in row} for row in result["pipeline"]],
+        "setup": setup,
+    }
+
+
+# ---------------------------------------------------------------------------------------- command line
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="the JSON to write (after every phase); required")
+    parser.add_argument(
+        "--resume", type=Path, default=None, help="an earlier result whose finished rows to keep (default: --out)"
+    )
+    parser.add_argument(
+        "--redo", action="store_true", help="run the chosen configurations and set-up runs again, keep the others"
+    )
+    parser.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help=f"comma list of {', '.join(CONFIGS)} (default: {','.join(DEFAULT_CONFIGS)}). Host budgets: full "
+        "size 32GiB and 24GiB; tiny (its host budget bounds the host copies alone, as host_tier_bench.py's) 32GiB "
+        "-> VAE + 1.25 experts, 24GiB -> VAE + 1 expert (parameter bytes; with the tiny packing, less than the VAE "
+        "and one raw expert need in RAM, more than the VAE and one compressed expert, as 24 GiB is at full size "
+        "once the process's own memory and the 1 GiB reserve are off), each + 64 KiB",
+    )
+    parser.add_argument("--no-setup", action="store_true", help="the pipeline configurations only")
+    parser.add_argument("--setup-only", action="store_true", help="the set-up runs on the block stack only")
+    parser.add_argument("--size", default="full", choices=("tiny", "full"))
+    parser.add_argument("--workdir", type=Path, default=None, help="folder, caches; default <tmp>/tiers_bench-SIZE")
+    parser.add_argument("--frames", type=int, default=None, help="default 81 (full), 9 (tiny)")
+    parser.add_argument("--height", type=int, default=None, help="default 480 (full), 32 (tiny)")
+    parser.add_argument("--width", type=int, default=None, help="default 832 (full), 32 (tiny)")
+    parser.add_argument("--steps", type=int, default=4, help="measured generation: 4 gives each expert 2 steps")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="warm-up generation (discovery, profiling)")
+    parser.add_argument("--guidance", type=float, default=5.0, help="CFG scale (> 1: a cond and an uncond pass)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--budget",
+        default=None,
+        help="GPU budget (default 8GiB; tiny: 360000, over the 320 KiB a compressed load of its blocks needs)",
+    )
+    parser.add_argument("--card", default="24GB", help="memory cap of the emulated card")
+    parser.add_argument(
+        "--cache-room",
+        default=None,
+        help="disk kept free for cache_dir's files besides the folder (default 22GiB; tiny: 16MiB)",
+    )
+    parser.add_argument("--probe-bytes", default="4GiB", help="bytes of the cold disk read probe")
+    parser.add_argument("--sample-ms", type=float, default=50.0, help="host memory sampling interval")
+    parser.add_argument("--allow-tmpfs", action="store_true", help="allow a work folder on tmpfs")
+    parser.add_argument("--keep-workdir", action="store_true", help="keep the work folder (the saved pipeline)")
+    parser.add_argument(
+        "--time-limit", type=float, default=520.0, help="seconds for the whole call; a phase running past it stops"
+    )
+    parser.add_argument(
+        "--phase-min-s",
+        type=float,
+        default=None,
+        help="start no phase with less time left (default 90, and for a full-size configuration its expected "
+        "time: 100 s raw, 200 s with a host budget; tiny: 5)",
+    )
+    parser.add_argument(
+        "--setup-budget",
+        default=None,
+        help="GPU budget of the set-up runs (default 2800000000, as peers.py's; tiny 1GiB)",
+    )
+    parser.add_argument("--setup-timeout", type=float, default=300.0, help="seconds per set-up run")
+    StackShape.add_arguments(parser)  # the stack of the set-up runs (tiny: a 2-block stack unless given)
+    parser.add_argument("--child", choices=("save", "pipeline", "setup"), help=argparse.SUPPRESS)
+    parser.add_argument("--config", choices=list(CONFIGS), help=argparse.SUPPRESS)
+    parser.add_argument("--setup-run", choices=list(SETUP_RUNS), help=argparse.SUPPRESS)
+    parser.add_argument("--scratch", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--progress", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    tiny = args.size == "tiny"
+    if args.out is None and args.child is None:
+        parser.error("--out is required")
+    if args.no_setup and args.setup_only:
+        parser.error("--no-setup and --setup-only exclude each other")
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configuration(s) {', '.join(unknown)}; one of {', '.join(CONFIGS)}")
+    args.frames = args.frames or (9 if tiny else 81)
+    args.height = args.height or (32 if tiny else 480)
+    args.width = args.width or (32 if tiny else 832)
+    args.workdir = args.workdir or Path(tempfile.gettempdir()) / f"tiers_bench-{args.size}"
+    args.folder, args.cache_dir = args.workdir / "pipeline", args.workdir / "cache"
+    args.budget_bytes = parse_bytes(args.budget or (360_000 if tiny else "8GiB"))
+    args.cache_room_bytes = parse_bytes(args.cache_room or ("16MiB" if tiny else "22GiB"))
+    args.probe_bytes = parse_bytes(args.probe_bytes)
+    args.phase_min_s = args.phase_min_s if args.phase_min_s is not None else (5.0 if tiny else 90.0)
+    args.setup_budget_bytes = parse_bytes(args.setup_budget or ("1GiB" if tiny else 2_800_000_000))
+    args.stack = StackShape.from_args(args)
+    if tiny and args.stack == StackShape():
+        args.stack = TINY_STACK
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child and args.size == "tiny":
+        torch.set_num_threads(1)  # 2 threads on a shared CPU make the tiny step times noise
+    if args.child == "save":
+        write_json(args.progress, child_save_linked(args), quiet=True)
+        return
+    if args.child == "setup":
+        write_json(args.progress, child_setup(args), quiet=True)
+        sys.stdout.flush()
+        os._exit(0)  # no teardown of the pinned host copies, one tensor at a time
+    if args.child == "pipeline":
+        child_pipeline(args)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    if args.size == "full" and not torch.cuda.is_available():
+        raise SystemExit("--size full needs a CUDA GPU (use --size tiny to check the script on a CPU)")
+    print(f"tiers_bench: {args.size}, configurations {', '.join(args.configs)}, out {args.out}", flush=True)
+    parent(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""A host budget with compression: RAM holds compressed copies only, and a component that does not fit waits on
+disk as its compressed copies, read back unit by unit; outputs stay bitwise equal to native."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import flextensor_diffusers as ft
+from flextensor_diffusers.engine import payload_cache
+from flextensor_diffusers.recipes.models import build_pipeline
+from tests.models import assert_same, set_host_overhead, snapshot, wan_latents
+from tests.test_host_tier import digest, load, save
+
+BUDGET = 340_000  # GPU budget: the blocks stream compressed (2 slots with staging room)
+
+EXPERTS = ("transformer", "transformer_2")
+
+
+@pytest.fixture(autouse=True)
+def host_copies_only(monkeypatch):
+    """Host budgets here are planned in the host copies' bytes (see tests.test_host_tier)."""
+    set_host_overhead(monkeypatch, own=0, reserve=0)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[Path, torch.Tensor]:
+    """The tiny pipeline's folder (the experts in two shards each) and its native latents."""
+    folder = save(tmp_path_factory.mktemp("tiny") / "wan22", "200KB")
+    return folder, wan_latents(load(folder))
+
+
+def smallest_host_budget(pipe, cache: Path) -> int:
+    """The least host budget that runs compressed (from a set-up with room for all): the largest component's
+    host copies in RAM, next to what the others keep in RAM while their compressed copies wait on disk (their
+    raw base, which every activation copies)."""
+    pipe.enable_flextensor_offload(
+        budget=BUDGET, device="cpu", compression="lossless", host_budget="1GiB", cache_dir=cache
+    )
+    handles = ft.pipeline_offload(pipe).handles
+    stored = {name: h.host.stored_bytes for name, h in handles.items()}
+    raw = {name: h.host.where().ram_raw_bytes for name, h in handles.items()}
+    assert not ft.pipeline_offload(pipe).host_tier.report()["on_disk"]
+    pipe.disable_flextensor_offload()
+    return max(stored[n] + sum(raw[o] for o in stored if o != n) for n in stored)
+
+
+def enable_one_expert_in_ram(pipe, cache: Path) -> int:
+    """Offload compressed with the smallest host budget (`smallest_host_budget`): the experts take turns in RAM,
+    the other waiting on disk in its payload file. The host budget."""
+    host_budget = smallest_host_budget(pipe, cache)
+    pipe.enable_flextensor_offload(
+        budget=BUDGET, device="cpu", compression="lossless", host_budget=host_budget, cache_dir=cache
+    )
+    return host_budget
+
+
+def test_the_experts_take_turns_on_disk_compressed_bitwise(saved, tmp_path) -> None:
+    """Loaded from its folder: the raw bytes wait in the weight files (nothing raw is written), RAM holds the
+    compressed copies of one expert at a time, the other waits in its payload file and is read back compressed;
+    three generations are bitwise equal to native, the tier stays within its budget, the folder is untouched,
+    and disabling restores every tensor as it was."""
+    folder, reference = saved
+    before_folder = digest(folder)
+    pipe = load(folder)
+    before = {name: snapshot(getattr(pipe, name)) for name in EXPERTS}
+    cache = tmp_path / "cache"
+    host_budget = enable_one_expert_in_ram(pipe, cache)
+    state = ft.pipeline_offload(pipe)
+    outs = [wan_latents(pipe) for _ in range(3)]
+    assert all(torch.equal(o, reference) for o in outs)
+    tier = state.host_tier.report()
+    assert tier["peak_host_ram_bytes"] <= host_budget
+    assert set(EXPERTS) & set(tier["on_disk"]) and len(tier["disk_reads_s"]) >= 3  # the experts took turns
+    for name in EXPERTS:
+        host = state.handles[name].host
+        places = host.where()
+        assert places.raw_disk_bytes and places.ram_raw_bytes + places.raw_disk_bytes == host.packed_bytes
+        assert host.stored_bytes < 0.95 * host.packed_bytes  # payloads, not raw and payloads
+    reads = [s for s in tier["switches"] if s["component"] in EXPERTS]
+    assert reads and all(s["nbytes"] < state.handles[s["component"]].host.packed_bytes for s in reads)
+    assert {p.suffix for p in cache.iterdir()} == {".payloads"}  # nothing raw written: the weight files hold it
+    pipe.disable_flextensor_offload()
+    assert {p.suffix for p in cache.iterdir()} <= {".payloads"}  # the payload cache stays for the next run
+    for name, snap in before.items():
+        assert_same(snap, getattr(pipe, name))
+    assert torch.equal(wan_latents(pipe), reference)
+    assert digest(folder) == before_folder
+
+
+def test_a_pipeline_built_in_memory_keeps_its_raw_bytes_in_a_cache_file_deleted_on_disable(tmp_path) -> None:
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    reference = wan_latents(pipe)
+    before = snapshot(pipe.transformer)
+    cache = tmp_path / "cache"
+    enable_one_expert_in_ram(pipe, cache)
+    assert all(torch.equal(wan_latents(pipe), reference) for _ in range(2))
+    assert ".raw" in {p.suffix for p in cache.iterdir()}
+    pipe.disable_flextensor_offload()
+    assert {p.suffix for p in cache.iterdir()} <= {".payloads"}
+    assert_same(before, pipe.transformer)
+
+
+def test_the_payload_cache_is_reused_and_a_flipped_byte_is_encoded_again(saved, tmp_path) -> None:
+    folder, reference = saved
+    pipe = load(folder)
+    cache = tmp_path / "cache"
+    enable_one_expert_in_ram(pipe, cache)
+    assert torch.equal(wan_latents(pipe), reference)
+    pipe.disable_flextensor_offload()
+    pipe.enable_flextensor_offload(
+        budget=BUDGET, device="cpu", compression="lossless", host_budget="1GiB", cache_dir=cache
+    )
+    handles = ft.pipeline_offload(pipe).handles
+    assert all(handles[name].payload_cache.status == "read" for name in EXPERTS)  # no second encoding
+    assert torch.equal(wan_latents(pipe), reference)
+    pipe.disable_flextensor_offload()
+    path = handles["transformer"].payload_cache.path
+    flip_a_payload_byte(path)
+    pipe.enable_flextensor_offload(
+        budget=BUDGET, device="cpu", compression="lossless", host_budget="1GiB", cache_dir=cache
+    )
+    handles = ft.pipeline_offload(pipe).handles
+    assert handles["transformer"].payload_cache.status.startswith("refused: a payload's checksum differs")
+    assert handles["transformer"].payload_cache.status.endswith("written again")
+    assert torch.equal(wan_latents(pipe), reference)
+    pipe.disable_flextensor_offload()
+
+
+def flip_a_payload_byte(path: Path) -> None:
+    """Flip one bit of the last payload in the payload file at ``path`` (past the header)."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_payload_changed_on_disk_during_the_run_is_refused_at_the_read(saved, tmp_path) -> None:
+    """A payload file changed while an expert waits in it: its read back refuses it with one line naming the
+    fix, the expert stays on disk; with the file as it was, the next generation is bitwise again."""
+    folder, reference = saved
+    pipe = load(folder)
+    cache = tmp_path / "cache"
+    enable_one_expert_in_ram(pipe, cache)
+    assert torch.equal(wan_latents(pipe), reference)
+    state = ft.pipeline_offload(pipe)
+    waiting = next(name for name in EXPERTS if state.handles[name].host.waiting_on_disk)
+    path = state.handles[waiting].payload_cache.path
+    original = path.read_bytes()
+    flip_a_payload_byte(path)
+    with pytest.raises(ft.FlexTensorError, match=r"changed on disk since they were written: delete the file") as err:
+        wan_latents(pipe)
+    assert len(str(err.value).splitlines()) == 1
+    assert state.handles[waiting].host.waiting_on_disk
+    path.write_bytes(original)
+    assert torch.equal(wan_latents(pipe), reference)
+    pipe.disable_flextensor_offload()
+
+
+def test_an_edit_while_an_expert_waits_on_disk_compressed_reaches_the_outputs(saved, tmp_path) -> None:
+    folder, _ = saved
+    pipe = load(folder)
+    enable_one_expert_in_ram(pipe, tmp_path / "cache")
+    wan_latents(pipe)
+    state = ft.pipeline_offload(pipe)
+    name = next(n for n in EXPERTS if state.handles[n].host.waiting_on_disk)
+    torch.manual_seed(5)
+    edited = {k: v + 0.01 * torch.randn_like(v) for k, v in getattr(pipe, name).state_dict().items()}
+    getattr(pipe, name).load_state_dict(edited)
+    native = load(folder)
+    getattr(native, name).load_state_dict(edited)
+    expected = wan_latents(native)
+    assert all(torch.equal(wan_latents(pipe), expected) for _ in range(3))  # on disk again in between
+    pipe.disable_flextensor_offload()
+    assert all(torch.equal(t, edited[k]) for k, t in getattr(pipe, name).state_dict().items())
+
+
+def test_a_full_disk_when_the_compressed_copies_move_out_is_one_clear_line(saved, tmp_path, monkeypatch) -> None:
+    folder, _ = saved
+    pipe = load(folder)
+    before = snapshot(pipe.transformer)
+    cache = tmp_path / "cache"
+    host_budget = smallest_host_budget(pipe, cache)
+    for path in cache.iterdir():
+        path.unlink()
+
+    def full_disk(src: object, dst: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(payload_cache.os, "replace", full_disk)
+    with pytest.raises(ft.FlexTensorError, match=r"No space left on device\): free space there or pass another") as err:
+        pipe.enable_flextensor_offload(
+            budget=BUDGET, device="cpu", compression="lossless", host_budget=host_budget, cache_dir=cache
+        )
+    assert len(str(err.value).splitlines()) == 1
+    assert ft.pipeline_offload(pipe) is None and not any(cache.iterdir())
+    assert_same(before, pipe.transformer)
+
+
+def test_a_host_budget_under_one_compressed_expert_names_the_smallest(saved, tmp_path) -> None:
+    folder, _ = saved
+    pipe = load(folder)
+    before = snapshot(pipe.transformer)
+    cache = tmp_path / "cache"
+    need = smallest_host_budget(pipe, cache)
+    with pytest.raises(ft.HostBudgetError, match=r"the smallest workable host budget is") as err:
+        pipe.enable_flextensor_offload(
+            budget=BUDGET, device="cpu", compression="lossless", host_budget=need - 1024, cache_dir=cache
+        )
+    assert err.value.required_bytes == need
+    assert ft.pipeline_offload(pipe) is None
+    assert_same(before, pipe.transformer)
+    pipe.enable_flextensor_offload(
+        budget=BUDGET, device="cpu", compression="lossless", host_budget=err.value.required_bytes, cache_dir=cache
+    )
+    pipe.disable_flextensor_offload()
+
+
+def test_raw_copies_ram_under_a_host_budget_with_compression_is_refused(tmp_path) -> None:
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    with pytest.raises(ft.FlexTensorError, match=r"drop raw_copies='ram'"):
+        pipe.enable_flextensor_offload(
+            budget=BUDGET,
+            device="cpu",
+            compression="lossless",
+            raw_copies="ram",
+            host_budget="1GiB",
+            cache_dir=tmp_path,
+        )
+    assert ft.pipeline_offload(pipe) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_experts_take_turns_on_disk_compressed_bitwise(saved, tmp_path, monkeypatch) -> None:
+    """On CUDA: units are encoded on the device, each unit's raw bytes leave RAM as soon as its payload is made
+    (the packing kept one unit ahead of the encoder here), payloads are page-locked and read back page-locked;
+    three generations are bitwise equal to native on CUDA, and disabling restores every tensor."""
+    from flextensor_diffusers.engine import setup
+
+    monkeypatch.setattr(setup, "PACKING_WINDOW", 1)
+    folder, _ = saved
+    pipe = load(folder)
+    before = snapshot(pipe.transformer)
+    pipe.to("cuda")
+    reference = wan_latents(pipe).cpu()
+    pipe.to("cpu")
+    cache = tmp_path / "cache"
+    budget = 2**22
+    pipe.enable_flextensor_offload(
+        budget=budget, device="cuda", compression="lossless", host_budget="1GiB", cache_dir=cache
+    )
+    handles = ft.pipeline_offload(pipe).handles
+    stored = {name: h.host.stored_bytes for name, h in handles.items()}
+    raw = {name: h.host.where().ram_raw_bytes for name, h in handles.items()}
+    assert all(h.host.where().raw_disk_bytes for n, h in handles.items() if n in EXPERTS)
+    pipe.disable_flextensor_offload()
+    host_budget = max(stored[n] + sum(raw[o] for o in stored if o != n) for n in stored)
+    pipe.enable_flextensor_offload(
+        budget=budget, device="cuda", compression="lossless", host_budget=host_budget, cache_dir=cache
+    )
+    outs = [wan_latents(pipe).cpu() for _ in range(3)]
+    assert all(torch.equal(o, reference) for o in outs)
+    tier = ft.pipeline_offload(pipe).host_tier.report()
+    assert set(EXPERTS) & set(tier["on_disk"]) and len(tier["disk_reads_s"]) >= 3
+    assert tier["peak_host_ram_bytes"] <= host_budget
+    pipe.disable_flextensor_offload()
+    assert_same(before, pipe.transformer)
