@@ -97,15 +97,27 @@ class CacheRecord:
         )
 
 
-def weights_key(fingerprint: str, units: list[Unit], hosts: dict[int, torch.Tensor]) -> str:
-    """The file's key: the structural fingerprint, the codec format and sampled bytes of every unit."""
+def weights_key(fingerprint: str, units: list[Unit]) -> str:
+    """The file's key: the structural fingerprint, the codec format and sampled bytes of every unit (the start
+    of its first tensor, the middle of its middle one, the end of its last one). Read from the tensors as they
+    are, packed or not, so that naming the file never waits for packing: with ``raw_copies="disk"`` packing runs
+    only a few units ahead of the encoder, and asking for every unit here would pack them all at once."""
     digest = hashlib.sha256(f"{fingerprint}:{FORMAT_VERSION}".encode())
     for unit in units:
-        host = hosts[unit.index]
-        n = host.numel()
-        for start in sorted({0, max(0, n // 2 - SAMPLE_BYTES // 2), max(0, n - SAMPLE_BYTES)}):
-            digest.update(host[start : start + SAMPLE_BYTES].numpy().tobytes())
+        tensors = [packed.tensor for packed in unit.tensors]
+        if tensors:
+            for place, tensor in enumerate((tensors[0], tensors[len(tensors) // 2], tensors[-1])):
+                digest.update(_sample(tensor, place))
     return digest.hexdigest()
+
+
+def _sample(tensor: torch.Tensor, place: int) -> bytes:
+    """`SAMPLE_BYTES` of ``tensor``'s values at its start (``place`` 0), middle (1) or end (2)."""
+    flat = tensor.detach().reshape(-1)
+    count = min(flat.numel(), max(1, SAMPLE_BYTES // max(flat.element_size(), 1)))
+    start = (0, max(0, flat.numel() // 2 - count // 2), flat.numel() - count)[place]
+    piece = flat[start : start + count].to("cpu").contiguous()
+    return piece.view(torch.uint8).numpy().tobytes() if piece.numel() else b""
 
 
 def crc32_of(payload: torch.Tensor) -> int:

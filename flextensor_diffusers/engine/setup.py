@@ -95,11 +95,12 @@ class SetUp:
             h.host.raw_home = self._raw_home or self._raw_cache_file()
         window = PACKING_WINDOW if compressed_only and h.cuda else None  # the CPU encoder asks for all at once
         pin_now = pin and not compressed_only
+        start = time.perf_counter()
+        if h.config.compression == "lossless" and h.config.compression_cache:  # named before packing moves tensors
+            self.payload_cache = self._payload_cache()
         packing = h.host.start_packing(pin=pin_now, shared=shared, attaching=h.attaching, window=window)
         try:
             if h.config.compression == "lossless":  # units are compressed as they are packed
-                start = time.perf_counter()
-                self.payload_cache = self._payload_cache() if h.config.compression_cache else None
                 h.host.compressed.file = self.payload_cache
                 h.host.compressed.make(pin, self.payload_cache, settled=h.host.settle if compressed_only else None)
                 h.setup_times.compress = 1e3 * (time.perf_counter() - start)
@@ -144,8 +145,7 @@ class SetUp:
     def _payload_cache(self) -> PayloadCache:
         """This model's payload file: named by its structure and sampled bytes of every unit."""
         h = self.handle
-        hosts = {unit.index: h.host.host_of(unit) for unit in h.units}
-        key = weights_key(h.fingerprint["sha256"], h.units, hosts)
+        key = weights_key(h.fingerprint["sha256"], h.units)
         return PayloadCache(cache_folder(h.config.cache_dir), type(h.model).__name__, key)
 
     def _hook(self) -> None:
