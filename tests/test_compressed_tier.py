@@ -305,3 +305,23 @@ def test_a_packing_window_packs_only_near_the_unit_the_encoder_asked_for() -> No
     assert settled(set(range(8)))
     for thread in threads:
         thread.join(timeout=5)
+
+
+def test_a_block_edited_after_loading_waits_in_a_cache_file_the_others_in_the_weight_files(saved, tmp_path) -> None:
+    """Kept compressed only, a unit whose bytes the weight files no longer hold (edited after loading) has its raw
+    bytes written to a cache file; the units the files hold write nothing. Outputs follow the edit, bitwise."""
+    folder, _ = saved
+    native, pipe = load(folder), load(folder)
+    for model in (native, pipe):
+        with torch.no_grad():
+            model.transformer.blocks[0].attn1.to_q.weight[0, 0] += 1.0  # the first bytes, which are sampled
+    expected = wan_latents(native)
+    cache = tmp_path / "cache"
+    enable_one_expert_in_ram(pipe, cache)
+    assert ".raw" in {p.suffix for p in cache.iterdir()}
+    raw_file = next(p for p in cache.iterdir() if p.suffix == ".raw")
+    unit = ft.pipeline_offload(pipe).handles["transformer"].units[0].nbytes
+    assert raw_file.stat().st_blocks * 512 < 2 * unit + 2**16  # one block's room written, the rest a hole
+    assert all(torch.equal(wan_latents(pipe), expected) for _ in range(2))
+    pipe.disable_flextensor_offload()
+    assert {p.suffix for p in cache.iterdir()} <= {".payloads"}

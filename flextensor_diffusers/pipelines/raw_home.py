@@ -18,7 +18,16 @@ import torch
 
 from ..engine.cache_files import RawCacheFile, drop_cached_pages
 from ..engine.units import Unit
-from .weight_files import FileStamp, NotSafetensors, TensorEntry, checkpoints, match_unit, read_entries, scattered_host
+from .weight_files import (
+    FileStamp,
+    NotSafetensors,
+    TensorEntry,
+    checkpoints,
+    match_unit,
+    read_entries,
+    scattered_host,
+    truncated_file,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,13 +96,7 @@ class WeightFilesHome:
 
     def truncated_file(self) -> Path | None:
         """A weight file now shorter than when it was stamped: its mapped views would fault (SIGBUS)."""
-        for stamp in self.stamps.values():
-            try:
-                if stamp.path.stat().st_size < stamp.size:
-                    return stamp.path
-            except OSError:
-                return stamp.path
-        return None
+        return truncated_file(self.stamps.values())
 
     def close(self) -> None:
         """Offload removed (every unit restored from here): the fallback file goes, the files' pages that the

@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -234,6 +234,18 @@ def _samples_match(fd: int, entry: TensorEntry, host: torch.Tensor) -> bool:
     return True
 
 
+def truncated_file(stamps: Iterable[FileStamp]) -> Path | None:
+    """The first of ``stamps``' files now shorter than when it was stamped (or gone): mapped views of it would
+    fault (SIGBUS)."""
+    for stamp in stamps:
+        try:
+            if stamp.path.stat().st_size < stamp.size:
+                return stamp.path
+        except OSError:
+            return stamp.path
+    return None
+
+
 def match_unit(
     unit: Unit, entries: dict[str, TensorEntry], fds: dict[Path, int]
 ) -> tuple[list[TensorPlace] | None, str]:
@@ -384,13 +396,7 @@ class WeightSource:
 
     def truncated_file(self) -> Path | None:
         """A weight file now shorter than when it was stamped: its mapped views would fault (SIGBUS)."""
-        for stamp in self.stamps:
-            try:
-                if stamp.path.stat().st_size < stamp.size:
-                    return stamp.path
-            except OSError:
-                return stamp.path
-        return None
+        return truncated_file(self.stamps)
 
     # ------------------------------------------------------------------------------------ spilling
 
