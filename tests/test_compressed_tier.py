@@ -325,3 +325,30 @@ def test_a_block_edited_after_loading_waits_in_a_cache_file_the_others_in_the_we
     assert all(torch.equal(wan_latents(pipe), expected) for _ in range(2))
     pipe.disable_flextensor_offload()
     assert {p.suffix for p in cache.iterdir()} <= {".payloads"}
+
+
+def test_an_edit_of_blocks_waiting_in_the_weight_files_moves_them_out_of_anonymous_memory(saved, tmp_path) -> None:
+    """A state dict loaded into an expert whose raw bytes wait in its weight files lands in copy-on-write pages
+    (anonymous memory the host budget does not see): the edited blocks move to a cache file and those pages go
+    back, so the expert's file mappings hold no written page afterwards; outputs follow the edit, bitwise."""
+    from flextensor_diffusers.pipelines.raw_home import WeightFilesHome, any_written
+
+    folder, _ = saved
+    pipe = load(folder)
+    cache = tmp_path / "cache"
+    enable_one_expert_in_ram(pipe, cache)
+    home = ft.pipeline_offload(pipe).handles["transformer"].host.raw_home
+    assert isinstance(home, WeightFilesHome) and home._ranges
+    torch.manual_seed(3)
+    edited = {k: v + 0.01 * torch.randn_like(v) for k, v in pipe.transformer.state_dict().items()}
+    pipe.transformer.load_state_dict(edited)
+    assert not home._ranges  # every block was written: all moved to the cache file
+    assert ".raw" in {p.suffix for p in cache.iterdir()}
+    native = load(folder)
+    native.transformer.load_state_dict(edited)
+    expected = wan_latents(native)
+    assert all(torch.equal(wan_latents(pipe), expected) for _ in range(2))
+    untouched = ft.pipeline_offload(pipe).handles["transformer_2"].host.raw_home
+    assert untouched._ranges and not any_written([r for ranges in untouched._ranges.values() for r in ranges])
+    pipe.disable_flextensor_offload()
+    assert all(torch.equal(t, edited[k]) for k, t in pipe.transformer.state_dict().items())

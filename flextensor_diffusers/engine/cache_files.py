@@ -112,6 +112,10 @@ class RawCacheFile:
     def ram_bytes(self) -> int:
         return 0
 
+    def moved_if_written(self, position: int, unit: Unit, raw: torch.Tensor) -> None:
+        """Edits land in the file itself (a shared mapping): nothing moves."""
+        return None
+
     def close(self) -> None:
         self._mapped = None
         if self._fd is not None:

@@ -59,6 +59,7 @@ class Edits:
         finally:
             with torch.no_grad(), torch.inference_mode(False):
                 self._adopt_replaced()
+            self.host.rehome_written()  # compressed only: edited raw bytes leave copy-on-write pages
             if self.host.encoded:  # the compressed copies must say what the edited host copies say
                 self.host.compressed.make(self.host.compressed.pinned)
             self.binding.record()  # every copy was made again from the edited host copies

@@ -60,6 +60,15 @@ ReadInto = Callable[[int, torch.Tensor], None]
 PACKING_WINDOW = 3
 
 
+@dataclasses.dataclass(frozen=True)
+class Moved:
+    """A unit's raw bytes moved within its raw home (`RawHome.moved_if_written`): the new stand-in, and what to
+    call once the unit's tensors point at it (the old place's memory goes back)."""
+
+    stand_in: object
+    release: Callable[[], None]
+
+
 class RawHome(Protocol):
     """Where the raw bytes of units kept compressed wait outside RAM (compressed only): the weight files a
     component was loaded from (the pipelines' `WeightFilesHome`), or one cache file (`RawCacheFile`)."""
@@ -75,6 +84,11 @@ class RawHome(Protocol):
 
     def ram_bytes(self) -> int:
         """What its stand-ins keep in RAM (tensors the files lack)."""
+        ...
+
+    def moved_if_written(self, position: int, unit: Unit, raw: torch.Tensor) -> Moved | None:
+        """After an edit: where ``unit``'s current bytes ``raw`` go when its stand-in now holds them in anonymous
+        memory (written copy-on-write pages of a file mapping); None when it does not."""
         ...
 
     def close(self) -> None:
@@ -241,6 +255,20 @@ class HostCopies:
         unpin_unit(unit)
         unit.host = stand_in  # type: ignore[assignment]
         self._homed.add(position)
+
+    def rehome_written(self, positions: list[int] | None = None) -> None:
+        """Compressed only, after an edit: units whose raw bytes the edit wrote into copy-on-write pages of the
+        weight files (anonymous memory the host budget does not see) move to the raw home's cache file, and
+        those pages go back (`RawHome.moved_if_written`). ``positions``: the edited ones (default: all)."""
+        if self.raw_home is None:
+            return
+        for position in sorted(self._homed if positions is None else set(positions) & self._homed):
+            unit = self.positions[position]
+            moved = self.raw_home.moved_if_written(position, unit, self.raw_tensor(unit))
+            if moved is not None:  # tensors viewing the old stand-in follow; a device copy stays as it is
+                self.binding.rehost(unit, moved.stand_in)  # type: ignore[arg-type]
+                unit.host = moved.stand_in  # type: ignore[assignment]
+                moved.release()
 
     def pin_the_rest(self) -> None:
         """Compressed only, once set-up encoded everything: page-lock what stays in RAM raw (the base, units not
@@ -415,6 +443,7 @@ class HostCopies:
         """An edit reached ``unit``'s host copy: where it spills to no longer holds its bytes, and its
         compressed copy is made again."""
         self._current = False
+        self.rehome_written([unit.index + 1])
         if unit.index >= 0 and unit.index in self.encoded:
             self.compressed.refresh(unit)
 

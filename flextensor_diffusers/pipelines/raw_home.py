@@ -6,17 +6,27 @@ the unit's tensors byte for byte (`weight_files.match_unit`: same dtype and size
 tensors become views of private, copy-on-write mappings of those files, and its RAM buffer is freed; nothing is
 written. A unit the files do not hold (converted at load, edited since, a checkpoint elsewhere) goes to a cache
 file in ``cache_dir`` instead (`RawCacheFile`), unit by unit, so a component may wait partly in each.
+
+An edit made later through those views lands in private copy-on-write pages: anonymous memory, which the host
+budget does not see. After every edit the home looks for such pages (`/proc/self/pagemap` flags: present and
+no longer the file's) and moves each unit that has any to the cache file (`moved_if_written`), giving the
+written pages back to the kernel once the unit's tensors point at their new place.
 """
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import logging
+import mmap
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..engine.cache_files import RawCacheFile, drop_cached_pages
+from ..engine.host_copies import Moved
 from ..engine.units import Unit
 from .weight_files import (
     FileStamp,
@@ -45,7 +55,8 @@ class WeightFilesHome:
         self._fallback_used = False
         self._maps: dict[Path, torch.Tensor] = {}
         self.stamps: dict[Path, FileStamp] = {}
-        self._kept_bytes = 0
+        self._kept: dict[int, int] = {}  # per position: bytes its stand-in keeps in RAM (tensors the files lack)
+        self._ranges: dict[int, list[tuple[int, int]]] = {}  # per position: its tensors' addresses in the mappings
 
     def _entries_of(self, index: int) -> dict[str, TensorEntry]:
         entries = self._entries[index]
@@ -75,7 +86,10 @@ class WeightFilesHome:
                         size = self.stamps[path].size
                         self._maps[path] = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
                     stand_in = scattered_host(places, unit.host, self._maps)  # type: ignore[arg-type]
-                    self._kept_bytes += stand_in.kept_bytes
+                    self._kept[position] = stand_in.kept_bytes
+                    self._ranges[position] = [
+                        (self._maps[p.entry.file].data_ptr() + p.entry.start, p.nbytes) for p in places if p.entry
+                    ]
                     return stand_in
         except (OSError, NotSafetensors) as exc:
             reason = str(exc)
@@ -88,7 +102,20 @@ class WeightFilesHome:
         return self._fallback.stand_in(position, unit)
 
     def ram_bytes(self) -> int:
-        return self._kept_bytes
+        return sum(self._kept.values())
+
+    def moved_if_written(self, position: int, unit: Unit, raw: torch.Tensor) -> Moved | None:
+        """After an edit: when ``unit``'s views into the files were written (copy-on-write pages), its current
+        bytes ``raw`` in its room in the cache file, and what gives the written pages back once its tensors point
+        there; None when nothing was written (or it waits in the cache file already)."""
+        ranges = self._ranges.get(position)
+        if ranges is None or not any_written(ranges):
+            return None
+        stand_in = self._fallback.stand_in(position, dataclasses.replace(unit, host=raw))
+        del self._ranges[position]
+        self._kept.pop(position, None)
+        logger.info("%s: %s was edited; its raw bytes move to a cache file", self.component, unit.name)
+        return Moved(stand_in, lambda: give_back(ranges))
 
     def changed_file(self) -> Path | None:
         """The first weight file that changed since its units moved there (None: all as stamped)."""
@@ -105,3 +132,35 @@ class WeightFilesHome:
         self._fallback.close()
         for path in self.stamps:
             drop_cached_pages(path)
+
+
+_PAGE = mmap.PAGESIZE
+_PRESENT, _FILE_PAGE = np.uint64(1 << 63), np.uint64(1 << 61)
+
+
+def any_written(ranges: list[tuple[int, int]]) -> bool:
+    """Whether any page of the address ``ranges`` (of private file mappings) was written: present, and no longer
+    the file's page (`/proc/self/pagemap`'s flags, readable without privileges). True where that file cannot be
+    read: a unit then moves to the cache file, which is always right."""
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            for address, nbytes in ranges:
+                first, last = address // _PAGE, (address + max(nbytes, 1) - 1) // _PAGE
+                pagemap.seek(first * 8)
+                flags = np.frombuffer(pagemap.read((last - first + 1) * 8), dtype=np.uint64)
+                if np.any((flags & _PRESENT != 0) & (flags & _FILE_PAGE == 0)):
+                    return True
+    except (OSError, ValueError):
+        return True
+    return False
+
+
+def give_back(ranges: list[tuple[int, int]]) -> None:
+    """Drop the written pages of ``ranges`` (``MADV_DONTNEED``: a private mapping's page then reads the file's
+    again), whole pages inside each range only: a page shared with a neighbouring tensor stays as it is."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for address, nbytes in ranges:
+        start = -(-address // _PAGE) * _PAGE
+        end = (address + nbytes) // _PAGE * _PAGE
+        if end > start:
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
