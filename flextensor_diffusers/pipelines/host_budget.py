@@ -128,10 +128,12 @@ def check_host_budget(
     component_bytes: dict[str, int],
     overhead: HostOverhead,
     kept_bytes: dict[str, int] | None = None,
+    compressed: bool = False,
 ) -> None:
     """Refuse a host budget under the largest component's packed weights (plus what the others keep in
     RAM while they wait in their weight files, ``kept_bytes``) next to ``overhead``, naming the smallest
-    workable one."""
+    workable one. ``compressed``: ``component_bytes`` are the least the compressed copies can take
+    (`least_compressed_bytes`), so the figure named is a lower bound."""
     kept = kept_bytes or {}
     need = {n: b + sum(kept.get(o, 0) for o in component_bytes if o != n) for n, b in component_bytes.items()}
     name = max(component_bytes, key=lambda n: component_bytes[n])
@@ -139,10 +141,11 @@ def check_host_budget(
     if host_budget < smallest:
         raise HostBudgetError(
             f"host_budget {format_bytes(host_budget)} cannot hold the largest component, {name} "
-            f"({format_bytes(component_bytes[name])}), which must be in RAM while it runs, next to the process's "
+            f"({format_bytes(component_bytes[name])}{', compressed, at the very least' if compressed else ''}), "
+            "which must be in RAM while it runs, next to the process's "
             f"own memory ({format_bytes(overhead.own_bytes)}: Python, torch, CUDA) and a reserve "
             f"({format_bytes(overhead.reserve_bytes)}) for what it allocates later: the smallest workable host "
-            f"budget is {format_bytes(smallest)}",
+            f"budget is {'at least ' if compressed else ''}{format_bytes(smallest)}",
             required_bytes=smallest,
         )
 

@@ -449,9 +449,10 @@ def _host_tier(request: OffloadRequest, host_budget: int | str) -> HostTier:
     packed, available = request.packed, request.available
     overhead = HostOverhead.measure(available[n] for n in packed)  # before packing: the process's own memory
     kept = {n: kept_in_ram_bytes(n, available[n], root) for n in packed}
-    if request.config.get("compression", "none") != "none":  # sizes known once encoded: the least they can be
+    compressed = request.config.get("compression", "none") != "none"
+    if compressed:  # sizes known once encoded: the least they can be
         packed = {n: least_compressed_bytes(layout) for n, layout in request.layouts.items()}
-    check_host_budget(host_bytes, packed, overhead, kept)
+    check_host_budget(host_bytes, packed, overhead, kept, compressed)
     pin = request.device.type == "cuda" and request.config.get("pin_memory", True)
     return HostTier(
         budget=host_bytes,
