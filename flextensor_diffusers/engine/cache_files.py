@@ -68,7 +68,7 @@ def write_cache_file(path: Path, units: list[Unit], hosts: list[torch.Tensor]) -
 
 class RawCacheFile:
     """The raw bytes of a model's units kept compressed, in one file at ``where`` (each unit at its
-    `file_offsets` offset), written as set-up goes: a `host_copies.RawHome`. The file is created sparse at
+    `file_offsets` offset), written as set-up goes: a `raw_homes.RawHome`. The file is created sparse at
     once and each unit's room reserved when it arrives; it is deleted when offload is removed, or at exit."""
 
     def __init__(self, where: Path, units: list[Unit]) -> None:

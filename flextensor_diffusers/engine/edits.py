@@ -59,7 +59,8 @@ class Edits:
         finally:
             with torch.no_grad(), torch.inference_mode(False):
                 self._adopt_replaced()
-            self.host.rehome_written()  # compressed only: edited raw bytes leave copy-on-write pages
+            if self.host.raw_homes is not None:  # compressed only: edited raw bytes leave copy-on-write pages
+                self.host.raw_homes.rehome_written()
             if self.host.encoded:  # the compressed copies must say what the edited host copies say
                 self.host.compressed.make(self.host.compressed.pinned)
             self.binding.record()  # every copy was made again from the edited host copies

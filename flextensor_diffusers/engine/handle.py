@@ -43,13 +43,13 @@ from .call_guards import (
 )
 from .config import OffloadConfig, resolve_budget, resolve_device
 from .errors import BudgetError, FlexTensorError, OffloadStateError
-from .host_copies import RawHome
 from .payload_cache import PayloadCache
 from .phases import Discovery, OnDemand, Phase, Phases, Removed, Steady
 from .planner import Plan, WorkloadProfile
 from .planning import Planning
 from .profile import model_fingerprint, workload_signature
 from .profiler import Clock, Profiler
+from .raw_homes import RawHome
 from .schedule import SteadySchedule, TransferTotals
 from .setup import SetUp, SetupTimes, assemble
 from .shared_host import SharedHostMemory

@@ -8,8 +8,8 @@ these places, and this object alone knows which:
 * **RAM, compressed** as well, when compression is on (`compressed`, a `CompressedCopies`): loads may move the
   payload and decode it on the device; the raw bytes stay the truth;
 * **compressed only** (``raw_copies="disk"``, and always under a pipeline's host budget with compression): the
-  raw bytes of each unit kept compressed leave RAM as soon as its payload is made (`settle`), for a `RawHome`
-  (the weight files it was loaded from, else one cache file); RAM holds payloads, plus the raw bytes of the base
+  raw bytes of each unit kept compressed leave RAM as soon as its payload is made, for a `RawHome` (the weight
+  files it was loaded from, else one cache file; `raw_homes.RawHomes`); RAM holds payloads, plus the raw bytes of the base
   and of units not worth compressing. Every load of such a unit decodes its payload. Its payloads can then wait
   on disk as well (`spill_payloads`: in the payload file), and come back unit by unit as below;
 * **a cache file** (`spill`): a shared mapping of one file for all units, written once and kept, unwritten
@@ -33,7 +33,6 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -43,6 +42,7 @@ from .codec import EncodedUnit
 from .compressed_copies import CompressedCopies
 from .errors import OffloadStateError
 from .host_memory import host_buffer, page_locked
+from .raw_homes import RawHome, RawHomes
 from .setup_threads import ThreadedWork
 from .shared_host import SharedHostMemory
 from .units import Unit, pack_unit, pin_unit, restore_unit, unpin_unit
@@ -58,42 +58,6 @@ ReadInto = Callable[[int, torch.Tensor], None]
 #: only): enough that packing keeps ahead of the encoder, few enough that RAM holds only a few raw units at a
 #: time (a Wan2.2-A14B block is 0.7 GB).
 PACKING_WINDOW = 3
-
-
-@dataclasses.dataclass(frozen=True)
-class Moved:
-    """A unit's raw bytes moved within its raw home (`RawHome.moved_if_written`): the new stand-in, and what to
-    call once the unit's tensors point at it (the old place's memory goes back)."""
-
-    stand_in: object
-    release: Callable[[], None]
-
-
-class RawHome(Protocol):
-    """Where the raw bytes of units kept compressed wait outside RAM (compressed only): the weight files a
-    component was loaded from (the pipelines' `WeightFilesHome`), or one cache file (`RawCacheFile`)."""
-
-    #: The file or folder, for reports.
-    where: Path
-
-    def stand_in(self, position: int, unit: Unit) -> object:
-        """A stand-in for ``unit``'s flat host buffer (``unit.host``, in RAM now, holds its current bytes) that
-        holds the same bytes outside RAM: a tensor, or an object that gives each tensor's bytes when sliced at
-        its range, as `PackedTensor.view_of` slices."""
-        ...
-
-    def ram_bytes(self) -> int:
-        """What its stand-ins keep in RAM (tensors the files lack)."""
-        ...
-
-    def moved_if_written(self, position: int, unit: Unit, raw: torch.Tensor) -> Moved | None:
-        """After an edit: where ``unit``'s current bytes ``raw`` go when its stand-in now holds them in anonymous
-        memory (written copy-on-write pages of a file mapping); None when it does not."""
-        ...
-
-    def close(self) -> None:
-        """Offload is removed: delete what it wrote."""
-        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,10 +157,8 @@ class HostCopies:
         self._current = False  # where they spill to holds their bytes (no edit since)
         self._held_bytes: int | None = None  # while on stand-ins: what those keep in RAM
         self._taken: set[int] = set()  # positions already taken back into RAM during a spill
-        #: Compressed only (see the module docstring): where raw bytes of units kept compressed wait, and the
-        #: positions whose ``unit.host`` is a stand-in there.
-        self.raw_home: RawHome | None = None
-        self._homed: set[int] = set()
+        #: Compressed only (see the module docstring): where raw bytes of units kept compressed wait (`keep_raw_in`).
+        self.raw_homes: RawHomes | None = None
         self._payloads_taken: list[int] = []  # units whose payloads were taken back during a payload spill
 
     @property
@@ -241,48 +203,24 @@ class HostCopies:
     @property
     def compressed_only(self) -> bool:
         """Raw bytes of units kept compressed wait outside RAM (``raw_copies="disk"``; see the module docstring)."""
-        return self.raw_home is not None
+        return self.raw_homes is not None
 
-    def settle(self, index: int, kept: bool) -> None:
-        """Compressed only, at set-up, as each unit is done with (`CompressedCopies.make`'s ``settled``): a unit
-        kept compressed moves its raw bytes to the raw home and frees its RAM buffer; another stays in RAM."""
-        position = index + 1
-        unit = self.positions[position]
-        if not kept or position in self._homed or self.raw_home is None:
-            return
-        stand_in = self.raw_home.stand_in(position, unit)
-        self.binding.to_host(unit, stand_in)  # type: ignore[arg-type]
-        unpin_unit(unit)
-        unit.host = stand_in  # type: ignore[assignment]
-        self._homed.add(position)
+    @property
+    def raw_home(self) -> RawHome | None:
+        """Compressed only: where the raw bytes of units kept compressed wait."""
+        return self.raw_homes.home if self.raw_homes is not None else None
 
-    def rehome_written(self, positions: list[int] | None = None) -> None:
-        """Compressed only, after an edit: units whose raw bytes the edit wrote into copy-on-write pages of the
-        weight files (anonymous memory the host budget does not see) move to the raw home's cache file, and
-        those pages go back (`RawHome.moved_if_written`). ``positions``: the edited ones (default: all)."""
-        if self.raw_home is None:
-            return
-        for position in sorted(self._homed if positions is None else set(positions) & self._homed):
-            unit = self.positions[position]
-            moved = self.raw_home.moved_if_written(position, unit, self.raw_tensor(unit))
-            if moved is not None:  # tensors viewing the old stand-in follow; a device copy stays as it is
-                self.binding.rehost(unit, moved.stand_in)  # type: ignore[arg-type]
-                unit.host = moved.stand_in  # type: ignore[assignment]
-                moved.release()
-
-    def pin_the_rest(self) -> None:
-        """Compressed only, once set-up encoded everything: page-lock what stays in RAM raw (the base, units not
-        worth compressing), which loads copy as they are."""
-        for position, unit in enumerate(self.positions):
-            stays = position not in self._homed and isinstance(unit.host, torch.Tensor)
-            if stays and not unit.pinned_in_place and not unit.host.is_pinned():  # type: ignore[union-attr]
-                pin_unit(unit)
+    def keep_raw_in(self, home: RawHome) -> RawHomes:
+        """Before set-up packs: the raw bytes of units kept compressed will wait in ``home`` (`RawHomes.settle` as
+        each is encoded)."""
+        self.raw_homes = RawHomes(home, self.positions, self.binding, self.raw_tensor)
+        return self.raw_homes
 
     def raw_at_hand(self, unit: Unit) -> bool:
         """Whether ``unit``'s raw bytes are in a RAM buffer of its own (a raw load copies them at full speed),
         not in a stand-in of the raw home or of a spill."""
         position = unit.index + 1
-        if position in self._homed:
+        if self.raw_homes is not None and position in self.raw_homes.homed:
             return False
         return self.spilled_to is None or position in self._taken
 
@@ -348,9 +286,10 @@ class HostCopies:
     def stored_bytes(self) -> int:
         """Host RAM the host copies take when all are in RAM: raw and compressed copies, less the raw bytes
         that wait in the raw home for good (compressed only)."""
-        homed = sum(self.positions[p].nbytes for p in self._homed)
-        kept = self.raw_home.ram_bytes() if self.raw_home is not None else 0
-        return self.packed_bytes - homed + kept + self.compressed.stored_bytes
+        if self.raw_homes is None:
+            return self.packed_bytes + self.compressed.stored_bytes
+        homes = self.raw_homes
+        return self.packed_bytes - homes.homed_bytes + homes.home.ram_bytes() + self.compressed.stored_bytes
 
     # ------------------------------------------------------------------------------------ reading host bytes
 
@@ -386,12 +325,11 @@ class HostCopies:
         RAM and the units already taken back), compressed in RAM, the rest on disk (and which file or folder),
         and whether units are arriving from disk."""
         payloads = self.compressed.payload_bytes
-        if self.compressed_only:
-            assert self.raw_home is not None
-            homed = sum(self.positions[p].nbytes for p in self._homed)
+        if self.raw_homes is not None:
+            homed = self.raw_homes.homed_bytes
             waiting = self.compressed.stored_bytes - payloads
             return HostPlaces(
-                ram_raw_bytes=self.packed_bytes - homed + self.raw_home.ram_bytes(),
+                ram_raw_bytes=self.packed_bytes - homed + self.raw_homes.home.ram_bytes(),
                 ram_compressed_bytes=payloads,
                 disk_bytes=waiting,
                 disk_path=str(self.compressed.file.path) if waiting and self.compressed.file else None,
@@ -443,7 +381,8 @@ class HostCopies:
         """An edit reached ``unit``'s host copy: where it spills to no longer holds its bytes, and its
         compressed copy is made again."""
         self._current = False
-        self.rehome_written([unit.index + 1])
+        if self.raw_homes is not None:
+            self.raw_homes.rehome_written([unit.index + 1])
         if unit.index >= 0 and unit.index in self.encoded:
             self.compressed.refresh(unit)
 
@@ -597,6 +536,6 @@ class HostCopies:
                     ) from exc
                 on_restored(unit)
         self.compressed.release()
-        if self.raw_home is not None:
-            self.raw_home.close()
-            self.raw_home, self._homed = None, set()
+        if self.raw_homes is not None:
+            self.raw_homes.close()
+            self.raw_homes = None

@@ -25,8 +25,9 @@ from .config import cache_folder
 from .device_copies import DeviceCopies
 from .edits import Edits
 from .errors import FlexTensorError
-from .host_copies import PACKING_WINDOW, HostCopies, RawHome
+from .host_copies import PACKING_WINDOW, HostCopies
 from .payload_cache import PayloadCache, weights_key
+from .raw_homes import RawHome
 from .units import Unit, UnitLayout
 
 if TYPE_CHECKING:
@@ -91,8 +92,7 @@ class SetUp:
             self._open_shared(shared)
         pin = h.cuda and h.config.pin_memory
         compressed_only = h.config.compression == "lossless" and h.config.raw_copies == "disk"
-        if compressed_only:  # raw bytes leave RAM as encoding goes: pinned later, only those that stay
-            h.host.raw_home = self._raw_home or self._raw_cache_file()
+        homes = h.host.keep_raw_in(self._raw_home or self._raw_cache_file()) if compressed_only else None
         window = PACKING_WINDOW if compressed_only and h.cuda else None  # the CPU encoder asks for all at once
         pin_now = pin and not compressed_only
         start = time.perf_counter()
@@ -102,13 +102,13 @@ class SetUp:
         try:
             if h.config.compression == "lossless":  # units are compressed as they are packed
                 h.host.compressed.file = self.payload_cache
-                h.host.compressed.make(pin, self.payload_cache, settled=h.host.settle if compressed_only else None)
+                h.host.compressed.make(pin, self.payload_cache, settled=homes.settle if homes is not None else None)
                 h.setup_times.compress = 1e3 * (time.perf_counter() - start)
         finally:
             h.setup_times.pack = 1e3 * packing.finish()
-        if compressed_only:
+        if homes is not None:  # raw bytes left RAM as encoding went: what stays is page-locked now
             if pin:
-                h.host.pin_the_rest()
+                homes.pin_the_rest()
             given = h.planning.profiles.given
             h.planning.check_budget(h.budget_bytes, given.profile if given is not None else None)  # staging room now
         h.binding.record()  # packing re-pointed tensors; edits count from here

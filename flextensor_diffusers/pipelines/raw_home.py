@@ -1,7 +1,7 @@
 """`WeightFilesHome`: a component's own safetensors files as the place its raw bytes wait while RAM holds
 compressed copies only (``raw_copies="disk"``, and a host budget with compression).
 
-Set-up hands each unit over as soon as its compressed copy is made (`HostCopies.settle`): when the files hold
+Set-up hands each unit over as soon as its compressed copy is made (`RawHomes.settle`): when the files hold
 the unit's tensors byte for byte (`weight_files.match_unit`: same dtype and size, sampled bytes equal), its
 tensors become views of private, copy-on-write mappings of those files, and its RAM buffer is freed; nothing is
 written. A unit the files do not hold (converted at load, edited since, a checkpoint elsewhere) goes to a cache
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..engine.cache_files import RawCacheFile, drop_cached_pages
-from ..engine.host_copies import Moved
+from ..engine.raw_homes import Moved
 from ..engine.units import Unit
 from .weight_files import (
     FileStamp,
@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 
 class WeightFilesHome:
-    """A `host_copies.RawHome` over the checkpoints in ``folders`` (see the module docstring); ``fallback`` is
+    """A `raw_homes.RawHome` over the checkpoints in ``folders`` (see the module docstring); ``fallback`` is
     the cache file for units they do not hold, created at the first such unit."""
 
     def __init__(self, component: str, folders: list[Path], fallback: RawCacheFile) -> None:
