@@ -9,9 +9,9 @@ these places, and this object alone knows which:
   payload and decode it on the device; the raw bytes stay the truth;
 * **compressed only** (``raw_copies="disk"``, and always under a pipeline's host budget with compression): the
   raw bytes of each unit kept compressed leave RAM as soon as its payload is made, for a `RawHome` (the weight
-  files it was loaded from, else one cache file; `raw_homes.RawHomes`); RAM holds payloads, plus the raw bytes of the base
-  and of units not worth compressing. Every load of such a unit decodes its payload. Its payloads can then wait
-  on disk as well (`spill_payloads`: in the payload file), and come back unit by unit as below;
+  files it was loaded from, else one cache file; `raw_homes.RawHomes`); RAM holds payloads, plus the raw bytes
+  of the base and of units not worth compressing. Every load of such a unit decodes its payload. Its payloads
+  can then wait on disk as well (`spill_payloads`: in the payload file), and come back unit by unit as below;
 * **a cache file** (`spill`): a shared mapping of one file for all units, written once and kept, unwritten
   again, until an edit;
 * **the weight files** the model was loaded from (`spill` with stand-ins): private copy-on-write views, so an
