@@ -30,7 +30,7 @@ from .setup_threads import PACK_THREADS, on_threads
 from .units import Unit
 
 #: ``settled(index, kept)``: unit ``index`` is done with at set-up (its payload kept, or it is not worth
-#: compressing), told in unit order; what `HostCopies` uses to move raw bytes out of RAM as encoding goes.
+#: compressing), told in unit order; what `RawHomes.settle` uses to move raw bytes out of RAM as encoding goes.
 Settled = Callable[[int, bool], None]
 
 
