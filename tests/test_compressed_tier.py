@@ -418,3 +418,29 @@ def test_anonymous_memory_stays_within_the_host_budget_compressed(tmp_path) -> N
     r = json.loads(out.read_text())
     assert r["after_enable"] <= r["host_budget"] and r["tier_peak"] <= r["weights_budget"] < r["weights"], r
     assert r["reads"] >= 3, r
+
+
+def test_an_edit_after_loading_that_the_samples_miss_is_found_byte_for_byte(tmp_path) -> None:
+    """A weight changed after loading away from the bytes the files' match samples (start, middle, end of each
+    tensor): the raw bytes its block keeps must be the edited ones, so every byte is compared and that block
+    waits in the cache file. Outputs, `state_dict()` and the weights after `disable` all carry the edit."""
+    from tests.test_host_tier import WIDE_EXPERT
+
+    folder = save(tmp_path / "wan22", "20MB", WIDE_EXPERT)
+    native, pipe = load(folder), load(folder)
+    weight = pipe.transformer.blocks[1].ffn.net[0].proj.weight
+    quarter = weight.shape[0] // 4  # rows a quarter of the way in: outside every 4 KiB sample
+    for model in (native, pipe):
+        with torch.no_grad():
+            model.transformer.blocks[1].ffn.net[0].proj.weight[quarter] += 1.0
+    expected = wan_latents(native)
+    edited = pipe.transformer.state_dict()["blocks.1.ffn.net.0.proj.weight"].clone()
+    cache = tmp_path / "cache"
+    pipe.enable_flextensor_offload(
+        budget=WIDE_GPU_BUDGET, device="cpu", compression="lossless", host_budget="1GiB", cache_dir=cache
+    )
+    assert ".raw" in {p.suffix for p in cache.iterdir()}  # the edited block; the others wait in the files
+    assert torch.equal(pipe.transformer.state_dict()["blocks.1.ffn.net.0.proj.weight"], edited)
+    assert torch.equal(wan_latents(pipe), expected)
+    pipe.disable_flextensor_offload()
+    assert torch.equal(pipe.transformer.blocks[1].ffn.net[0].proj.weight, edited)

@@ -94,6 +94,9 @@ class RawCacheFile:
             f"could not write the raw weights to {self.where} ({exc}): free space there or choose another cache_dir"
         )
 
+    def prepare(self, position: int, unit: Unit) -> None:
+        """Nothing to do ahead: `stand_in` writes the unit's bytes."""
+
     def stand_in(self, position: int, unit: Unit) -> torch.Tensor:
         """Copy ``unit``'s bytes (``unit.host``) into its room in the file; that room, as a tensor."""
         mapped = self._open()

@@ -190,6 +190,8 @@ class HostCopies:
                 pack_unit(unit, host=shared.buffer(unit.index) if shared is not None else None, filled=attaching)
             if pin:
                 pin_unit(unit, attached=attaching)
+            if self.raw_homes is not None:  # while its bytes are at hand, on this thread
+                self.raw_homes.home.prepare(positions[unit.index], unit)
 
         units = self.positions
         verb = "attaching to shared weights" if attaching else "packing weights"

@@ -39,6 +39,11 @@ class RawHome(Protocol):
     #: The file or folder, for reports.
     where: Path
 
+    def prepare(self, position: int, unit: Unit) -> None:
+        """``unit`` was just packed (``unit.host`` holds its bytes), on a packing thread: work for `stand_in` that
+        can run there, in parallel with other units' (comparing its bytes with a file's, say)."""
+        ...
+
     def stand_in(self, position: int, unit: Unit) -> object:
         """A stand-in for ``unit``'s flat host buffer (``unit.host``, in RAM now, holds its current bytes) that
         holds the same bytes outside RAM: a tensor, or an object that gives each tensor's bytes when sliced at

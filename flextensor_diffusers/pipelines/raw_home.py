@@ -2,10 +2,12 @@
 compressed copies only (``raw_copies="disk"``, and a host budget with compression).
 
 Set-up hands each unit over as soon as its compressed copy is made (`RawHomes.settle`): when the files hold
-the unit's tensors byte for byte (`weight_files.match_unit`: same dtype and size, sampled bytes equal), its
-tensors become views of private, copy-on-write mappings of those files, and its RAM buffer is freed; nothing is
-written. A unit the files do not hold (converted at load, edited since, a checkpoint elsewhere) goes to a cache
-file in ``cache_dir`` instead (`RawCacheFile`), unit by unit, so a component may wait partly in each.
+the unit's tensors byte for byte (`weight_files.match_unit`: same dtype and size; then every byte compared, on
+the packing thread right after the unit is packed, since its compressed copy is made from the bytes in RAM and
+its raw bytes would then be the file's), its tensors become views of private, copy-on-write mappings of those
+files, and its RAM buffer is freed; nothing is written. A unit the files do not hold (converted at load, edited
+since, a checkpoint elsewhere) goes to a cache file in ``cache_dir`` instead (`RawCacheFile`), unit by unit, so
+a component may wait partly in each.
 
 An edit made later through those views lands in private copy-on-write pages: anonymous memory, which the host
 budget does not see. After every edit the home looks for such pages (`/proc/self/pagemap` flags: present and
@@ -20,6 +22,7 @@ import dataclasses
 import logging
 import mmap
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +35,7 @@ from .weight_files import (
     FileStamp,
     NotSafetensors,
     TensorEntry,
+    TensorPlace,
     checkpoints,
     match_unit,
     read_entries,
@@ -57,45 +61,81 @@ class WeightFilesHome:
         self.stamps: dict[Path, FileStamp] = {}
         self._kept: dict[int, int] = {}  # per position: bytes its stand-in keeps in RAM (tensors the files lack)
         self._ranges: dict[int, list[tuple[int, int]]] = {}  # per position: its tensors' addresses in the mappings
+        self._found: dict[int, tuple[list[TensorPlace] | None, str]] = {}  # per position: `prepare`'s answer
+        self._lock = threading.Lock()  # `prepare` runs on packing threads
 
     def _entries_of(self, index: int) -> dict[str, TensorEntry]:
-        entries = self._entries[index]
-        if entries is None:
-            entries = {}
-            try:
-                for path in self._checkpoints[index]:
-                    entries.update(read_entries(path))
-            except (OSError, NotSafetensors) as exc:
-                logger.info("%s: %s cannot hold raw weights (%s)", self.component, self._checkpoints[index][0], exc)
+        with self._lock:
+            entries = self._entries[index]
+            if entries is None:
                 entries = {}
-            self._entries[index] = entries
-        return entries
+                try:
+                    for path in self._checkpoints[index]:
+                        entries.update(read_entries(path))
+                except (OSError, NotSafetensors) as exc:
+                    logger.info("%s: %s cannot hold raw weights (%s)", self.component, self._checkpoints[index][0], exc)
+                    entries = {}
+                self._entries[index] = entries
+            return entries
 
-    def stand_in(self, position: int, unit: Unit) -> object:
-        """The unit's tensors in the first checkpoint that holds them all byte for byte; else its room in the
-        fallback cache file (written there)."""
+    def _mapping(self, path: Path) -> torch.Tensor:
+        """A private mapping of the weight file ``path`` (one per file), stamped when first mapped."""
+        with self._lock:
+            if path not in self._maps:
+                self.stamps[path] = FileStamp.take(path)
+                size = self.stamps[path].size
+                self._maps[path] = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+            return self._maps[path]
+
+    def prepare(self, position: int, unit: Unit) -> None:
+        """Find ``unit``'s tensors in the first checkpoint that holds them all, every byte equal to the unit's
+        in RAM (its compressed copy is made from those): on a packing thread, while its bytes are at hand."""
         fds: dict[Path, int] = {}
-        reason = "no safetensors checkpoint in its folder"
+        found: tuple[list[TensorPlace] | None, str] = (None, "no safetensors checkpoint in its folder")
         try:
             for index in range(len(self._checkpoints)):
                 places, reason = match_unit(unit, self._entries_of(index), fds)
                 if places is not None:
-                    files = {p.entry.file for p in places if p.entry is not None}
-                    for path in files - set(self._maps):
-                        self.stamps[path] = FileStamp.take(path)
-                        size = self.stamps[path].size
-                        self._maps[path] = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
-                    stand_in = scattered_host(places, unit.host, self._maps)  # type: ignore[arg-type]
-                    self._kept[position] = stand_in.kept_bytes
-                    self._ranges[position] = [
-                        (self._maps[p.entry.file].data_ptr() + p.entry.start, p.nbytes) for p in places if p.entry
-                    ]
-                    return stand_in
+                    reason = self._differs(unit, places)
+                    found = (places, "") if reason is None else (None, reason)
+                    break
+                found = (None, reason)
         except (OSError, NotSafetensors) as exc:
-            reason = str(exc)
+            found = (None, str(exc))
         finally:
             for fd in fds.values():
                 os.close(fd)
+        self._found[position] = found
+
+    def _differs(self, unit: Unit, places: list[TensorPlace]) -> str | None:
+        """The first tensor of ``unit`` whose bytes in RAM differ from the file's anywhere (an edit after loading
+        that left the sampled bytes as they were), None when all are equal."""
+        assert unit.host is not None
+        for place in places:
+            entry = place.entry
+            if entry is None:
+                continue
+            in_file = self._mapping(entry.file)[entry.start : entry.start + place.nbytes]
+            if not torch.equal(unit.host[place.offset : place.offset + place.nbytes], in_file):
+                return f"a tensor at {entry.start} of {entry.file.name} differs from the file (edited after loading?)"
+        return None
+
+    def stand_in(self, position: int, unit: Unit) -> object:
+        """The unit's tensors in its weight files when `prepare` found them all there, byte for byte; else its
+        room in the fallback cache file (written there)."""
+        if position not in self._found:  # packed before this home was told (not on the set-up path)
+            self.prepare(position, unit)
+        places, reason = self._found.pop(position)
+        if places is not None:
+            for place in places:
+                if place.entry is not None:
+                    self._mapping(place.entry.file)
+            stand_in = scattered_host(places, unit.host, self._maps)  # type: ignore[arg-type]
+            self._kept[position] = stand_in.kept_bytes
+            self._ranges[position] = [
+                (self._maps[p.entry.file].data_ptr() + p.entry.start, p.nbytes) for p in places if p.entry
+            ]
+            return stand_in
         if not self._fallback_used:
             logger.info("%s: %s waits in a cache file (%s), not in its weight files", self.component, unit.name, reason)
             self._fallback_used = True
