@@ -664,6 +664,27 @@ def test_weights_converted_at_load_wait_in_cache_files(saved, tmp_path) -> None:
     pipe.disable_flextensor_offload()
 
 
+def test_an_edit_after_loading_that_the_samples_miss_keeps_an_expert_out_of_its_files(wide, tmp_path) -> None:
+    """A weight changed after loading a quarter of the way into a tensor, where the files' sampled bytes do not
+    look: every byte is compared before a component may wait in its files, so the edited expert waits in a cache
+    file, and the generations while the experts take turns on disk carry the edit, bitwise."""
+    folder, _ = wide
+    native, pipe = load(folder), load(folder)
+    for model in (native, pipe):
+        weight = model.transformer.blocks[1].ffn.net[0].proj.weight
+        with torch.no_grad():
+            weight[weight.shape[0] // 4] += 1.0
+    expected = wan_latents(native)
+    cache = tmp_path / "cache"
+    gpu, host = smallest_budgets(pipe, cache)
+    pipe.enable_flextensor_offload(budget=gpu, device="cpu", host_budget=host, cache_dir=cache)
+    sources = {name: c["source"] for name, c in tier_of(pipe).report()["components"].items()}
+    assert sources["transformer"] == "cache file" and sources["transformer_2"] == "weights files"
+    assert all(torch.equal(wan_latents(pipe), expected) for _ in range(3))
+    assert len(tier_of(pipe).report()["disk_reads_s"]) >= 3
+    pipe.disable_flextensor_offload()
+
+
 def test_safetensors_headers_are_read_as_safetensors_reads_them(saved) -> None:
     from safetensors import safe_open
 

@@ -41,6 +41,7 @@ from .weight_files import (
     read_entries,
     scattered_host,
     truncated_file,
+    unit_difference,
 )
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class WeightFilesHome:
             for index in range(len(self._checkpoints)):
                 places, reason = match_unit(unit, self._entries_of(index), fds)
                 if places is not None:
-                    reason = self._differs(unit, places)
+                    reason = unit_difference(unit, places, self._mapping)
                     found = (places, "") if reason is None else (None, reason)
                     break
                 found = (None, reason)
@@ -106,19 +107,6 @@ class WeightFilesHome:
             for fd in fds.values():
                 os.close(fd)
         self._found[position] = found
-
-    def _differs(self, unit: Unit, places: list[TensorPlace]) -> str | None:
-        """The first tensor of ``unit`` whose bytes in RAM differ from the file's anywhere (an edit after loading
-        that left the sampled bytes as they were), None when all are equal."""
-        assert unit.host is not None
-        for place in places:
-            entry = place.entry
-            if entry is None:
-                continue
-            in_file = self._mapping(entry.file)[entry.start : entry.start + place.nbytes]
-            if not torch.equal(unit.host[place.offset : place.offset + place.nbytes], in_file):
-                return f"a tensor at {entry.start} of {entry.file.name} differs from the file (edited after loading?)"
-        return None
 
     def stand_in(self, position: int, unit: Unit) -> object:
         """The unit's tensors in its weight files when `prepare` found them all there, byte for byte; else its

@@ -1,9 +1,10 @@
 """The safetensors files a component was loaded from, as the place its host copies wait on disk.
 
 ``from_pretrained`` on a local folder leaves every weight's bytes in the component's ``*.safetensors``
-files. When each packed tensor's bytes are exactly there (same dtype and size, so nothing was
-converted at load, and sampled bytes equal, so nothing was edited since), a component that moves out
-of RAM needs no cache file: its tensors become views of private, copy-on-write mappings of those files
+files. When each packed tensor's bytes are exactly there (same dtype and size, so nothing was converted at
+load, and every byte equal, so nothing was edited since: sampled first, then all compared, `first_difference`),
+a component that moves out of RAM needs no cache file: its tensors become views of private, copy-on-write
+mappings of those files
 (`torch.from_file` with ``shared=False``), so an edit made while it waits lands in anonymous memory and
 never in the user's files. Reading it back is a few large ``preadv`` calls per unit, one unit per
 thread, followed by dropping those files' pages from the page cache.
@@ -19,7 +20,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -246,6 +247,39 @@ def truncated_file(stamps: Iterable[FileStamp]) -> Path | None:
     return None
 
 
+def unit_difference(unit: Unit, places: list[TensorPlace], mapping: Callable[[Path], torch.Tensor]) -> str | None:
+    """Where ``unit``'s first tensor (packed, in RAM) differs from its bytes in the file ``places`` found it in,
+    every byte compared (an edit after loading that left the sampled bytes as they were); None when all are
+    equal. ``mapping(path)``: a mapping of that file. Waiting in the files, a unit's bytes become the files', so a
+    difference anywhere would change the weights."""
+    assert unit.host is not None
+    for place in places:
+        entry = place.entry
+        if entry is None:
+            continue
+        in_file = mapping(entry.file)[entry.start : entry.start + place.nbytes]
+        if not torch.equal(unit.host[place.offset : place.offset + place.nbytes], in_file):
+            return f"a tensor of {unit.name} differs from {entry.file.name} (edited after loading?)"
+    return None
+
+
+def first_difference(units: list[Unit], places: list[list[TensorPlace]]) -> str | None:
+    """`unit_difference` of every unit, one unit per thread; the first difference found, None when none."""
+    from ..engine.setup_threads import on_threads
+
+    files = {p.entry.file for unit in places for p in unit if p.entry is not None}
+    maps = {f: torch.from_file(str(f), shared=False, size=f.stat().st_size, dtype=torch.uint8) for f in files}
+    found: list[str] = []
+
+    def compare(position: int) -> None:
+        difference = unit_difference(units[position], places[position], maps.__getitem__)
+        if difference is not None:
+            found.append(difference)
+
+    on_threads(compare, list(range(len(units))), "comparing weights with their files")
+    return min(found) if found else None
+
+
 def match_unit(
     unit: Unit, entries: dict[str, TensorEntry], fds: dict[Path, int]
 ) -> tuple[list[TensorPlace] | None, str]:
@@ -356,6 +390,9 @@ class WeightSource:
                     for path in files:
                         entries.update(read_entries(path))
                     places, reason = cls._match(units, entries)
+                    if places is not None:  # the samples matched: now every byte
+                        reason = first_difference(units, places) or ""
+                        places = places if not reason else None
                     stamps = [FileStamp.take(path) for path in files] if places is not None else []
                 except (OSError, NotSafetensors) as exc:
                     places, reason = None, str(exc)
