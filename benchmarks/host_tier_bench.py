@@ -517,11 +517,8 @@ def parent(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------- command line
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=None, help="the JSON to write (after every phase)")
-    parser.add_argument("--size", default="full", choices=("tiny", "full"))
-    parser.add_argument("--workdir", type=Path, default=None, help="folder, cache; default <tmp>/host_tier_bench")
+def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of the generations a tier benchmark runs (shared with tiers_bench.py)."""
     parser.add_argument("--frames", type=int, default=None, help="default 81 (full), 9 (tiny)")
     parser.add_argument("--height", type=int, default=None, help="default 480 (full), 32 (tiny)")
     parser.add_argument("--width", type=int, default=None, help="default 832 (full), 32 (tiny)")
@@ -529,6 +526,22 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=2, help="warm-up generation (discovery, profiling)")
     parser.add_argument("--guidance", type=float, default=5.0, help="CFG scale (> 1: a cond and an uncond pass)")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def resolve_generation_arguments(args: argparse.Namespace) -> None:
+    """The generation's size when not given: the published one at full size, a small one with tiny weights."""
+    tiny = args.size == "tiny"
+    args.frames = args.frames or (9 if tiny else 81)
+    args.height = args.height or (32 if tiny else 480)
+    args.width = args.width or (32 if tiny else 832)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None, help="the JSON to write (after every phase)")
+    parser.add_argument("--size", default="full", choices=("tiny", "full"))
+    parser.add_argument("--workdir", type=Path, default=None, help="folder, cache; default <tmp>/host_tier_bench")
+    add_generation_arguments(parser)
     parser.add_argument("--budget", default=None, help="GPU budget (default 8GiB; tiny: 250000)")
     parser.add_argument("--host-budget", default=None, help="default 32GiB; tiny: one expert + VAE + a quarter")
     parser.add_argument("--card", default="24GB", help="memory cap of the emulated card")
@@ -539,9 +552,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--progress", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     tiny = args.size == "tiny"
-    args.frames = args.frames or (9 if tiny else 81)
-    args.height = args.height or (32 if tiny else 480)
-    args.width = args.width or (32 if tiny else 832)
+    resolve_generation_arguments(args)
     args.workdir = args.workdir or Path(tempfile.gettempdir()) / f"host_tier_bench-{args.size}"
     args.folder, args.cache_dir = args.workdir / "pipeline", args.workdir / "cache"
     args.budget_bytes = parse_bytes(args.budget or (250_000 if tiny else "8GiB"))

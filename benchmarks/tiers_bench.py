@@ -103,6 +103,7 @@ from host_tier_bench import (
     MARKER,
     OVERHEAD_FORMULA,
     ChildRun,
+    add_generation_arguments,
     check_disk,
     child_save,
     component_bytes,
@@ -111,6 +112,7 @@ from host_tier_bench import (
     generate,
     host_copies_only,
     random_embeddings,
+    resolve_generation_arguments,
     steady_step_s,
     storage_read_bytes,
     summarise_switches,
@@ -835,13 +837,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--setup-only", action="store_true", help="the set-up runs on the block stack only")
     parser.add_argument("--size", default="full", choices=("tiny", "full"))
     parser.add_argument("--workdir", type=Path, default=None, help="folder, caches; default <tmp>/tiers_bench-SIZE")
-    parser.add_argument("--frames", type=int, default=None, help="default 81 (full), 9 (tiny)")
-    parser.add_argument("--height", type=int, default=None, help="default 480 (full), 32 (tiny)")
-    parser.add_argument("--width", type=int, default=None, help="default 832 (full), 32 (tiny)")
-    parser.add_argument("--steps", type=int, default=4, help="measured generation: 4 gives each expert 2 steps")
-    parser.add_argument("--warmup-steps", type=int, default=2, help="warm-up generation (discovery, profiling)")
-    parser.add_argument("--guidance", type=float, default=5.0, help="CFG scale (> 1: a cond and an uncond pass)")
-    parser.add_argument("--seed", type=int, default=0)
+    add_generation_arguments(parser)
     parser.add_argument(
         "--budget",
         default=None,
@@ -889,9 +885,7 @@ def parse_args() -> argparse.Namespace:
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown:
         parser.error(f"unknown configuration(s) {', '.join(unknown)}; one of {', '.join(CONFIGS)}")
-    args.frames = args.frames or (9 if tiny else 81)
-    args.height = args.height or (32 if tiny else 480)
-    args.width = args.width or (32 if tiny else 832)
+    resolve_generation_arguments(args)
     args.workdir = args.workdir or Path(tempfile.gettempdir()) / f"tiers_bench-{args.size}"
     args.folder, args.cache_dir = args.workdir / "pipeline", args.workdir / "cache"
     args.budget_bytes = parse_bytes(args.budget or (360_000 if tiny else "8GiB"))

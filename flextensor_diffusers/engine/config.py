@@ -226,6 +226,12 @@ class OffloadConfig:
         if "forward" in self.entry_methods:
             raise FlexTensorError("entry_methods lists methods besides forward (e.g. ['encode', 'decode'])")
 
+    @property
+    def compressed_only(self) -> bool:
+        """Host RAM keeps compressed copies only: the raw ones wait outside it (``raw_copies="disk"``, which
+        `__post_init__` allows with compression only)."""
+        return self.compression != "none" and self.raw_copies == "disk"
+
 
 def cache_folder(cache_dir: str | Path | None) -> Path:
     """The folder for cache files (created); refused at once when it cannot be written."""

@@ -80,6 +80,14 @@ class HostPlaces:
         return "ram compressed" if self.raw_disk_bytes else "ram"
 
 
+def copy_by_tensor(unit: Unit, stand_in: object, buffer: torch.Tensor, non_blocking: bool = False) -> None:
+    """Copy ``unit``'s bytes from a stand-in for its flat host buffer, which gives them only when sliced at each
+    tensor's range (`PackedTensor.view_of`), into the flat ``buffer``, tensor by tensor."""
+    for packed in unit.tensors:
+        end = packed.offset + packed.nbytes
+        buffer[packed.offset : end].copy_(stand_in[packed.offset : end], non_blocking=non_blocking)  # type: ignore[index]
+
+
 class PackingWindow:
     """Lets a unit be packed only within ``size`` positions of the furthest one asked for so far, so that
     packing cannot run far ahead of a consumer that frees each unit's RAM once done with it (compressed only).
@@ -234,9 +242,7 @@ class HostCopies:
             return host
         flat = host_buffer(unit.nbytes)
         flat.zero_()  # the padding between tensors, as packing leaves it
-        for packed in unit.tensors:
-            end = packed.offset + packed.nbytes
-            flat[packed.offset : end].copy_(host[packed.offset : end])  # type: ignore[index]
+        copy_by_tensor(unit, host, flat)
         return flat
 
     def copy_raw_into(self, unit: Unit, buffer: torch.Tensor) -> None:
@@ -246,10 +252,8 @@ class HostCopies:
         host = self.host_of(unit)
         if isinstance(host, torch.Tensor):
             buffer.copy_(host, non_blocking=True)
-            return
-        for packed in unit.tensors:
-            end = packed.offset + packed.nbytes
-            buffer[packed.offset : end].copy_(host[packed.offset : end], non_blocking=True)  # type: ignore[index]
+        else:
+            copy_by_tensor(unit, host, buffer, non_blocking=True)
 
     def spill_payloads(self) -> None:
         """Compressed only: move the payloads out of RAM into the payload file (`CompressedCopies.spill`). The
@@ -288,10 +292,8 @@ class HostCopies:
     def stored_bytes(self) -> int:
         """Host RAM the host copies take when all are in RAM: raw and compressed copies, less the raw bytes
         that wait in the raw home for good (compressed only)."""
-        if self.raw_homes is None:
-            return self.packed_bytes + self.compressed.stored_bytes
-        homes = self.raw_homes
-        return self.packed_bytes - homes.homed_bytes + homes.home.ram_bytes() + self.compressed.stored_bytes
+        raw = self.packed_bytes if self.raw_homes is None else self.raw_homes.raw_ram_bytes(self.packed_bytes)
+        return raw + self.compressed.stored_bytes
 
     # ------------------------------------------------------------------------------------ reading host bytes
 
@@ -328,15 +330,14 @@ class HostCopies:
         and whether units are arriving from disk."""
         payloads = self.compressed.payload_bytes
         if self.raw_homes is not None:
-            homed = self.raw_homes.homed_bytes
             waiting = self.compressed.stored_bytes - payloads
             return HostPlaces(
-                ram_raw_bytes=self.packed_bytes - homed + self.raw_homes.home.ram_bytes(),
+                ram_raw_bytes=self.raw_homes.raw_ram_bytes(self.packed_bytes),
                 ram_compressed_bytes=payloads,
                 disk_bytes=waiting,
                 disk_path=str(self.compressed.file.path) if waiting and self.compressed.file else None,
                 arriving=self.host_gate is not None,
-                raw_disk_bytes=homed,
+                raw_disk_bytes=self.raw_homes.homed_bytes,
             )
         if self.spilled_to is None:
             return HostPlaces(ram_raw_bytes=self.packed_bytes, ram_compressed_bytes=payloads)
@@ -463,9 +464,7 @@ class HostCopies:
         if read is not None:
             read(position, buffer)
         elif not isinstance(host, torch.Tensor):  # a stand-in is sliced per tensor only
-            for packed in unit.tensors:
-                end = packed.offset + packed.nbytes
-                buffer[packed.offset : end].copy_(host[packed.offset : end])  # type: ignore[index]
+            copy_by_tensor(unit, host, buffer)
         else:
             buffer.copy_(host)
         buffer, in_place = page_locked(buffer) if pin else (buffer, False)

@@ -125,10 +125,11 @@ def crc32_of(payload: torch.Tensor) -> int:
     return zlib.crc32(memoryview(payload.numpy())) if payload.numel() else 0
 
 
-def _read_at(fd: int, position: int, record: CacheRecord) -> torch.Tensor | None:
-    """``record``'s payload, read from ``position`` of the open file ``fd`` into a new host buffer (``pread``
-    keeps no shared file position, so threads can share ``fd``); None when the file ends first."""
-    payload = host_buffer(record.payload_nbytes)
+def _read_at(fd: int, position: int, record: CacheRecord, into: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``record``'s payload, read from ``position`` of the open file ``fd`` into ``into`` (its size), else into a
+    new host buffer (``pread`` keeps no shared file position, so threads can share ``fd``); None when the file
+    ends first."""
+    payload = into if into is not None else host_buffer(record.payload_nbytes)
     view, done = memoryview(payload.numpy()), 0
     while done < record.payload_nbytes:
         n = os.preadv(fd, [view[done:]], position + done)  # one call moves at most ~2 GiB on Linux
@@ -243,12 +244,15 @@ class PayloadCache:
         size = self.path.stat().st_size
         end = max((self.data_start + r.offset + r.payload_nbytes for r in self.records.values()), default=0)
         if size < end:
-            raise FlexTensorError(f"the compressed weights file {self.path} was truncated: enable offload again")
+            raise self._truncated()
         mapped = torch.from_file(str(self.path), shared=False, size=max(size, 1), dtype=torch.uint8)
         return {
             i: mapped[self.data_start + r.offset : self.data_start + r.offset + r.payload_nbytes]
             for i, r in self.records.items()
         }
+
+    def _truncated(self) -> FlexTensorError:
+        return FlexTensorError(f"the compressed weights file {self.path} was truncated: enable offload again")
 
     def read_payload(self, index: int, into: torch.Tensor) -> None:
         """Read unit ``index``'s payload into ``into`` (its size) with ``pread`` and check its CRC-32: a
@@ -256,14 +260,11 @@ class PayloadCache:
         record = self.records[index]
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            view, done = memoryview(into.numpy()), 0
-            while done < record.payload_nbytes:
-                n = os.preadv(fd, [view[done:]], self.data_start + record.offset + done)
-                if n == 0:
-                    raise FlexTensorError(f"the compressed weights file {self.path} was truncated: enable offload anew")
-                done += n
+            read = _read_at(fd, self.data_start + record.offset, record, into)
         finally:
             os.close(fd)
+        if read is None:
+            raise self._truncated()
         if crc32_of(into) != record.crc32:
             raise FlexTensorError(
                 f"the compressed weights of unit {index} in {self.path} changed on disk since they were written: "

@@ -75,7 +75,7 @@ class Planning:
     def _allowances(self) -> tuple[float, int, int]:
         """Activation margin, staging room every slot needs (raw copies on disk: every load decodes), granule."""
         h = self.handle
-        disk = h.config.raw_copies == "disk"  # asked for: checked before the raw copies move to disk
+        disk = h.config.compressed_only  # asked for: checked before the raw copies move to disk
         staging = max((e.payload.numel() for e in h.host.encoded.values()), default=0) if disk else 0
         return h.config.activation_margin, staging, h.device_copies.allocation_granule
 

@@ -82,6 +82,11 @@ class RawHomes:
         """Raw bytes that wait in the home, outside RAM."""
         return sum(self._positions[p].nbytes for p in self.homed)
 
+    def raw_ram_bytes(self, packed_bytes: int) -> int:
+        """Host RAM the raw copies take, of ``packed_bytes`` in all: those not homed, and what the home's
+        stand-ins keep in RAM."""
+        return packed_bytes - self.homed_bytes + self.home.ram_bytes()
+
     def settle(self, index: int, kept: bool) -> None:
         """At set-up, as each unit is done with (`CompressedCopies.make`'s ``settled``): a unit kept compressed
         moves its raw bytes to the home and frees its RAM buffer; another stays in RAM."""

@@ -91,7 +91,7 @@ class SetUp:
         if shared is not None:
             self._open_shared(shared)
         pin = h.cuda and h.config.pin_memory
-        compressed_only = h.config.compression == "lossless" and h.config.raw_copies == "disk"
+        compressed_only = h.config.compressed_only
         homes = h.host.keep_raw_in(self._raw_home or self._raw_cache_file()) if compressed_only else None
         window = PACKING_WINDOW if compressed_only and h.cuda else None  # the CPU encoder asks for all at once
         pin_now = pin and not compressed_only

@@ -474,7 +474,7 @@ def _offload_component(state: PipelineOffload, request: OffloadRequest, name: st
         tier.room_for_packing(request.packed[name])
     try:
         if request.shared_host is None:
-            home = _raw_home(name, module, request) if cfg.compression != "none" and cfg.raw_copies == "disk" else None
+            home = _raw_home(name, module, request) if cfg.compressed_only else None
             handle = OffloadHandle(module, cfg, layout=request.layouts[name], raw_home=home)  # laid out when checked
         else:
             handle = offload_shared(module, cfg, f"{request.shared_host}-{name}", root=request.shared_host_root)

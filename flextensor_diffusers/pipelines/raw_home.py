@@ -36,6 +36,7 @@ from .weight_files import (
     NotSafetensors,
     TensorEntry,
     TensorPlace,
+    changed_file,
     checkpoints,
     match_unit,
     read_entries,
@@ -147,7 +148,7 @@ class WeightFilesHome:
 
     def changed_file(self) -> Path | None:
         """The first weight file that changed since its units moved there (None: all as stamped)."""
-        return next((s.path for s in self.stamps.values() if s.changed()), None)
+        return changed_file(self.stamps.values())
 
     def truncated_file(self) -> Path | None:
         """A weight file now shorter than when it was stamped: its mapped views would fault (SIGBUS)."""

@@ -235,6 +235,11 @@ def _samples_match(fd: int, entry: TensorEntry, host: torch.Tensor) -> bool:
     return True
 
 
+def changed_file(stamps: Iterable[FileStamp]) -> Path | None:
+    """The first of ``stamps``' files that changed since it was stamped (None: all as stamped)."""
+    return next((s.path for s in stamps if s.changed()), None)
+
+
 def truncated_file(stamps: Iterable[FileStamp]) -> Path | None:
     """The first of ``stamps``' files now shorter than when it was stamped (or gone): mapped views of it would
     fault (SIGBUS)."""
@@ -424,7 +429,7 @@ class WeightSource:
 
     def changed_file(self) -> Path | None:
         """The first weight file that changed since offload was enabled (None: all as stamped)."""
-        return next((s.path for s in self.stamps if s.changed()), None)
+        return changed_file(self.stamps)
 
     def check(self) -> None:
         """Refuse, before anything is read, files that changed since offload was enabled."""
