@@ -198,7 +198,7 @@ class HostCopies:
                 pack_unit(unit, host=shared.buffer(unit.index) if shared is not None else None, filled=attaching)
             if pin:
                 pin_unit(unit, attached=attaching)
-            if self.raw_homes is not None:  # while its bytes are at hand, on this thread
+            if self.raw_homes is not None and unit.index >= 0:  # while its bytes are at hand; the base stays in RAM
                 self.raw_homes.home.prepare(positions[unit.index], unit)
 
         units = self.positions
