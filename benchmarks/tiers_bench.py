@@ -11,7 +11,10 @@ under ``budget="8GiB"``, with ``cache_dir`` in the work folder:
 * ``host32_compressed``: ``host_budget="32GiB", compression="lossless"``;
 * ``host24_compressed``: ``host_budget="24GiB", compression="lossless"``;
 * ``defaults``: nothing but ``budget`` and ``cache_dir``;
-* ``host32_raw`` (not run unless named in ``--configs``): ``host_budget="32GiB"`` alone (issue 15's tiered run).
+* ``host32_raw`` (not run unless named in ``--configs``): ``host_budget="32GiB"`` alone (issue 15's tiered run);
+* ``defaults_64gb`` (not run unless named): ``defaults`` as on a 64 GiB machine: the parent holds the rest of the
+  machine's RAM, written, while the child runs (`ballast`); the default ``host_budget="auto"`` then finds the
+  host copies do not fit and turns the host tier on (its budget: ``auto_host_budget_bytes``).
 
 A child: page cache of the weight files dropped, ``from_pretrained``, ``enable_flextensor_offload`` (timed:
 ``setup_s``), a warm-up generation (``--warmup-steps``) and a measured one (``--steps``; the page cache is dropped
@@ -130,13 +133,25 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "host24_compressed": {"host_budget": "24GiB", "compression": "lossless"},
     "defaults": {},
     "host32_raw": {"host_budget": "32GiB", "compression": "none"},
+    "defaults_64gb": {},
 }
+#: Configurations run as on a machine with less RAM: the parent holds the rest of the machine's RAM (touched
+#: anonymous memory: `ballast`) while the child runs, so that the RAM available is what such a machine has left.
+#: Full size only (the tiny pipeline runs as ``defaults``).
+MACHINE_RAM = {"defaults_64gb": "64GiB"}
 DEFAULT_CONFIGS = ("ram_raw", "host32_compressed", "host24_compressed", "defaults")
 #: The configuration the others are compared with (latents, step time, overhead).
 REFERENCE = "ram_raw"
 #: Seconds a full-size configuration is expected to take (load, enable, both generations; from
 #: host_tier_h200.json's runs, compression's encoding and the payload reads added): none starts with less left.
-EXPECTED_S = {"ram_raw": 100, "defaults": 100, "host32_compressed": 200, "host24_compressed": 200, "host32_raw": 200}
+EXPECTED_S = {
+    "ram_raw": 100,
+    "defaults": 100,
+    "host32_compressed": 200,
+    "host24_compressed": 200,
+    "host32_raw": 200,
+    "defaults_64gb": 200,
+}
 #: Set-up runs on the block stack, in order, and the `peers.set_up` method of each. The two compressed runs share
 #: one cache folder, empty before the first: the first writes the payload file, the second reads it.
 SETUP_RUNS = {
@@ -339,7 +354,7 @@ def child_pipeline(args: argparse.Namespace) -> None:
     run = ChildRun(args)  # phases, host memory sampler, storage reads, progress file
     run.role = name
     options = enable_options(name, args)
-    tiered = options.get("host_budget") is not None
+    tiered = options.get("host_budget") is not None or name in MACHINE_RAM  # "auto" may turn the tier on there
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     run.out.update(
         config=name,
@@ -499,6 +514,10 @@ def entry_of(name: str, args: argparse.Namespace, data: dict[str, Any] | None, e
         entry["stored_within_host_budget"] = entry["stored_host_bytes"] <= entry["host_budget_bytes"]
         if args.size == "full":  # tiny: the host budget bounds the host copies alone (host_copies_only)
             entry["peak_host_within_budget"] = entry["peak_host_bytes"] <= entry["host_budget_bytes"]
+    if entry["host_budget_bytes"] is None and tier.get("host_budget_bytes"):  # "auto" turned the tier on
+        entry["auto_host_budget_bytes"] = tier["host_budget_bytes"]
+        if entry["peak_host_bytes"] is not None:
+            entry["peak_host_within_budget"] = entry["peak_host_bytes"] <= tier["host_budget_bytes"]
     measured = data.get("measured")
     entry["step_s"] = steady_step_s(measured) if measured else None
     entry["switch_wait_s"] = []
@@ -678,14 +697,42 @@ def pipeline_phase(args: argparse.Namespace, result: dict[str, Any], deadline: f
         else:
             empty(args.cache_dir)
             argv = ["--child", "pipeline", "--config", name, *child_argv(args)]
-            data, error = run_child(argv, scratch / f"{name}.json", deadline)
+            with ballast(name, args) as held:
+                data, error = run_child(argv, scratch / f"{name}.json", deadline)
             empty(args.cache_dir)
             row = entry_of(name, args, data, error)
+            if name in MACHINE_RAM and args.size == "full":
+                row["machine_ram_bytes"], row["ballast_bytes"] = parse_bytes(MACHINE_RAM[name]), held
             result["device"] = result.get("device") or row.get("device")
         result["pipeline"] = [r for r in result["pipeline"] if r["config"] != name] + [row]
         result["pipeline"].sort(key=lambda r: list(CONFIGS).index(r["config"]))
         compare(result, scratch)
         phase_done(name, t0, **({"error": row["error"]} if row.get("error") else {}))
+
+
+@contextlib.contextmanager
+def ballast(name: str, args: argparse.Namespace) -> Any:
+    """For a configuration of `MACHINE_RAM` (full size), hold the machine's RAM beyond that size in this process
+    while the child runs: an anonymous mapping with every page written, so that the kernel cannot reclaim it and
+    the child finds the RAM available of the smaller machine. Yields the bytes held (0: none)."""
+    if name not in MACHINE_RAM or args.size != "full":
+        yield 0
+        return
+    import mmap
+
+    import psutil
+
+    nbytes = max(0, psutil.virtual_memory().total - parse_bytes(MACHINE_RAM[name]))
+    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        chunk = b"\1" * (64 << 20)
+        for start in range(0, nbytes, len(chunk)):
+            region[start : start + min(len(chunk), nbytes - start)] = chunk[: nbytes - start]
+        available = psutil.virtual_memory().available
+        print(f"ballast: holding {nbytes / 2**30:.1f} GiB; {available / 2**30:.1f} GiB available", flush=True)
+        yield nbytes
+    finally:
+        region.close()
 
 
 SETUP_KEYS = {

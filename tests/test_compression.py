@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -169,9 +170,10 @@ def test_the_payload_cache_is_read_back_and_refused_when_the_weights_changed(
             # read back are proven by the set-up's check alone.
             assert handle.host.encoded.keys() == set(range(len(handle.units)))
             assert handle.plan.compressed or device == "cuda"
-            return handle.stats().payload_cache
+            cache = handle.payload_cache
         finally:
-            handle.remove()
+            handle.remove()  # waits for the payload file, written in the background after encoding
+        return cache.describe()
 
     assert run(*make(torch.bfloat16)).startswith("written: ")
     files = list(tmp_path.glob("*.payloads"))
@@ -498,26 +500,50 @@ def test_a_payload_cache_that_cannot_be_written_leaves_no_file_and_costs_only_th
     handle = ft.offload(model, dataclasses.replace(config, cache_dir=tmp_path))
     with torch.inference_mode():
         assert all(torch.equal(model(x), ref) for _ in range(3))
-    assert handle.stats().payload_cache.startswith("not written: [Errno 28] No space left on device")
+    cache = handle.payload_cache
+    handle.remove()  # waits for the write, in the background since set-up
+    assert cache.describe().startswith("not written: [Errno 28] No space left on device")
     assert not list(tmp_path.iterdir())
-    handle.remove()
 
 
-def test_ctrl_c_while_the_payload_cache_is_written_leaves_no_file_and_the_model_as_it_was(
-    tmp_path, monkeypatch
-) -> None:
-    """Ctrl-C while set-up writes the payload cache (seconds for a large model): it reaches the caller, the
-    model is as it was, and no half-written file stays in the cache folder."""
+def test_set_up_does_not_wait_for_the_payload_cache_and_ctrl_c_at_exit_leaves_no_file(tmp_path, monkeypatch) -> None:
+    """The payload file is written after set-up returns, while the model already computes (it is for the next
+    run). At exit the interpreter finishes the write; Ctrl-C there gives it up: no half-written file stays in
+    the cache folder, and the model is as it was."""
     from flextensor_diffusers.engine import payload_cache
 
-    def interrupted(*_: object) -> None:
-        raise KeyboardInterrupt
+    gate = threading.Event()
+    real_crc32 = payload_cache.crc32_of
 
-    monkeypatch.setattr(payload_cache.os, "replace", interrupted)
-    model, _ = make(torch.bfloat16)
+    def held_up(payload: torch.Tensor) -> int:  # the disk, slow: the write waits here until the gate opens
+        assert gate.wait(60)
+        return real_crc32(payload)
+
+    monkeypatch.setattr(payload_cache, "crc32_of", held_up)
+    model, x = make(torch.bfloat16)
     before = snapshot(model)
+    with torch.inference_mode():
+        ref = model(x)
     config = ft.OffloadConfig(["blocks.*"], device="cpu", compression="lossless", compression_cache=True)
-    with pytest.raises(KeyboardInterrupt):
-        ft.offload(model, dataclasses.replace(config, cache_dir=tmp_path))
+    handle = ft.offload(model, dataclasses.replace(config, cache_dir=tmp_path))
+    assert handle.stats().payload_cache.startswith("writing: ")  # set-up returned with the write held up
+    with torch.inference_mode():
+        assert torch.equal(model(x), ref)
+
+    real_held = payload_cache.BackgroundWrite.held
+    interrupted = []
+
+    def ctrl_c_once(write: payload_cache.BackgroundWrite) -> bool:
+        if not interrupted:
+            interrupted.append(write)
+            raise KeyboardInterrupt  # while the exit handler waits for the write
+        return real_held(write)
+
+    monkeypatch.setattr(payload_cache.BackgroundWrite, "held", ctrl_c_once)
+    threading.Timer(0.2, gate.set).start()  # the write goes on once given up: it stops at the next payload
+    payload_cache._finish_writes_at_exit()
+    assert interrupted and not interrupted[0].running
     assert not list(tmp_path.iterdir())
+    assert handle.payload_cache.describe().startswith("not written: given up at exit")
+    handle.remove()
     assert_same(before, model)

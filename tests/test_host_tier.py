@@ -208,24 +208,64 @@ def test_the_process_own_memory_leaves_out_the_weights_about_to_be_packed(saved)
 
 
 def test_without_a_host_budget_copies_beyond_the_ram_available_are_refused_before_packing(saved, monkeypatch) -> None:
-    """Loaded from its folder, the weights are file pages: every host copy is new anonymous memory. More than
-    the RAM available would have the kernel kill the process during set-up; it is refused first, naming
-    host_budget="auto", with the pipeline left as it was, and enabled once the RAM is there."""
+    """Loaded from its folder, the weights are file pages: every host copy is new anonymous memory. With
+    host_budget=None, more than the RAM available would have the kernel kill the process during set-up; it is
+    refused first, naming the default host_budget="auto", with the pipeline left as it was, and enabled once
+    the RAM is there."""
     folder, reference = saved
     pipe = load(folder)
     before = snapshot(pipe.transformer)
     monkeypatch.setattr(host_budget, "available_ram_bytes", lambda: 2**16)
-    refusal = r"of new host RAM but 64.00 KiB is available: pass host_budget=\"auto\" \(--host-budget auto\)"
+    refusal = r"of new host RAM but 64.00 KiB is available: leave host_budget at \"auto\" \(--host-budget auto\)"
     with pytest.raises(ft.HostBudgetError, match=refusal):
-        pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
+        pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget=None)
     assert ft.pipeline_offload(pipe) is None
     assert_same(before, pipe.transformer)
     with pytest.raises(ft.HostBudgetError, match=refusal):  # with compression too: its sizes are not known yet
-        pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", compression="lossless")
+        pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget=None, compression="lossless")
     monkeypatch.setattr(host_budget, "available_ram_bytes", lambda: 2**40)
-    pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
+    pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget=None)
     assert torch.equal(wan_latents(pipe), reference)
     pipe.disable_flextensor_offload()
+
+
+def test_the_default_host_budget_keeps_all_in_ram_when_it_fits_else_the_rest_waits_on_disk(
+    saved, monkeypatch, tmp_path
+) -> None:
+    """``host_budget="auto"``, the default: with the RAM for every host copy, no tier at all (nothing on disk);
+    with RAM for the largest component only, the tier under what the process holds plus 80 % of the RAM
+    available, the experts taking turns on disk, bitwise. Refused, before packing, where even that is short."""
+    folder, reference = saved
+    pipe = load(folder)
+    monkeypatch.setattr(host_budget, "available_ram_bytes", lambda: 2**40)
+    pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", cache_dir=tmp_path)
+    assert ft.pipeline_offload(pipe).host_tier is None
+    sizes = packed_sizes(pipe)
+    pipe.disable_flextensor_offload()
+
+    pipe = load(folder)  # disabled, the weights came back into anonymous memory: their copies would take no more
+    before = snapshot(pipe.transformer)
+
+    held = 12345  # what the process holds now counts in the budget, on top of the share of what is available
+    room = max(sizes.values()) + 1
+    assert room < sum(sizes.values()) - min(sizes.values())  # one expert at a time
+    monkeypatch.setattr(host_budget, "anonymous_bytes", lambda: held)
+    monkeypatch.setattr(host_budget, "available_ram_bytes", lambda: int(room / host_budget.AUTO_HOST_SHARE) + 1)
+    pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", cache_dir=tmp_path)
+    tier = ft.pipeline_offload(pipe).host_tier
+    assert tier is not None and tier.budget == held + room and tier.report()["on_disk"]
+    assert all(torch.equal(wan_latents(pipe), reference) for _ in range(2))
+    assert len(tier.report()["disk_reads_s"]) >= 2
+    pipe.disable_flextensor_offload()
+    assert_same(before, pipe.transformer)
+
+    pipe = load(folder)
+    before = snapshot(pipe.transformer)
+    monkeypatch.setattr(host_budget, "available_ram_bytes", lambda: 2**10)
+    with pytest.raises(ft.HostBudgetError, match="the smallest workable host budget is"):
+        pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", cache_dir=tmp_path)
+    assert ft.pipeline_offload(pipe) is None
+    assert_same(before, pipe.transformer)
 
 
 def test_an_unwritable_cache_dir_is_refused_before_packing(tmp_path, monkeypatch) -> None:

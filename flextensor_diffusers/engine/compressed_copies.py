@@ -7,8 +7,9 @@ to decode to the weights: on CUDA by decoding it there once and comparing, on th
 fresh encoding.
 
 Payloads leave RAM too when the host tier keeps their model on disk (`spill`): they become views of the payload
-file, written once and unwritten again until an edit, and come back unit by unit (`read_payload`, `take`) while
-the model computes, each checked against its checksum.
+file, written once (in the background after encoding: `payload_cache.BackgroundWrite`) and unwritten again until
+an edit, and come back unit by unit (`read_payload`, `take`) while the model computes, each checked against its
+checksum.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .codec import CodecMismatch, EncodedUnit, Segment, check_decodes, encode_un
 from .device_encoding import DeviceEncoder, EncodeJob
 from .errors import FlexTensorError, OffloadStateError
 from .host_memory import host_buffer, page_locked, unpin_in_place
-from .payload_cache import PayloadCache
+from .payload_cache import BackgroundWrite, PayloadCache
 from .setup_threads import PACK_THREADS, on_threads
 from .units import Unit
 
@@ -59,6 +60,7 @@ class CompressedCopies:
         #: Units whose payloads wait in ``file`` now (views of its mapping), by index: `spill` to `take`.
         self.waiting: set[int] = set()
         self._file_holds = False  # ``file`` holds every payload as it is now (written or read, no edit since)
+        self._writing: BackgroundWrite | None = None  # the file's write after encoding, until taken (`_written`)
 
     def make(self, pin: bool, cache: PayloadCache | None = None, settled: Settled | None = None) -> None:
         """Keep a compressed copy of every unit that streams faster that way (see `codec`): loads then
@@ -108,8 +110,8 @@ class CompressedCopies:
                 raise
             raise error from exc
         self._keep({index: encoded_by_unit[index] for index in sorted(encoded_by_unit)}, pin, frozenset(locked))
-        if cache is not None:
-            self._file_holds = cache.write(self.encoded)
+        if cache is not None:  # for the next run, or a spill (which waits for it): set-up does not wait
+            self._writing = BackgroundWrite(cache, self.encoded)
 
     @staticmethod
     def _encode_on_host(unit: Unit, hosts: dict[int, torch.Tensor], encoded_by_unit: dict[int, EncodedUnit]) -> None:
@@ -241,6 +243,8 @@ class CompressedCopies:
             return
         self.waiting.discard(unit.index)  # its new payload is in RAM; the file's is stale
         self._file_holds = False
+        if self._writing is not None:
+            self._writing.stale = True
         if any(payload is old.payload for payload in self._registered):
             if self.cuda:  # a copy issued before may still read it
                 torch.cuda.synchronize(self.device)
@@ -251,7 +255,9 @@ class CompressedCopies:
             self._keep({unit.index: encoded}, self.pinned)
 
     def release(self) -> None:
-        """Drop the compressed copies, unregistering those pinned in place (once no copy reads them)."""
+        """Drop the compressed copies, unregistering those pinned in place (once no copy reads them), after the
+        payload file's write under way (it reads them)."""
+        self._written()
         self._unregister(self._registered)
         self.encoded = {}
         self.waiting = set()
@@ -280,8 +286,17 @@ class CompressedCopies:
 
     @property
     def file_current(self) -> bool:
-        """The payload file holds every payload as it is now (no edit re-encoded one since it was written)."""
-        return self.file is not None and self._file_holds and self.file.path.exists()
+        """The payload file holds every payload as it is now (no edit re-encoded one since it was written); False
+        while it is being written."""
+        if self._writing is not None and not self._writing.running:
+            self._written()
+        return self._writing is None and self.file is not None and self._file_holds and self.file.path.exists()
+
+    def _written(self) -> None:
+        """Wait for the payload file's write under way, if any, and take its outcome."""
+        if self._writing is not None:
+            self._file_holds = self._writing.held()
+            self._writing = None
 
     def spill(self) -> None:
         """Move every payload out of RAM into the payload file: written first when it does not hold them (a
@@ -291,6 +306,7 @@ class CompressedCopies:
             raise OffloadStateError("compressed copies can wait on disk only with a payload file (set-up sets it)")
         if self.waiting or not self.encoded:
             return
+        self._written()
         if not self.file_current:
             self._file_holds = self.file.write(self.encoded, strict=True)
         views = self.file.map()

@@ -14,6 +14,11 @@ its index, the payload's offset, size and CRC-32 and the `EncodedUnit` launch pa
 each at a 4 KiB-aligned offset after the header. The file is written to a temporary name and renamed, so a reader
 never sees half a file; a write that fails (disk full) removes it and only costs the next run its encoding.
 
+After encoding, the file is written on a thread of its own (`BackgroundWrite`): it is for the next run, so set-up
+returns without waiting for the disk (the payloads are already in RAM, the host truth). Whatever needs the file
+waits for it: a spill, a read of the same file in this process, dropping the payloads; and at exit the interpreter
+waits for writes under way (Ctrl-C there gives them up, and no temporary file stays behind).
+
 The same file is where a component's payloads wait while the host tier keeps it on disk (`CompressedCopies.spill`):
 they are read back one unit at a time (`read_payload`), each checked against its CRC-32 as it arrives, so a file
 changed on disk during the run is refused at the read, never decoded into the weights.
@@ -21,11 +26,13 @@ changed on disk during the run is refused at the read, never decoded into the we
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import json
 import logging
 import os
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -158,6 +165,7 @@ class PayloadCache:
         Payloads are read on ``threads`` threads, one payload each at a time: a single reader, which copies
         out of the page cache and faults in the new buffers' pages on one core, falls far below what the
         memory (or a fast disk) delivers."""
+        wait_for_writes(self.path)
         if not self.path.exists():
             return {}
         try:
@@ -188,6 +196,10 @@ class PayloadCache:
         return {r.index: r.encoded(p) for r, p in zip(records, payloads, strict=True) if p is not None}
 
     def describe(self) -> str:
+        """What the last read or write did; "writing" while a background write is under way."""
+        if _writes.get(self.path):
+            refused = self.status.startswith("refused")
+            return f"{self.status}; writing again: {self.path}" if refused else f"writing: {self.path}"
         return f"{self.status}: {self.path}"
 
     def refuse(self, reason: str) -> None:
@@ -195,11 +207,15 @@ class PayloadCache:
         self.status = f"refused: {reason}"
         logger.warning("payload cache %s refused: %s; encoding again", self.path, reason)
 
-    def write(self, encoded: dict[int, EncodedUnit], strict: bool = False) -> bool:
+    def write(
+        self, encoded: dict[int, EncodedUnit], strict: bool = False, cancel: threading.Event | None = None
+    ) -> bool:
         """Write every payload (atomically), each with its CRC-32 (computed on `PACK_THREADS` threads). A
         failure leaves no file behind: with ``strict`` it raises a one-line error naming the fix (the file is
-        where payloads wait on disk), else it only costs the next run its encoding. Offsets in the header are
-        relative to the first payload, which starts at the first 4 KiB boundary after the header."""
+        where payloads wait on disk), else it only costs the next run its encoding. ``cancel``, set, gives the
+        write up between payloads (False, no file). Offsets in the header are relative to the first payload,
+        which starts at the first 4 KiB boundary after the header."""
+        wait_for_writes(self.path)  # one writer per file in this process: they would share the temporary name
         order = sorted(encoded)
         with ThreadPoolExecutor(PACK_THREADS) as pool:
             sums = dict(zip(order, pool.map(lambda i: crc32_of(encoded[i].payload), order), strict=True))
@@ -216,6 +232,10 @@ class PayloadCache:
             with tmp.open("wb") as f:
                 f.write(len(blob).to_bytes(_LENGTH_BYTES, "little") + blob)
                 for record in records:
+                    if cancel is not None and cancel.is_set():
+                        tmp.unlink(missing_ok=True)
+                        self.status = "not written: given up at exit"
+                        return False
                     f.seek(data_start + record.offset)
                     f.write(memoryview(encoded[record.index].payload.numpy()))
             os.replace(tmp, self.path)
@@ -270,3 +290,74 @@ class PayloadCache:
                 f"the compressed weights of unit {index} in {self.path} changed on disk since they were written: "
                 "delete the file and enable offload again"
             )
+
+
+class BackgroundWrite:
+    """`PayloadCache.write` of ``encoded`` on a thread of its own, started at once: set-up does not wait for the
+    disk. `held` waits for it and says whether the file holds these payloads (False after a failed write, or
+    when ``stale`` was set: a payload changed since). The payloads written are the ones given, kept alive here
+    until the write ends, whatever their owner does meanwhile."""
+
+    def __init__(self, cache: PayloadCache, encoded: dict[int, EncodedUnit]) -> None:
+        self.cache = cache
+        self.stale = False
+        self._written = False
+        self._cancel = threading.Event()
+        wait_for_writes(cache.path)
+        self._thread = threading.Thread(
+            target=self._run, args=(dict(encoded),), name="flextensor-payload-write", daemon=True
+        )
+        _writes.setdefault(cache.path, []).append(self)
+        self._thread.start()
+
+    def _run(self, encoded: dict[int, EncodedUnit]) -> None:
+        try:
+            self._written = self.cache.write(encoded, cancel=self._cancel)
+        except BaseException as exc:  # not strict: only an unexpected fault gets here; the next run encodes
+            self.cache.status = f"not written: {exc}"
+            logger.warning("payload cache %s not written (%s): the next run encodes again", self.cache.path, exc)
+        finally:
+            writes = _writes.get(self.cache.path, [])
+            if self in writes:
+                writes.remove(self)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def held(self) -> bool:
+        """Wait for the write; True when the file holds the payloads as they are now."""
+        self._thread.join()
+        return self._written and not self.stale
+
+    def give_up(self) -> None:
+        """Stop between payloads and remove the temporary file."""
+        self._cancel.set()
+        self._thread.join()
+
+
+#: The writes under way, by file: whoever reads or writes that file waits for them first.
+_writes: dict[Path, list[BackgroundWrite]] = {}
+
+
+def wait_for_writes(path: Path) -> None:
+    """Wait for this process's background writes of ``path`` (none: returns at once)."""
+    for write in list(_writes.get(path, [])):
+        if write._thread is not threading.current_thread():
+            write.held()
+
+
+@atexit.register
+def _finish_writes_at_exit() -> None:
+    """At exit, finish the payload files still being written (they save the next run its encoding); Ctrl-C
+    gives them up, leaving no temporary file behind."""
+    pending = [write for writes in list(_writes.values()) for write in list(writes) if write.running]
+    if not pending:
+        return
+    logger.warning("finishing the compressed weights file for the next run (Ctrl-C gives it up)")
+    try:
+        for write in pending:
+            write.held()
+    except KeyboardInterrupt:
+        for write in pending:
+            write.give_up()

@@ -15,16 +15,17 @@ import bisect
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..engine import format_bytes
-from ..engine.config import is_auto, parse_bytes
 from ..engine.errors import HostBudgetError
 from ..engine.units import UnitLayout
 
-#: What ``host_budget="auto"`` takes: this share of the RAM available when offload is enabled.
+#: What ``host_budget="auto"`` may take of the RAM available when offload is enabled (the rest is the margin for
+#: the page cache, other processes and what this one allocates unaccounted).
 AUTO_HOST_SHARE = 0.8
 #: Host memory kept free in the host budget for what the process allocates after offload is enabled,
 #: besides host copies: the reader threads' malloc arenas and stacks, the host workspaces of CUDA
@@ -33,11 +34,11 @@ AUTO_HOST_SHARE = 0.8
 HOST_RESERVE_BYTES = 2**30
 
 
-def resolve_host_budget(host_budget: int | str) -> int:
-    """Bytes of host RAM for host copies; ``"auto"``: `AUTO_HOST_SHARE` of the RAM available now."""
-    if is_auto(host_budget):
-        return int(available_ram_bytes() * AUTO_HOST_SHARE)
-    return parse_bytes(host_budget)
+def auto_host_budget() -> int:
+    """``host_budget="auto"`` as bytes: what the process holds now (its anonymous memory, weights loaded in memory
+    included: packing turns them into host copies) plus `AUTO_HOST_SHARE` of the RAM available now (weights
+    mapped from their files are page cache, part of what is available). Measured before packing."""
+    return anonymous_bytes() + int(available_ram_bytes() * AUTO_HOST_SHARE)
 
 
 def anonymous_bytes() -> int:
@@ -172,21 +173,38 @@ def available_ram_bytes() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def check_ram_for_host_copies(component_bytes: dict[str, int], modules: Iterable[nn.Module], compressed: bool) -> None:
-    """Without a host budget every host copy is made in RAM: refuse, before anything is packed, when the new
-    memory that takes is more than the RAM available, which would end in the kernel killing the process
-    (or in swapping) halfway through the set-up.
+def new_host_bytes(component_bytes: dict[str, int], modules: Iterable[nn.Module]) -> int:
+    """The new host memory packing takes: the packed bytes less the weights already in anonymous memory, which
+    packing turns into host copies (weights mapped from files, as ``from_pretrained`` gives, are not, and are
+    copied)."""
+    return sum(component_bytes.values()) - anonymous_weight_bytes(modules)
 
-    New memory: the packed bytes less the weights already in anonymous memory, which packing turns into host
-    copies (weights mapped from files, as ``from_pretrained`` gives, are not, and are copied). With
-    compression the compressed copies come on top, of sizes not known before encoding: not counted, so the
-    figure is a lower bound and the check never refuses what would fit."""
-    need = sum(component_bytes.values()) - anonymous_weight_bytes(modules)
+
+def host_copies_fit_in_ram(
+    component_bytes: dict[str, int], modules: Iterable[nn.Module], config: dict[str, Any]
+) -> bool:
+    """``host_budget="auto"`` keeps every host copy in RAM (no tier) when the new memory packing takes, plus
+    `HOST_RESERVE_BYTES`, fits in `AUTO_HOST_SHARE` of the RAM available. With compression the compressed copies
+    come on top of raw copies kept in RAM, of sizes not known before encoding: counted as large as the raw
+    ones (what they never exceed), so that auto never keeps in RAM what may not fit there."""
+    need = new_host_bytes(component_bytes, modules) + HOST_RESERVE_BYTES
+    if config.get("compression", "none") != "none" and config.get("raw_copies", "ram") == "ram":
+        need += sum(component_bytes.values())
+    return need <= available_ram_bytes() * AUTO_HOST_SHARE
+
+
+def check_ram_for_host_copies(component_bytes: dict[str, int], modules: Iterable[nn.Module]) -> None:
+    """With ``host_budget=None`` every host copy is made in RAM: refuse, before anything is packed, when the new
+    memory that takes (`new_host_bytes`) is more than the RAM available, which would end in the kernel killing
+    the process (or in swapping) halfway through the set-up. With compression the compressed copies come on
+    top, of sizes not known before encoding: not counted, so the figure is a lower bound and the check never
+    refuses what would fit."""
+    need = new_host_bytes(component_bytes, modules)
     available = available_ram_bytes()
     if need <= available:
         return
     raise HostBudgetError(
         f"the host copies need {format_bytes(need)} of new host RAM but {format_bytes(available)} is available: "
-        f'pass host_budget="auto" (--host-budget auto) so that the components that do not fit wait on disk, '
-        "or free host memory"
+        'leave host_budget at "auto" (--host-budget auto), the default, so that the components that do not fit '
+        "wait on disk, or free host memory"
     )

@@ -24,17 +24,18 @@ from torch import nn
 from ..engine import OffloadConfig, OffloadHandle, Phase, format_bytes, offload_shared
 from ..engine.boundaries import refuse_whole_model_compile
 from ..engine.cache_files import RawCacheFile
-from ..engine.config import cache_folder, resolve_budget, resolve_device
+from ..engine.config import cache_folder, is_auto, parse_bytes, resolve_budget, resolve_device
 from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
 from ..engine.planner import CUDA_ALLOCATION_GRANULE, smallest_budget
 from ..engine.units import UnitLayout, find_units, plan_layout
 from .host_budget import (
     HostOverhead,
     anonymous_bytes,
+    auto_host_budget,
     check_host_budget,
     check_ram_for_host_copies,
+    host_copies_fit_in_ram,
     least_compressed_bytes,
-    resolve_host_budget,
 )
 from .host_tier import HostTier, format_host_tier, kept_in_ram_bytes, offload_order, pipeline_folder
 from .patterns import patterns_for
@@ -273,7 +274,7 @@ def enable(
     vae_tiling: bool | None = None,
     shared_host: str | None = None,
     shared_host_root: str | Path = "/dev/shm",
-    host_budget: int | str | None = None,
+    host_budget: int | str | None = "auto",
     cache_dir: str | Path | None = None,
     **config: Any,
 ) -> PipelineOffload:
@@ -292,12 +293,16 @@ def enable(
             streams from one host copy (local rank 0 packs each component into shared memory,
             the others attach; build their pipeline on the meta device). See `offload_shared`.
         shared_host_root: where the shared files live (a RAM-backed filesystem).
-        host_budget: bytes, a string like ``"32GiB"`` or ``"auto"`` (80 % of the RAM available): the
-            process's anonymous and page-locked memory. Its own memory when offload is enabled and a
-            1 GiB reserve come off the top, the components' host copies get the rest; those that do
-            not fit wait on disk (in the safetensors files they were loaded from, else in cache files)
-            and are read back unit by unit while they already run, the next one ahead as far as room
-            allows (see `host_tier`). ``None``: every host copy in RAM.
+        host_budget: bytes or a string like ``"32GiB"``: the process's anonymous and page-locked memory. Its own
+            memory when offload is enabled and a 1 GiB reserve come off the top, the components' host copies
+            get the rest; those that do not fit wait on disk (in the safetensors files they were loaded from,
+            else in cache files) and are read back unit by unit while they already run, the next one ahead as
+            far as room allows (see `host_tier`); with compression RAM holds compressed copies only.
+            ``"auto"`` (the default): every host copy in RAM when they fit in `AUTO_HOST_SHARE` of the RAM
+            available (no tier, nothing on disk); else the tier under what the process holds now plus that
+            share (`auto_host_budget`), so that the process never asks for more than the RAM available.
+            With ``shared_host`` it is all in RAM (the processes' one shared copy). ``None``: every host copy
+            in RAM, refused before packing when they do not fit in the RAM available.
         cache_dir: where cache files go (default: a ``flextensor-cache`` folder in the temp dir), for
             the host tier and for ``raw_copies="disk"`` (with ``compression="lossless"``: the raw host
             copies wait in a mapped cache file and host RAM holds the compressed copies only).
@@ -306,15 +311,15 @@ def enable(
     Everything is checked before anything is packed; a failure after that undoes all that was set up
     (`PipelineOffload.disable`), so the pipeline is left as it was.
     """
-    if host_budget is not None:
-        config = _compressed_only_under_a_host_budget(config)
     request = OffloadRequest.resolve(
         pipeline, budget, device, components, patterns, profile_dir, shared_host, shared_host_root, cache_dir, config
     )
-    tier = _host_tier(request, host_budget) if host_budget is not None else None
-    if tier is None and request.shared_host is None and request.config.get("raw_copies", "ram") == "ram":
-        compressed = request.config.get("compression", "none") != "none"
-        check_ram_for_host_copies(request.packed, (request.available[n] for n in request.packed), compressed)
+    tier_bytes = _tier_budget(request, host_budget)
+    tier = None
+    if tier_bytes is not None:
+        config = _compressed_only_under_a_host_budget(request.config, auto=is_auto(host_budget))
+        request = dataclasses.replace(request, config=config)
+        tier = _host_tier(request, tier_bytes)
     state = PipelineOffload(pipeline=pipeline, device=request.device, budget_bytes=request.budget_bytes, host_tier=tier)
     try:
         for name in request.chosen:
@@ -420,31 +425,58 @@ class OffloadRequest:
         )
 
 
-def _compressed_only_under_a_host_budget(config: dict[str, Any]) -> dict[str, Any]:
+def _compressed_only_under_a_host_budget(config: dict[str, Any], auto: bool = False) -> dict[str, Any]:
     """A host budget with compression keeps compressed copies only (``raw_copies="disk"``: the raw bytes
     wait in the weight files, else in a cache file) and writes them to the payload file
     (``compression_cache``), where they wait while their component is on disk. Refused, naming the fix,
-    when the caller asked otherwise."""
+    when the caller asked otherwise (``auto``: the tier is on because the copies do not fit in RAM)."""
     if config.get("compression", "none") == "none":
         return config
     for key, needed in (("raw_copies", "disk"), ("compression_cache", True)):
         if key in config and config[key] != needed:
+            why = (
+                'the host copies do not all fit in the RAM available, so host_budget="auto" keeps them under a host '
+                "budget, which with compression"
+                if auto
+                else "host_budget with compression"
+            )
             raise FlexTensorError(
-                f"host_budget with compression keeps the compressed copies only and waits on disk in their file: "
-                f"drop {key}={config[key]!r} (it needs {key}={needed!r})"
+                f"{why} keeps the compressed copies only and waits on disk in their file: drop {key}={config[key]!r} "
+                f"(it needs {key}={needed!r})"
             )
     return {**config, "raw_copies": "disk", "compression_cache": True}
 
 
-def _host_tier(request: OffloadRequest, host_budget: int | str) -> HostTier:
-    """The host tier for ``host_budget``, refused before anything is packed when it is under the smallest
-    workable one. The process's own memory is measured now, before packing turns weights into host copies."""
+def _tier_budget(request: OffloadRequest, host_budget: int | str | None) -> int | None:
+    """The host tier's budget in bytes for ``host_budget``, or None: every host copy in RAM (``None``, and
+    ``"auto"`` when they fit or the processes share one host copy), refused when they do not fit in the RAM
+    available. A size with ``shared_host`` is refused. Decided before anything is packed."""
+    modules = [request.available[n] for n in request.packed]
+    if is_auto(host_budget):
+        if request.shared_host is not None or host_copies_fit_in_ram(request.packed, modules, request.config):
+            return None
+        budget = auto_host_budget()
+        logger.info(
+            'host_budget="auto": the host copies do not all fit in the RAM available; the host tier keeps them '
+            "under %s, the rest wait on disk",
+            format_bytes(budget),
+        )
+        return budget
+    if host_budget is None:
+        if request.shared_host is None and request.config.get("raw_copies", "ram") == "ram":
+            check_ram_for_host_copies(request.packed, modules)
+        return None
     if request.shared_host is not None:
         raise FlexTensorError(
             "host_budget cannot be combined with shared_host yet (the processes' one shared host copy is all in "
-            "RAM): drop one of them"
+            'RAM): drop host_budget (its default, "auto", keeps the shared copy in RAM)'
         )
-    host_bytes = resolve_host_budget(host_budget)
+    return parse_bytes(host_budget)
+
+
+def _host_tier(request: OffloadRequest, host_bytes: int) -> HostTier:
+    """The host tier under ``host_bytes``, refused before anything is packed when it is under the smallest
+    workable one. The process's own memory is measured now, before packing turns weights into host copies."""
     root = pipeline_folder(request.pipeline)
     packed, available = request.packed, request.available
     overhead = HostOverhead.measure(available[n] for n in packed)  # before packing: the process's own memory

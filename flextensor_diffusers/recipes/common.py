@@ -78,10 +78,14 @@ def place_natively(pipe: Any, options: RecipeOptions, device: torch.device) -> N
 
 
 def enable_offload(pipe: Any, options: RecipeOptions, device: torch.device, shared_host: str | None = None) -> None:
-    """``shared_host``: the namespace of one host copy for all ranks of a ``--gpus N`` job. A host budget with
-    compression keeps compressed copies only and caches them (the offload's own choice, when not typed)."""
-    compressed_tier = options.host_budget is not None and options.compression != "none"
-    raw_copies = options.raw_copies or ("disk" if compressed_tier else "ram")
+    """``shared_host``: the namespace of one host copy for all ranks of a ``--gpus N`` job. Where the raw copies
+    wait and the payload cache are passed only as typed (else the offload chooses: under a host tier with
+    compression, compressed copies only, cached), so that ``--host-budget auto`` may still turn the tier on."""
+    typed: dict[str, Any] = {}
+    if options.raw_copies is not None:
+        typed["raw_copies"] = options.raw_copies
+    if options.compression_cache:
+        typed["compression_cache"] = True
     pipe.enable_flextensor_offload(
         budget=options.budget,
         profile_dir=options.profile_dir,
@@ -91,8 +95,7 @@ def enable_offload(pipe: Any, options: RecipeOptions, device: torch.device, shar
         host_budget=options.host_budget,
         cache_dir=options.cache_dir,
         compression=options.compression,
-        raw_copies=raw_copies,
-        compression_cache=options.compression_cache or compressed_tier,
+        **typed,
     )
 
 

@@ -61,10 +61,10 @@ class RecipeOptions:
     guidance: float
     seed: int = 0
     budget: str = "auto"
-    host_budget: str | None = None
+    host_budget: str | None = "auto"  # None: every host copy in RAM (--host-budget none)
     cache_dir: Path | None = None
     compression: str = "none"
-    raw_copies: str | None = None  # None: "ram", or "disk" under a host budget with compression
+    raw_copies: str | None = None  # None: the offload's choice ("disk" under a host budget with compression)
     compression_cache: bool = False
     profile_dir: Path | None = Path("profiles")
     device: str | None = None
@@ -197,10 +197,11 @@ def add_memory(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--host-budget",
-        help="the process's host memory (anonymous and page-locked), e.g. 32GiB, or auto (80%% of the RAM "
-        "available); its own memory and a 1 GiB reserve come off the top, the weights' host copies get the rest; "
-        "components that do not fit wait on disk, in the weight files they were loaded from or in cache files "
-        "(default: all in RAM)",
+        default="auto",
+        help="the process's host memory (anonymous and page-locked), e.g. 32GiB; its own memory and a 1 GiB reserve "
+        "come off the top, the weights' host copies get the rest; components that do not fit wait on disk, in the "
+        "weight files they were loaded from or in cache files. auto (the default): all in RAM when they fit in "
+        "80%% of the RAM available, else a host budget of what the process holds plus that; none: all in RAM",
     )
     parser.add_argument("--cache-dir", type=Path, help="where cache files go (default: the temp folder)")
     parser.add_argument(
@@ -292,20 +293,23 @@ def common_values(ns: argparse.Namespace, recipe: str, defaults: dict[str, SizeD
     if ns.guidance < 0:
         raise OptionsError(f"--guidance {ns.guidance} must be 0 or more (1 turns guidance off)")
     check_budget(ns.budget)
-    if ns.host_budget is not None:
+    if ns.host_budget.strip().lower() == "none":
+        values["host_budget"] = None
+    else:
         check_budget(ns.host_budget, "--host-budget")
+    sized = sized_host_budget(values["host_budget"])
     check_device(ns.device, ns.gpus)
     check_compile(ns.compile, ns.no_offload)
     if ns.raw_copies == "disk" and ns.compression == "none":
         raise OptionsError(
             "--raw-copies disk keeps only compressed copies in RAM, and there are none: add --compression lossless"
         )
-    if ns.host_budget is not None and ns.compression != "none" and ns.raw_copies == "ram":
+    if sized and ns.compression != "none" and ns.raw_copies == "ram":
         raise OptionsError(
             "--host-budget with --compression keeps the compressed copies only (the raw ones wait on disk): "
             "drop --raw-copies ram"
         )
-    if ns.host_budget is not None and ns.gpus > 1 and not ns.no_offload:
+    if sized and ns.gpus > 1 and not ns.no_offload:
         raise OptionsError(
             f"--host-budget cannot be combined with --gpus {ns.gpus} yet (the ranks share one host copy of the "
             "weights, all in RAM): drop --host-budget, or run on one GPU"
@@ -406,6 +410,11 @@ def require_weights(model: Path | None, random_weights: str | None, recipe: str)
             f"--model {model} is not a diffusers model folder (no model_index.json): download the weights there "
             "first, or run with --random-weights tiny|full"
         )
+
+
+def sized_host_budget(host_budget: str | None) -> bool:
+    """A host budget the user sized (not auto, not none): the host tier is on whatever fits."""
+    return host_budget is not None and host_budget.strip().lower() != "auto"
 
 
 def check_budget(text: str, flag: str = "--budget") -> None:
