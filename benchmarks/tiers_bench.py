@@ -123,7 +123,7 @@ from host_tier_bench import (
     weight_files,
 )
 
-from flextensor_diffusers.engine import parse_bytes
+from flextensor_diffusers.engine import parse_bytes, payload_cache
 
 #: Keyword arguments of ``enable_flextensor_offload`` besides ``budget`` and ``cache_dir``, per configuration.
 #: A ``host_budget`` here is the full-size one; `host_budget_of` maps it for the tiny pipeline.
@@ -434,7 +434,8 @@ def child_setup(args: argparse.Namespace) -> dict[str, Any]:
         with HostMemorySampler(rss_bytes, 0.005) as rss:
             start = time.perf_counter()
             keep = set_up(method, model, device, args.setup_budget_bytes, str(args.scratch))
-            setup_s = time.perf_counter() - start
+            setup_done = time.perf_counter()
+            setup_s = setup_done - start
             runner = keep if method == "flextensor" else model
             with torch.inference_mode():
                 x = stack_inputs(shape, SETUP_WORKLOAD, device)  # after set-up, as a pipeline makes its latents
@@ -454,6 +455,10 @@ def child_setup(args: argparse.Namespace) -> dict[str, Any]:
         if method != "flextensor":
             stats = keep.stats()
             out.update(setup_ms=stats.setup_ms, payload_cache=stats.payload_cache)
+            if keep.payload_cache is not None:  # written in the background: the next run needs the whole file
+                payload_cache.wait_for_all_writes()
+                out["payload_written_s_after_setup"] = round(time.perf_counter() - setup_done, 3)
+                out["payload_cache_final"] = keep.payload_cache.describe()
     except Exception as exc:
         traceback.print_exc()
         out["error"] = error_text(exc)

@@ -547,3 +547,57 @@ def test_set_up_does_not_wait_for_the_payload_cache_and_ctrl_c_at_exit_leaves_no
     assert handle.payload_cache.describe().startswith("not written: given up at exit")
     handle.remove()
     assert_same(before, model)
+
+
+def test_the_device_encoder_overlaps_only_within_the_budget_and_refuses_a_unit_over_it(monkeypatch) -> None:
+    """After the first unit, the next one crosses beside the coding only when the peak so far plus the largest unit
+    fits in the budget; a first unit that made a new peak over the budget is refused, naming the budget it needs; a
+    peak from before the encoder (the caller's) refuses nothing. (The decision alone: CI has no GPU.)"""
+    from flextensor_diffusers.engine.codec import Segment
+    from flextensor_diffusers.engine.device_encoding import DeviceEncoder, EncodeJob
+
+    encoder = object.__new__(DeviceEncoder)  # no CUDA stream on the CPU: only the fields the decision reads
+    encoder.device, encoder.budget_bytes = torch.device("cuda"), 1000
+    jobs = [EncodeJob(i, lambda: torch.empty(0), [Segment(0, n, torch.bfloat16)]) for i, n in enumerate((200, 300))]
+
+    def peak_of(nbytes: int) -> None:
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: nbytes)
+
+    peak_of(700)
+    assert encoder._room_to_overlap(jobs, peak_before=0)  # 700 + 300 fits in 1000
+    peak_of(701)
+    assert not encoder._room_to_overlap(jobs, peak_before=0)
+    peak_of(1200)
+    with pytest.raises(ft.BudgetError, match=r"pass a budget of at least 1200 bytes, or compression='none'") as err:
+        encoder._room_to_overlap(jobs, peak_before=0)
+    assert err.value.required_bytes == 1200
+    assert not encoder._room_to_overlap(jobs, peak_before=1500)  # the caller's own peak: no refusal, no overlap
+    encoder.budget_bytes = None
+    assert encoder._room_to_overlap(jobs, peak_before=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_set_up_encodes_on_the_device_within_the_gpu_budget() -> None:
+    """The device encoder's set-up peak stays in the budget (before, it crossed the next unit beside the coding
+    whatever the budget: 3.23 GB for a 703 MB Wan2.2 block under 2.8 GB on the H200), outputs bitwise."""
+    torch.manual_seed(0)
+    model = Stack(dim=2048, depth=6, dtype=torch.bfloat16).eval().requires_grad_(False)
+    x = torch.randint(0, 50, (4, 64), device="cuda")
+    with torch.inference_mode():
+        ref = model.to("cuda")(x).cpu()
+    model.to("cpu")
+    unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    budget = int(4.2 * unit) + device_headroom("cuda", model, x, compression="lossless")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=budget, device="cuda", compression="lossless")
+    torch.cuda.synchronize()
+    setup_peak = torch.cuda.max_memory_allocated()
+    try:
+        assert setup_peak <= budget, f"set-up peak {setup_peak} > budget {budget} (unit {unit})"
+        assert handle.host.encoded  # the blocks were compressed on the device
+        with torch.inference_mode():
+            assert all(torch.equal(model(x).cpu(), ref) for _ in range(3))
+    finally:
+        handle.remove()

@@ -61,6 +61,9 @@ class CompressedCopies:
         self.waiting: set[int] = set()
         self._file_holds = False  # ``file`` holds every payload as it is now (written or read, no edit since)
         self._writing: BackgroundWrite | None = None  # the file's write after encoding, until taken (`_written`)
+        #: The peak allocated device memory the device encoder may reach at set-up (None: no bound); the handle
+        #: sets its GPU budget.
+        self.budget_bytes: int | None = None
 
     def make(self, pin: bool, cache: PayloadCache | None = None, settled: Settled | None = None) -> None:
         """Keep a compressed copy of every unit that streams faster that way (see `codec`): loads then
@@ -126,7 +129,7 @@ class CompressedCopies:
         while it is packed) only when its turn comes, and each kept payload is kept at once, so that
         ``told`` may move the unit's raw bytes out of RAM."""
         jobs = [EncodeJob(unit.index, functools.partial(self._host_of, unit), segments_of(unit)) for unit in self.units]
-        encoder = DeviceEncoder(self.device, lock=pin, keep=worth_compressing)
+        encoder = DeviceEncoder(self.device, lock=pin, keep=worth_compressing, budget_bytes=self.budget_bytes)
         desc = "compressing weights on the device"
         for done in tqdm(encoder.encode(jobs), total=len(jobs), desc=desc, disable=None, leave=False):
             encoded_by_unit[done.index] = done.encoded

@@ -12,6 +12,15 @@ buffer into its own buffer and page-locks it there while the device codes the ne
 longer than the device work alone, and longer still while units are being packed beside them; neither coding
 after packing, a shorter thread switch interval nor fewer device synchronisations changed that, and what does
 is not yet known. Measured times of each part and of the encoder: see benchmarks/results/README.md.
+
+**Within the GPU budget.** Crossing the next unit while the current one is coded holds two units' raw bytes on the
+device besides the payload, the check's decode and the coding's temporaries: on the H200 a 703 MB Wan2.2 block took
+the set-up to 3.23 GB, over a 2.8 GB budget. So the first unit is encoded alone, and the next unit crosses early
+only when the device's peak so far plus that unit still fits in ``budget_bytes`` (the peak so far bounds the first
+unit's from above, so the test errs on the safe side: one unit at a time, at the cost of an upload that does not
+overlap, ~3 % of a unit's coding). The peak is read, never reset (the caller may be measuring its own). A first
+unit that alone makes a new peak over the budget is refused, naming the budget it needs and
+``compression='none'``.
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from .codec import CodecMismatch, EncodedUnit, Segment, encode_unit
+from .config import format_bytes
+from .errors import BudgetError
 from .host_memory import host_buffer, page_locked, pin_in_place, unpin_in_place
 
 #: Staging buffers the payloads come back through: one being filled by the device while the host empties the other.
@@ -86,10 +97,15 @@ class DeviceEncoder:
     (`CodecMismatch`, with ``unit`` set to the unit's index), is raised there once the work in flight has
     finished. The staging buffers go back to the system when it ends."""
 
-    def __init__(self, device: torch.device, lock: bool, keep: Callable[[EncodedUnit], bool]) -> None:
+    def __init__(
+        self, device: torch.device, lock: bool, keep: Callable[[EncodedUnit], bool], budget_bytes: int | None = None
+    ) -> None:
         self.device = device
         self.lock = lock
         self.keep = keep
+        self.budget_bytes = budget_bytes  # the peak allocated memory it may reach (None: no bound)
+        #: Whether the next unit crosses while the current one is coded; decided after the first unit.
+        self.overlapped = False
         self._copy_stream = torch.cuda.Stream(device)
         self._staging: list[_Staging] = []
 
@@ -101,16 +117,22 @@ class DeviceEncoder:
         try:
             with ThreadPoolExecutor(1, thread_name_prefix="payloads-back") as host_side:
                 try:
+                    self.overlapped = False
+                    peak_before = torch.cuda.max_memory_allocated(self.device)
                     upload = self._upload(jobs[0].flat()) if jobs else None
                     for position, job in enumerate(jobs):
-                        assert upload is not None
+                        if upload is None:  # one unit at a time: it crosses now
+                            upload = self._upload(job.flat())
                         source, arrived = upload
                         compute = torch.cuda.current_stream(self.device)
                         compute.wait_event(arrived)
                         source.record_stream(compute)
-                        upload = self._upload(jobs[position + 1].flat()) if position + 1 < len(jobs) else None
+                        following = jobs[position + 1] if position + 1 < len(jobs) else None
+                        upload = self._upload(following.flat()) if following and self.overlapped else None
                         encoded = self._encode(job, source)
                         del source
+                        if position == 0:
+                            self.overlapped = self._room_to_overlap(jobs, peak_before)
                         if self.keep(encoded):
                             pending.append(self._bring_back(host_side, brought, job.index, encoded))
                             brought += 1
@@ -127,6 +149,23 @@ class DeviceEncoder:
             for staging in self._staging:
                 staging.release()
             self._staging = []
+
+    def _room_to_overlap(self, jobs: list[EncodeJob], peak_before: int) -> bool:
+        """After the first unit: whether the largest unit can cross beside the coding within the budget (the
+        device's peak so far, which includes the first unit's, plus that unit). A first unit that made a new peak
+        over the budget is refused (a peak from before it, the caller's, says nothing of the encoder's)."""
+        if self.budget_bytes is None:
+            return True
+        peak = torch.cuda.max_memory_allocated(self.device)
+        if peak > max(peak_before, self.budget_bytes):
+            raise BudgetError(
+                f"compressing the weights on {self.device} took {format_bytes(peak)} of device memory at set-up, "
+                f"over the budget of {format_bytes(self.budget_bytes)}: pass a budget of at least {peak} bytes, or "
+                "compression='none' (--compression none) to stream them raw",
+                required_bytes=peak,
+            )
+        largest = max(sum(segment.nbytes for segment in job.segments) for job in jobs)
+        return peak + largest <= self.budget_bytes
 
     def _encode(self, job: EncodeJob, source: torch.Tensor) -> EncodedUnit:
         try:

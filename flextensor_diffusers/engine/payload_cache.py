@@ -347,6 +347,14 @@ def wait_for_writes(path: Path) -> None:
             write.held()
 
 
+def wait_for_all_writes() -> None:
+    """Wait for every background write of this process: what a program that leaves with ``os._exit`` (which runs
+    no exit handler) calls first, or its payload files are never written."""
+    for writes in list(_writes.values()):
+        for write in list(writes):
+            write.held()
+
+
 @atexit.register
 def _finish_writes_at_exit() -> None:
     """At exit, finish the payload files still being written (they save the next run its encoding); Ctrl-C

@@ -102,6 +102,7 @@ class SetUp:
         try:
             if h.config.compression == "lossless":  # units are compressed as they are packed
                 h.host.compressed.file = self.payload_cache
+                h.host.compressed.budget_bytes = h.budget_bytes  # the device encoder's bound
                 h.host.compressed.make(pin, self.payload_cache, settled=homes.settle if homes is not None else None)
                 h.setup_times.compress = 1e3 * (time.perf_counter() - start)
         finally:
