@@ -13,14 +13,13 @@ longer than the device work alone, and longer still while units are being packed
 after packing, a shorter thread switch interval nor fewer device synchronisations changed that, and what does
 is not yet known. Measured times of each part and of the encoder: see benchmarks/results/README.md.
 
-**Within the GPU budget.** Crossing the next unit while the current one is coded holds two units' raw bytes on the
-device besides the payload, the check's decode and the coding's temporaries: on the H200 a 703 MB Wan2.2 block took
-the set-up to 3.23 GB, over a 2.8 GB budget. So the first unit is encoded alone, and the next unit crosses early
-only when the device's peak so far plus that unit still fits in ``budget_bytes`` (the peak so far bounds the first
-unit's from above, so the test errs on the safe side: one unit at a time, at the cost of an upload that does not
-overlap, ~3 % of a unit's coding). The peak is read, never reset (the caller may be measuring its own). A first
-unit that alone makes a new peak over the budget is refused, naming the budget it needs and
-``compression='none'``.
+**Within the GPU budget.** Crossing the next unit while the current one is coded holds more units' bytes on the
+device at once: on the H200 a 703 MB Wan2.2 block took the set-up to 3.23 GB, over a 2.8 GB budget. So the first
+unit is encoded alone (its device memory all freed before the next one crosses), its peak tells what one unit at a
+time needs, and the next units cross early only where that and three more units fit in ``budget_bytes``
+(`_room_to_overlap`); otherwise one at a time, at the cost of uploads and copies back that do not overlap the
+coding. The peak is read, never reset (the caller may be measuring its own). A need over the budget is refused,
+naming the budget it takes and ``compression='none'``.
 """
 
 from __future__ import annotations
@@ -119,6 +118,7 @@ class DeviceEncoder:
                 try:
                     self.overlapped = False
                     peak_before = torch.cuda.max_memory_allocated(self.device)
+                    held_before = torch.cuda.memory_allocated(self.device)
                     upload = self._upload(jobs[0].flat()) if jobs else None
                     for position, job in enumerate(jobs):
                         if upload is None:  # one unit at a time: it crosses now
@@ -131,11 +131,16 @@ class DeviceEncoder:
                         upload = self._upload(following.flat()) if following and self.overlapped else None
                         encoded = self._encode(job, source)
                         del source
-                        if position == 0:
-                            self.overlapped = self._room_to_overlap(jobs, peak_before)
                         if self.keep(encoded):
                             pending.append(self._bring_back(host_side, brought, job.index, encoded))
                             brought += 1
+                        del encoded
+                        if not self.overlapped:  # one unit at a time: all of its device memory goes first
+                            while pending:
+                                yield pending.pop(0).result()
+                            compute.synchronize()
+                        if position == 0:
+                            self.overlapped = self._room_to_overlap(jobs, peak_before, held_before)
                         while pending and pending[0].done():
                             yield pending.pop(0).result()
                     while pending:
@@ -150,22 +155,29 @@ class DeviceEncoder:
                 staging.release()
             self._staging = []
 
-    def _room_to_overlap(self, jobs: list[EncodeJob], peak_before: int) -> bool:
-        """After the first unit: whether the largest unit can cross beside the coding within the budget (the
-        device's peak so far, which includes the first unit's, plus that unit). A first unit that made a new peak
-        over the budget is refused (a peak from before it, the caller's, says nothing of the encoder's)."""
+    def _room_to_overlap(self, jobs: list[EncodeJob], peak_before: int, held_before: int) -> bool:
+        """After the first unit, encoded alone: whether the next units may cross beside the coding within the
+        budget. The first unit's peak, scaled to the largest unit (``held_before``, what the process held, does
+        not scale), is what one unit at a time needs; crossing early can hold three more units (the next one's
+        raw bytes, the current one's, freed once its coding ends, and its payload on its way back). A needed
+        peak over the budget is refused, naming the budget it needs. A peak from before the encoder (the
+        caller's) hides the first unit's: then one unit at a time, and nothing refused."""
         if self.budget_bytes is None:
             return True
         peak = torch.cuda.max_memory_allocated(self.device)
-        if peak > max(peak_before, self.budget_bytes):
+        if peak <= peak_before:
+            return False
+        sizes = [sum(segment.nbytes for segment in job.segments) for job in jobs]
+        largest = max(sizes)
+        need = held_before + -(-(peak - held_before) * largest // max(sizes[0], 1))
+        if need > self.budget_bytes:
             raise BudgetError(
-                f"compressing the weights on {self.device} took {format_bytes(peak)} of device memory at set-up, "
-                f"over the budget of {format_bytes(self.budget_bytes)}: pass a budget of at least {peak} bytes, or "
+                f"compressing the weights on {self.device} needs {format_bytes(need)} of device memory at set-up, "
+                f"over the budget of {format_bytes(self.budget_bytes)}: pass a budget of at least {need} bytes, or "
                 "compression='none' (--compression none) to stream them raw",
-                required_bytes=peak,
+                required_bytes=need,
             )
-        largest = max(sum(segment.nbytes for segment in job.segments) for job in jobs)
-        return peak + largest <= self.budget_bytes
+        return need + 3 * largest <= self.budget_bytes
 
     def _encode(self, job: EncodeJob, source: torch.Tensor) -> EncodedUnit:
         try:
