@@ -561,25 +561,31 @@ def test_the_device_encoder_overlaps_only_within_the_budget_and_refuses_a_need_o
     what one unit at a time needs; a need over the budget is refused, naming the budget it takes; the next units
     cross early only when that and three more units fit. A peak from before the encoder (the caller's) hides the
     first unit's: one unit at a time, nothing refused. (The decision alone: CI has no GPU.)"""
+    from flextensor_diffusers.engine import device_encoding
     from flextensor_diffusers.engine.codec import Segment
     from flextensor_diffusers.engine.device_encoding import DeviceEncoder, EncodeJob
 
     encoder = object.__new__(DeviceEncoder)  # no CUDA stream on the CPU: only the fields the decision reads
-    encoder.device, encoder.budget_bytes = torch.device("cuda"), 2000
+    encoder.device, encoder.refuse = torch.device("cuda"), True
     jobs = [EncodeJob(i, lambda: torch.empty(0), [Segment(0, n, torch.bfloat16)]) for i, n in enumerate((100, 200))]
 
     def peak_of(nbytes: int) -> None:
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: nbytes)
 
+    slack = device_encoding.ALLOCATION_SLACK
     peak_of(450)  # the first unit (100 B) took 350 B over the 100 B held: the largest (200 B) needs 100 + 700
-    assert encoder._room_to_overlap(jobs, peak_before=0, held_before=100)  # 800 + 3 x 200 = 1400 fits
-    encoder.budget_bytes = 1399
+    encoder.budget_bytes = 800 + slack + 3 * 200
+    assert encoder._room_to_overlap(jobs, peak_before=0, held_before=100)
+    encoder.budget_bytes -= 1
     assert not encoder._room_to_overlap(jobs, peak_before=0, held_before=100)
-    encoder.budget_bytes = 799
-    refusal = r"needs 800 B .* pass a budget of at least 800 bytes, or compression='none'"
+    encoder.budget_bytes = 800 + slack - 1
+    refusal = rf"pass a budget of at least {800 + slack} bytes, or compression='none'"
     with pytest.raises(ft.BudgetError, match=refusal) as e:
         encoder._room_to_overlap(jobs, peak_before=0, held_before=100)
-    assert e.value.required_bytes == 800
+    assert e.value.required_bytes == 800 + slack
+    encoder.refuse = False  # after an edit: a warning, one unit at a time
+    assert not encoder._room_to_overlap(jobs, peak_before=0, held_before=100)
+    encoder.refuse = True
     assert not encoder._room_to_overlap(jobs, peak_before=5000, held_before=100)  # the caller's peak: no refusal
     encoder.budget_bytes = None
     assert encoder._room_to_overlap(jobs, peak_before=0, held_before=100)

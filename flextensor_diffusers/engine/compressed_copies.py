@@ -65,7 +65,9 @@ class CompressedCopies:
         #: sets its GPU budget.
         self.budget_bytes: int | None = None
 
-    def make(self, pin: bool, cache: PayloadCache | None = None, settled: Settled | None = None) -> None:
+    def make(
+        self, pin: bool, cache: PayloadCache | None = None, settled: Settled | None = None, at_set_up: bool = True
+    ) -> None:
         """Keep a compressed copy of every unit that streams faster that way (see `codec`): loads then
         move the payload and decode it on the device, bit-exact. The raw host copy stays the truth.
 
@@ -78,19 +80,21 @@ class CompressedCopies:
         as ``pin_memory()`` does) and unregistered before they are dropped (`release`).
 
         ``settled`` is told of every unit once it is done with, in unit order: as each is encoded on CUDA,
-        after all of them on the CPU (`Settled`)."""
+        after all of them on the CPU (`Settled`). At set-up a device encoder that needs more than ``budget_bytes``
+        refuses it; after an edit (``at_set_up=False``) it encodes one unit at a time and only warns, since
+        refusing then would leave the edit half done."""
         self.release()
         self.pinned = pin
         told = _InOrder(settled, [unit.index for unit in self.units])
         if cache is not None and self._keep_cached(cache.read(PACK_THREADS), pin, cache, told):
             self._file_holds = True
         else:
-            self._encode_all(pin, cache, told)
+            self._encode_all(pin, cache, told, at_set_up)
         told.rest(self.encoded)
         if self.cuda:  # the checks' decode buffers go back to the device, not to the allocator's cache
             torch.cuda.empty_cache()
 
-    def _encode_all(self, pin: bool, cache: PayloadCache | None, told: _InOrder) -> None:
+    def _encode_all(self, pin: bool, cache: PayloadCache | None, told: _InOrder, at_set_up: bool = True) -> None:
         """Encode every unit worth it, keep the payloads (locked in place) and write ``cache``. On the CPU
         one unit per thread; on CUDA one after the other on the device (`DeviceEncoder`: each payload
         checked there, copies both ways overlapped with the coding, payloads locked as they arrive).
@@ -101,7 +105,7 @@ class CompressedCopies:
         locked: set[int] = set()
         try:
             if self.cuda:
-                self._encode_on_device(pin, encoded_by_unit, locked, told)
+                self._encode_on_device(pin, encoded_by_unit, locked, told, at_set_up)
             else:
                 hosts = {unit.index: self._host_of(unit) for unit in self.units}  # the gate asked on this thread
                 on_threads(lambda unit: self._encode_on_host(unit, hosts, encoded_by_unit), self.units, "compressing")
@@ -123,13 +127,15 @@ class CompressedCopies:
             encoded_by_unit[unit.index] = encoded
 
     def _encode_on_device(
-        self, pin: bool, encoded_by_unit: dict[int, EncodedUnit], locked: set[int], told: _InOrder
+        self, pin: bool, encoded_by_unit: dict[int, EncodedUnit], locked: set[int], told: _InOrder, at_set_up: bool
     ) -> None:
         """Units in order through `DeviceEncoder`; each unit's host bytes are asked for (the gate waits
         while it is packed) only when its turn comes, and each kept payload is kept at once, so that
         ``told`` may move the unit's raw bytes out of RAM."""
         jobs = [EncodeJob(unit.index, functools.partial(self._host_of, unit), segments_of(unit)) for unit in self.units]
-        encoder = DeviceEncoder(self.device, lock=pin, keep=worth_compressing, budget_bytes=self.budget_bytes)
+        encoder = DeviceEncoder(
+            self.device, lock=pin, keep=worth_compressing, budget_bytes=self.budget_bytes, refuse=at_set_up
+        )
         desc = "compressing weights on the device"
         for done in tqdm(encoder.encode(jobs), total=len(jobs), desc=desc, disable=None, leave=False):
             encoded_by_unit[done.index] = done.encoded

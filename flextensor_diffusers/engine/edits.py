@@ -62,7 +62,7 @@ class Edits:
             if self.host.raw_homes is not None:  # compressed only: edited raw bytes leave copy-on-write pages
                 self.host.raw_homes.rehome_written()
             if self.host.encoded:  # the compressed copies must say what the edited host copies say
-                self.host.compressed.make(self.host.compressed.pinned)
+                self.host.compressed.make(self.host.compressed.pinned, at_set_up=False)
             self.binding.record()  # every copy was made again from the edited host copies
 
     def _adopt_replaced(self) -> None:
