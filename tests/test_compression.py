@@ -572,7 +572,7 @@ def test_the_device_encoder_overlaps_only_within_the_budget_and_refuses_a_need_o
     def peak_of(nbytes: int) -> None:
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: nbytes)
 
-    slack = device_encoding.ALLOCATION_SLACK
+    slack = int(800 * device_encoding.ALLOCATION_SLACK)
     peak_of(450)  # the first unit (100 B) took 350 B over the 100 B held: the largest (200 B) needs 100 + 700
     encoder.budget_bytes = 800 + slack + 3 * 200
     assert encoder._room_to_overlap(jobs, peak_before=0, held_before=100)
