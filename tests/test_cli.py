@@ -149,6 +149,18 @@ def test_user_errors_are_one_line_naming_the_flag(argv, says, capsys) -> None:
     assert err.startswith(says) and len(err.strip().splitlines()) == 1, err
 
 
+def test_the_host_budget_flag_defaults_to_auto_and_none_keeps_all_in_ram() -> None:
+    """``--host-budget`` is ``auto`` unless typed (the offload decides whether a tier is needed), ``none`` is the
+    Python ``None`` (every host copy in RAM), and ``auto`` goes with ``--gpus N`` (the ranks' shared copy stays in
+    RAM) where a sized budget is refused; ``--raw-copies`` is passed only as typed, so ``auto`` may still turn the
+    compressed tier on."""
+    assert wan22_t2v.parse_args(TINY).host_budget == "auto"
+    assert wan22_t2v.parse_args([*TINY, "--host-budget", "none"]).host_budget is None
+    assert wan22_t2v.parse_args([*TINY, "--host-budget", "auto", "--gpus", "2"]).host_budget == "auto"
+    compressed = wan22_t2v.parse_args([*TINY, "--compression", "lossless", "--raw-copies", "ram"])
+    assert compressed.host_budget == "auto" and compressed.raw_copies == "ram"  # a tier, if needed, refuses it then
+
+
 def test_output_mistakes_stop_before_anything_loads(tmp_path, monkeypatch, capsys) -> None:
     def load(*args, **kwargs):
         raise AssertionError("loaded before the output was checked")

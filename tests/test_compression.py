@@ -3,6 +3,7 @@ the slot; outputs stay bitwise equal to native, edits reach the compressed copie
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import threading
@@ -511,6 +512,32 @@ def test_a_payload_cache_that_cannot_be_written_leaves_no_file_and_costs_only_th
     handle.remove()  # waits for the write, in the background since set-up
     assert cache.describe().startswith("not written: [Errno 28] No space left on device")
     assert not list(tmp_path.iterdir())
+
+
+def test_two_models_of_the_same_weights_get_a_payload_file_each(tmp_path) -> None:
+    """The same weights offloaded twice in one process: a file each (under a host budget an edit of one writes its
+    file again when it moves to disk, which must not change the file the other waits in), found again in the same
+    order by the next set-ups; the edited model computes with its edit, the other with its weights."""
+    first, x = make(torch.bfloat16)
+    second = copy.deepcopy(first)
+    with torch.inference_mode():
+        ref = first(x)
+    config = ft.OffloadConfig(["blocks.*"], device="cpu", compression="lossless", compression_cache=True)
+    config = dataclasses.replace(config, cache_dir=tmp_path)
+    handles = [ft.offload(model, config) for model in (first, second)]
+    paths = [h.payload_cache.path for h in handles]
+    assert paths[0] != paths[1] and paths[1].name == paths[0].name.replace(".payloads", "-2.payloads")
+    name, weight = max(first.blocks[2].named_parameters(), key=lambda item: item[1].numel())
+    first.load_state_dict({**first.state_dict(), f"blocks.2.{name}": weight.detach() + 1})
+    with torch.inference_mode():
+        assert torch.equal(second(x), ref) and not torch.equal(first(x), ref)
+    for handle in handles:
+        handle.remove()
+    again = [ft.offload(copy.deepcopy(second), config) for _ in range(2)]  # the next run, in the same order
+    assert [h.payload_cache.path for h in again] == paths
+    assert all(h.payload_cache.status == "read" for h in again)
+    for handle in again:
+        handle.remove()
 
 
 def test_set_up_does_not_wait_for_the_payload_cache_and_ctrl_c_at_exit_leaves_no_file(tmp_path, monkeypatch) -> None:

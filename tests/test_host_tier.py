@@ -259,8 +259,14 @@ def test_the_default_host_budget_keeps_all_in_ram_when_it_fits_else_the_rest_wai
     pipe.disable_flextensor_offload()
     assert_same(before, pipe.transformer)
 
-    pipe = load(folder)
+    pipe = load(folder)  # the tier it turns on keeps compressed copies only: raw copies asked in RAM are refused
     before = snapshot(pipe.transformer)
+    refusal = r'do not all fit in the RAM available, so host_budget="auto" .* drop raw_copies=\'ram\''
+    with pytest.raises(ft.FlexTensorError, match=refusal):
+        pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", compression="lossless", raw_copies="ram")
+    assert ft.pipeline_offload(pipe) is None
+    assert_same(before, pipe.transformer)
+
     monkeypatch.setattr(host_budget, "available_ram_bytes", lambda: 2**10)
     with pytest.raises(ft.HostBudgetError, match="the smallest workable host budget is"):
         pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", cache_dir=tmp_path)

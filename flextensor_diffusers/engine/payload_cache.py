@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -146,12 +147,22 @@ def _read_at(fd: int, position: int, record: CacheRecord, into: torch.Tensor | N
     return payload
 
 
+#: The payload files that live models of this process own (`PayloadCache.close` gives one back).
+_claimed: set[Path] = set()
+
+
 class PayloadCache:
-    """One model's payload file in ``folder``, named by `weights_key`."""
+    """One model's payload file in ``folder``, named by `weights_key`. Two live models with the same key (the same
+    weights loaded twice) get a file each, the second one's name ending in ``-2``: an edit of one writes its file
+    again, which must never change the file the other waits in (its reads would be refused as changed on disk).
+    Models set up in the same order find the same files in the next run."""
 
     def __init__(self, folder: Path, model_class: str, key: str) -> None:
         self.key = key
-        self.path = folder / f"{model_class}-{key[:24]}.payloads"
+        stem = f"{model_class}-{key[:24]}"
+        names = (f"{stem}.payloads" if n == 1 else f"{stem}-{n}.payloads" for n in itertools.count(1))
+        self.path = next(path for path in (folder / name for name in names) if path not in _claimed)
+        _claimed.add(self.path)
         #: What the last `read`/`write` did, for the report: "read", "written", "refused: ...", "not written: ...".
         self.status = "not used"
         #: The records of the file as last read or written (what `read_payload` and `map` trust), and where
@@ -194,6 +205,10 @@ class PayloadCache:
         self.data_start = data_start
         self.status = "read"
         return {r.index: r.encoded(p) for r, p in zip(records, payloads, strict=True) if p is not None}
+
+    def close(self) -> None:
+        """The model is gone: its file's name may serve another model of the same key."""
+        _claimed.discard(self.path)
 
     def describe(self) -> str:
         """What the last read or write did; "writing" while a background write is under way."""

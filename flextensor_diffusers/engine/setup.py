@@ -120,13 +120,16 @@ class SetUp:
         h.setup_times.hooks = 1e3 * (time.perf_counter() - hooking)
 
     def undo(self) -> None:
-        """Undo what set-up added besides packing: boundaries, state-dict hooks, shared files, the raw file."""
+        """Undo what set-up added besides packing: boundaries, state-dict hooks, shared files, the raw file, the
+        claim on the payload file's name."""
         self.boundaries.remove()
         for hook in self._state_dict_hooks:
             hook.remove()
         self._state_dict_hooks = []
         if self.handle.config.shared_host is not None:
             self.handle.config.shared_host.unlink()
+        if self.payload_cache is not None:
+            self.payload_cache.close()
 
     def _open_shared(self, shared: Any) -> None:
         h = self.handle
