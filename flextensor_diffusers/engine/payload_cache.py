@@ -147,22 +147,24 @@ def _read_at(fd: int, position: int, record: CacheRecord, into: torch.Tensor | N
     return payload
 
 
-#: The payload files that live models of this process own (`PayloadCache.close` gives one back).
-_claimed: set[Path] = set()
+#: How many live models of this process use each payload file (`PayloadCache.close` gives one back).
+_users: dict[Path, int] = {}
 
 
 class PayloadCache:
-    """One model's payload file in ``folder``, named by `weights_key`. Two live models with the same key (the same
-    weights loaded twice) get a file each, the second one's name ending in ``-2``: an edit of one writes its file
-    again, which must never change the file the other waits in (its reads would be refused as changed on disk).
-    Models set up in the same order find the same files in the next run."""
+    """One model's payload file in ``folder``, named by `weights_key`.
+
+    Live models of the same key (the same weights loaded twice) share the file while they only read it. A write
+    by one of them (an edit, then a move to disk under a host budget) goes to a file of its own instead, named
+    ``...-2.payloads`` and so on, deleted when the model goes (its payloads are of edited weights): rewriting
+    the shared file would change the one the others wait in, and their reads would be refused as changed on
+    disk."""
 
     def __init__(self, folder: Path, model_class: str, key: str) -> None:
         self.key = key
-        stem = f"{model_class}-{key[:24]}"
-        names = (f"{stem}.payloads" if n == 1 else f"{stem}-{n}.payloads" for n in itertools.count(1))
-        self.path = next(path for path in (folder / name for name in names) if path not in _claimed)
-        _claimed.add(self.path)
+        self.path = folder / f"{model_class}-{key[:24]}.payloads"
+        self._own_file = False  # ``path`` is a name of its own, taken to write beside a shared file
+        _users[self.path] = _users.get(self.path, 0) + 1
         #: What the last `read`/`write` did, for the report: "read", "written", "refused: ...", "not written: ...".
         self.status = "not used"
         #: The records of the file as last read or written (what `read_payload` and `map` trust), and where
@@ -207,8 +209,24 @@ class PayloadCache:
         return {r.index: r.encoded(p) for r, p in zip(records, payloads, strict=True) if p is not None}
 
     def close(self) -> None:
-        """The model is gone: its file's name may serve another model of the same key."""
-        _claimed.discard(self.path)
+        """The model is gone: it no longer uses its file; a file of its own (edited weights) is deleted."""
+        wait_for_writes(self.path)
+        _users[self.path] = _users.get(self.path, 1) - 1
+        if _users[self.path] <= 0:
+            del _users[self.path]
+        if self._own_file:
+            self.path.unlink(missing_ok=True)
+
+    def _write_alone(self) -> None:
+        """Before writing: when other live models use this file, move to a name of its own (see the class)."""
+        if _users.get(self.path, 0) <= 1:
+            return
+        _users[self.path] -= 1
+        stem = self.path.name.removesuffix(".payloads")
+        names = (self.path.with_name(f"{stem}-{n}.payloads") for n in itertools.count(2))
+        self.path = next(path for path in names if path not in _users)
+        _users[self.path] = 1
+        self._own_file = True
 
     def describe(self) -> str:
         """What the last read or write did; "writing" while a background write is under way."""
@@ -230,6 +248,7 @@ class PayloadCache:
         where payloads wait on disk), else it only costs the next run its encoding. ``cancel``, set, gives the
         write up between payloads (False, no file). Offsets in the header are relative to the first payload,
         which starts at the first 4 KiB boundary after the header."""
+        self._write_alone()
         wait_for_writes(self.path)  # one writer per file in this process: they would share the temporary name
         order = sorted(encoded)
         with ThreadPoolExecutor(PACK_THREADS) as pool:
@@ -318,6 +337,7 @@ class BackgroundWrite:
         self.stale = False
         self._written = False
         self._cancel = threading.Event()
+        cache._write_alone()  # here, not on the thread: the file's name may change
         wait_for_writes(cache.path)
         self._thread = threading.Thread(
             target=self._run, args=(dict(encoded),), name="flextensor-payload-write", daemon=True
