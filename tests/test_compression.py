@@ -529,7 +529,8 @@ def test_models_of_the_same_weights_share_a_payload_file_until_one_writes(tmp_pa
     assert caches[0].path == caches[1].path and caches[1].status == "read"
     shared = caches[0].path
     before = shared.read_bytes()
-    caches[0].write(handles[0].host.encoded, strict=True)  # what a spill after an edit does
+    caches[0].own_for_writing()  # what a spill after an edit does
+    caches[0].write(handles[0].host.encoded, strict=True)
     assert caches[0].path == shared.with_name(shared.name.replace(".payloads", "-2.payloads"))
     assert caches[0].path.exists() and shared.read_bytes() == before  # the other's file as it was
     handles[0].remove()

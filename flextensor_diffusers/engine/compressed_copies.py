@@ -60,7 +60,7 @@ class CompressedCopies:
         #: Units whose payloads wait in ``file`` now (views of its mapping), by index: `spill` to `take`.
         self.waiting: set[int] = set()
         self._file_holds = False  # ``file`` holds every payload as it is now (written or read, no edit since)
-        self._writing: BackgroundWrite | None = None  # the file's write after encoding, until taken (`_written`)
+        self._writing: BackgroundWrite | None = None  # the file's write after encoding, until taken (`_finish_write`)
         #: The peak allocated device memory the device encoder may reach at set-up (None: no bound); the handle
         #: sets its GPU budget.
         self.budget_bytes: int | None = None
@@ -266,7 +266,7 @@ class CompressedCopies:
     def release(self) -> None:
         """Drop the compressed copies, unregistering those pinned in place (once no copy reads them), after the
         payload file's write under way (it reads them)."""
-        self._written()
+        self._finish_write()
         self._unregister(self._registered)
         self.encoded = {}
         self.waiting = set()
@@ -298,10 +298,10 @@ class CompressedCopies:
         """The payload file holds every payload as it is now (no edit re-encoded one since it was written); False
         while it is being written."""
         if self._writing is not None and not self._writing.running:
-            self._written()
+            self._finish_write()
         return self._writing is None and self.file is not None and self._file_holds and self.file.path.exists()
 
-    def _written(self) -> None:
+    def _finish_write(self) -> None:
         """Wait for the payload file's write under way, if any, and take its outcome."""
         if self._writing is not None:
             self._file_holds = self._writing.held()
@@ -315,8 +315,9 @@ class CompressedCopies:
             raise OffloadStateError("compressed copies can wait on disk only with a payload file (set-up sets it)")
         if self.waiting or not self.encoded:
             return
-        self._written()
+        self._finish_write()
         if not self.file_current:
+            self.file.own_for_writing()
             self._file_holds = self.file.write(self.encoded, strict=True)
         views = self.file.map()
         self._unregister(list(self._registered))

@@ -217,8 +217,9 @@ class PayloadCache:
         if self._own_file:
             self.path.unlink(missing_ok=True)
 
-    def _write_alone(self) -> None:
-        """Before writing: when other live models use this file, move to a name of its own (see the class)."""
+    def own_for_writing(self) -> None:
+        """Before a write (every writer calls it on the caller's thread, before `write`): when other live models
+        use this file, move to a name of its own (see the class)."""
         if _users.get(self.path, 0) <= 1:
             return
         _users[self.path] -= 1
@@ -247,8 +248,7 @@ class PayloadCache:
         failure leaves no file behind: with ``strict`` it raises a one-line error naming the fix (the file is
         where payloads wait on disk), else it only costs the next run its encoding. ``cancel``, set, gives the
         write up between payloads (False, no file). Offsets in the header are relative to the first payload,
-        which starts at the first 4 KiB boundary after the header."""
-        self._write_alone()
+        which starts at the first 4 KiB boundary after the header. The caller calls `own_for_writing` first."""
         wait_for_writes(self.path)  # one writer per file in this process: they would share the temporary name
         order = sorted(encoded)
         with ThreadPoolExecutor(PACK_THREADS) as pool:
@@ -337,7 +337,7 @@ class BackgroundWrite:
         self.stale = False
         self._written = False
         self._cancel = threading.Event()
-        cache._write_alone()  # here, not on the thread: the file's name may change
+        cache.own_for_writing()  # here, not on the thread: the file's name may change
         wait_for_writes(cache.path)
         self._thread = threading.Thread(
             target=self._run, args=(dict(encoded),), name="flextensor-payload-write", daemon=True
@@ -360,6 +360,11 @@ class BackgroundWrite:
     def running(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def on_this_thread(self) -> bool:
+        """The caller is the write itself (it must not wait for itself)."""
+        return self._thread is threading.current_thread()
+
     def held(self) -> bool:
         """Wait for the write; True when the file holds the payloads as they are now."""
         self._thread.join()
@@ -378,7 +383,7 @@ _writes: dict[Path, list[BackgroundWrite]] = {}
 def wait_for_writes(path: Path) -> None:
     """Wait for this process's background writes of ``path`` (none: returns at once)."""
     for write in list(_writes.get(path, [])):
-        if write._thread is not threading.current_thread():
+        if not write.on_this_thread:
             write.held()
 
 
