@@ -110,6 +110,20 @@ def assert_same(before: dict, model: nn.Module) -> None:
         ), name
 
 
+def assert_refused_as_it_was(pipe, error: type[Exception], match: str, **enable: object) -> None:
+    """``pipe.enable_flextensor_offload(**enable)`` raises ``error`` matching ``match``, and leaves the pipeline as it
+    was: no offload, the transformer's tensors unchanged."""
+    import pytest
+
+    import flextensor_diffusers as ft
+
+    before = snapshot(pipe.transformer)
+    with pytest.raises(error, match=match):
+        pipe.enable_flextensor_offload(**enable)
+    assert ft.pipeline_offload(pipe) is None
+    assert_same(before, pipe.transformer)
+
+
 def set_host_overhead(monkeypatch, own: int, reserve: int) -> None:
     """The process's own memory measures ``own`` bytes and the host budget's reserve is ``reserve`` bytes
     (module-level names, as `HostOverhead.measure` reads them): a tiny model's host budget is planned in

@@ -23,7 +23,14 @@ from flextensor_diffusers.pipelines.disk_reads import ReadJob
 from flextensor_diffusers.pipelines.host_tier import SwitchForecast
 from flextensor_diffusers.pipelines.weight_files import read_entries
 from flextensor_diffusers.recipes.models import build_pipeline
-from tests.models import assert_same, enable_with_one_component_in_ram, set_host_overhead, snapshot, wan_latents
+from tests.models import (
+    assert_refused_as_it_was,
+    assert_same,
+    enable_with_one_component_in_ram,
+    set_host_overhead,
+    snapshot,
+    wan_latents,
+)
 
 BUDGET = 250_000  # GPU budget: the transformer blocks stream
 #: The measurement of the process's own memory, before the fixture below sets it to nothing.
@@ -260,18 +267,20 @@ def test_the_default_host_budget_keeps_all_in_ram_when_it_fits_else_the_rest_wai
     assert_same(before, pipe.transformer)
 
     pipe = load(folder)  # the tier it turns on keeps compressed copies only: raw copies asked in RAM are refused
-    before = snapshot(pipe.transformer)
     refusal = r'do not all fit in the RAM available, so host_budget="auto" .* drop raw_copies=\'ram\''
-    with pytest.raises(ft.FlexTensorError, match=refusal):
-        pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", compression="lossless", raw_copies="ram")
-    assert ft.pipeline_offload(pipe) is None
-    assert_same(before, pipe.transformer)
-
+    lossless_raw_in_ram = dict(compression="lossless", raw_copies="ram")
+    assert_refused_as_it_was(pipe, ft.FlexTensorError, refusal, budget=BUDGET, device="cpu", **lossless_raw_in_ram)
     monkeypatch.setattr(host_budget, "available_ram_bytes", lambda: 2**10)
-    with pytest.raises(ft.HostBudgetError, match="the smallest workable host budget is"):
-        pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", cache_dir=tmp_path)
-    assert ft.pipeline_offload(pipe) is None
-    assert_same(before, pipe.transformer)
+    smallest = "the smallest workable host budget is"
+    assert_refused_as_it_was(pipe, ft.HostBudgetError, smallest, budget=BUDGET, device="cpu", cache_dir=tmp_path)
+
+
+def test_a_sized_host_budget_with_shared_host_is_refused_before_packing() -> None:
+    """One shared host copy for all processes is all in RAM: a sized host budget with it is refused at once,
+    naming the default that keeps it so; the pipeline is left as it was."""
+    refusal = r'cannot be combined with shared_host yet .*: drop host_budget \(its default, "auto", keeps'
+    shared = dict(shared_host="refused", host_budget="1GiB")
+    assert_refused_as_it_was(build_pipeline("wan22_t2v", "tiny"), ft.FlexTensorError, refusal, budget=BUDGET, **shared)
 
 
 def test_an_unwritable_cache_dir_is_refused_before_packing(tmp_path, monkeypatch) -> None:
