@@ -91,6 +91,29 @@ def test_the_experts_take_turns_on_disk_compressed_bitwise(saved, tmp_path) -> N
     assert digest(folder) == before_folder
 
 
+def test_the_default_host_budget_with_compression_keeps_compressed_copies_only_when_ram_is_short(
+    saved, tmp_path, monkeypatch
+) -> None:
+    """No host budget given, compression on, and RAM available for one compressed expert only: the default,
+    ``host_budget="auto"``, turns the compressed tier on by itself (compressed copies only, the raw bytes in the
+    weight files), the experts take turns on disk, bitwise."""
+    from flextensor_diffusers.pipelines import host_budget as budgets
+
+    folder, reference = saved
+    cache = tmp_path / "cache"
+    smallest = smallest_host_budget(load(folder), cache)
+    pipe = load(folder)
+    monkeypatch.setattr(budgets, "anonymous_bytes", lambda: 0)
+    monkeypatch.setattr(budgets, "available_ram_bytes", lambda: int(smallest / budgets.AUTO_HOST_SHARE) + 1)
+    pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", compression="lossless", cache_dir=cache)
+    state = ft.pipeline_offload(pipe)
+    assert state.host_tier is not None and smallest <= state.host_tier.budget <= smallest + 1
+    assert all(state.handles[name].host.compressed_only for name in EXPERTS)
+    assert all(torch.equal(wan_latents(pipe), reference) for _ in range(2))
+    assert set(EXPERTS) & set(state.host_tier.report()["on_disk"])
+    pipe.disable_flextensor_offload()
+
+
 def test_a_pipeline_built_in_memory_keeps_its_raw_bytes_in_a_cache_file_deleted_on_disable(tmp_path) -> None:
     pipe = build_pipeline("wan22_t2v", "tiny")
     reference = wan_latents(pipe)
