@@ -514,6 +514,29 @@ def test_a_payload_cache_that_cannot_be_written_leaves_no_file_and_costs_only_th
     assert not list(tmp_path.iterdir())
 
 
+def test_a_temporary_file_left_by_a_killed_writer_is_removed_by_the_next_write(tmp_path) -> None:
+    """A process killed outright while it wrote the payload file leaves its temporary file (as large as the
+    payloads); the next write of that file removes it. One of a live process is kept."""
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    model, _ = make(torch.bfloat16)
+    config = ft.OffloadConfig(["blocks.*"], device="cpu", compression="lossless", compression_cache=True)
+    handle = ft.offload(model, dataclasses.replace(config, cache_dir=tmp_path))
+    path = handle.payload_cache.path
+    handle.remove()
+    left = path.with_name(f"{path.name}.{dead_pid}.tmp")
+    live = path.with_name(f"{path.name}.{os.getppid()}.tmp")
+    for tmp in (left, live):
+        tmp.write_bytes(b"half a file")
+    path.unlink()  # the next set-up encodes and writes again
+    handle = ft.offload(copy.deepcopy(model), dataclasses.replace(config, cache_dir=tmp_path))
+    handle.remove()
+    assert path.exists() and not left.exists() and live.exists()
+
+
 def test_models_of_the_same_weights_share_a_payload_file_until_one_writes(tmp_path) -> None:
     """The same weights offloaded twice in one process share one payload file (the second reads what the first
     wrote). A write by one of them (under a host budget: an edit, then a move to disk) goes to a file of its own,

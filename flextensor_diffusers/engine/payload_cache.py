@@ -261,6 +261,7 @@ class PayloadCache:
         header = {"version": FORMAT_VERSION, "key": self.key, "units": [dataclasses.asdict(r) for r in records]}
         blob = json.dumps(header).encode()
         data_start = align(_LENGTH_BYTES + len(blob), FILE_ALIGNMENT)
+        remove_stale_temporaries(self.path)
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         try:
             with tmp.open("wb") as f:
@@ -374,6 +375,24 @@ class BackgroundWrite:
         """Stop between payloads and remove the temporary file."""
         self._cancel.set()
         self._thread.join()
+
+
+def remove_stale_temporaries(path: Path) -> None:
+    """Delete the temporary files of ``path`` left by processes that no longer run (killed outright while
+    writing: the background write runs for seconds after set-up, and such a file is as large as the payloads).
+    A temporary file names its writer's pid; one of a live process (or of a pid this process may not signal) is
+    kept."""
+    for tmp in path.parent.glob(f"{path.name}.*.tmp"):
+        pid = tmp.name.removeprefix(f"{path.name}.").removesuffix(".tmp")
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+            logger.info("removed %s, left by a process that no longer runs", tmp)
+        except OSError:  # alive, another user's
+            continue
 
 
 #: The writes under way, by file: whoever reads or writes that file waits for them first.
