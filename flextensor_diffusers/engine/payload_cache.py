@@ -406,19 +406,22 @@ def wait_for_writes(path: Path) -> None:
             write.held()
 
 
+def _writes_under_way() -> list[BackgroundWrite]:
+    return [write for writes in list(_writes.values()) for write in list(writes)]
+
+
 def wait_for_all_writes() -> None:
     """Wait for every background write of this process: what a program that leaves with ``os._exit`` (which runs
     no exit handler) calls first, or its payload files are never written."""
-    for writes in list(_writes.values()):
-        for write in list(writes):
-            write.held()
+    for write in _writes_under_way():
+        write.held()
 
 
 @atexit.register
 def _finish_writes_at_exit() -> None:
     """At exit, finish the payload files still being written (they save the next run its encoding); Ctrl-C
     gives them up, leaving no temporary file behind."""
-    pending = [write for writes in list(_writes.values()) for write in list(writes) if write.running]
+    pending = [write for write in _writes_under_way() if write.running]
     if not pending:
         return
     logger.warning("finishing the compressed weights file for the next run (Ctrl-C gives it up)")
