@@ -297,9 +297,12 @@ def test_autograd_is_refused_with_the_fix() -> None:
 @pytest.mark.parametrize("compression", ["none", "lossless"])
 def test_failure_during_set_up_leaves_model_as_it_was(monkeypatch: pytest.MonkeyPatch, compression: str) -> None:
     """A unit that fails to pack ends set-up with its error and the model as it was; with compression the
-    encoder is at work on the units packed meanwhile (it waits for each at the host gate)."""
+    encoder is at work on the units packed meanwhile (it waits for each at the host gate). Raw copies pack
+    before set-up returns here (as with shared weights); progressive packing's failures are tested below."""
     from flextensor_diffusers.engine import host_copies as runtime  # where set-up packs
+    from flextensor_diffusers.engine import setup
 
+    monkeypatch.setattr(setup, "packs_progressively", lambda config: False)
     model, _ = make()
     before = snapshot(model)
     calls = itertools.count(1)  # packing runs on threads: next() counts each call once
@@ -461,7 +464,7 @@ def test_ctrl_c_while_set_up_waits_for_the_packing_threads_leaves_every_tensor_i
     each in a storage of its own as before, bit for bit."""
     import threading
 
-    from flextensor_diffusers.engine import host_copies, setup_threads
+    from flextensor_diffusers.engine import host_copies, setup, setup_threads
 
     model, x = make(depth=8)
     ref = native(model, x, "cpu")
@@ -490,6 +493,7 @@ def test_ctrl_c_while_set_up_waits_for_the_packing_threads_leaves_every_tensor_i
         raise KeyboardInterrupt
 
     monkeypatch.setattr(setup_threads, "PACK_THREADS", 2)
+    monkeypatch.setattr(setup, "packs_progressively", lambda config: False)  # set-up waits for the threads
     monkeypatch.setattr(host_copies, "pack_unit", held_pack)
     monkeypatch.setattr(setup_threads, "wait", interrupted_wait)
     with pytest.raises(KeyboardInterrupt):

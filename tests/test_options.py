@@ -268,6 +268,7 @@ def test_pin_memory_off_works_and_pins_nothing(device: str) -> None:
     before = snapshot(model)
     budget = BASE + 2 * unit_bytes(device) + headroom(device, model, x)
     handle = ft.offload(model, include_patterns=BLOCKS, gpu_budget=budget, pin_memory=False, device=device)
+    handle.wait_until_packed()  # set-up returns while units are packed
     assert not any(u.pinned_in_place or u.host.is_pinned() for u in handle.host.positions)  # base too
     assert all_equal(run(model, x, 4, device), ref)
     assert handle.phase is Phase.STEADY

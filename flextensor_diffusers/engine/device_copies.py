@@ -134,7 +134,7 @@ class DeviceCopies:
         would never reach the device. Identity, not names: adapters re-wrap layers."""
         present = {id(t) for t in [*self.model.parameters(), *self.model.buffers()]}
         for unit in self.host.positions:
-            if unit.host is None:
+            if not self.host.offloaded(unit):
                 continue
             for packed in unit.tensors:
                 if id(packed.tensor) not in present:
@@ -170,10 +170,10 @@ class DeviceCopies:
         self.slot_owner = [None] * len(self.buffers.slots)
 
     def _lay_out_profiling(self) -> None:
-        packed = [u for u in self.units if u.host is not None]  # remove() may have restored some
+        packed = [u for u in self.units if self.host.offloaded(u)]  # remove() may have restored some
         slot = aligned_buffer(max((u.nbytes for u in packed), default=0), self.device)
         self.buffers.slots = [slot]
-        self.slot_of = [0 if u.host is not None else None for u in self.units]
+        self.slot_of = [0 if self.host.offloaded(u) else None for u in self.units]
         self.decoding = frozenset(self.host.encoded)
         self._allocate_staging(1)
         for unit in packed:

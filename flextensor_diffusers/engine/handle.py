@@ -341,6 +341,11 @@ class OffloadHandle:
 
     # ------------------------------------------------------------------------------------ removal
 
+    def wait_until_packed(self) -> None:
+        """Return once every unit's host copy is packed (set-up packs raw copies on threads while the model is
+        already in use, each unit adopted when first asked for); raise a unit's packing failure."""
+        self.host.gate_all()
+
     def remove(self) -> None:
         """Undo everything: every tensor bit-exact on the device it came from, classes and hooks back.
 

@@ -31,7 +31,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -40,12 +42,12 @@ from .binding import Binding
 from .cache_files import drop_cached_pages, map_cache_file, write_cache_file
 from .codec import EncodedUnit
 from .compressed_copies import CompressedCopies
-from .errors import OffloadStateError
-from .host_memory import host_buffer, page_locked
+from .errors import FlexTensorError, OffloadStateError
+from .host_memory import host_buffer, page_locked, unpin_in_place
 from .raw_homes import RawHome, RawHomes
-from .setup_threads import ThreadedWork
+from .setup_threads import PACK_THREADS, ThreadedWork
 from .shared_host import SharedHostMemory
-from .units import Unit, pack_unit, pin_unit, restore_unit, unpin_unit
+from .units import Unit, copy_into, copy_tensor_into, pack_unit, pin_unit, restore_unit, unpin_unit
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +143,140 @@ class Packing:
                 self._host.host_gate = None
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedCopy:
+    """One unit's bytes packed on a thread and not adopted yet (`ProgressivePacking`): its new flat buffer,
+    whether that is page-locked in place, and each tensor's edit count when its copy began."""
+
+    buffer: torch.Tensor
+    pinned_in_place: bool
+    versions: tuple[int, ...]
+
+
+class ProgressivePacking:
+    """Raw host copies packed on threads while the model is already in use (`HostCopies.start_packing` with
+    ``progressive``): set-up returns at once, and the first forward waits only for the units it reaches, so
+    packing overlaps the first forward instead of preceding it.
+
+    Threads only copy: each unit into a new flat buffer, page-locked when ``pin``. A unit's tensors are
+    re-pointed at its buffer on the thread that asks for its host bytes (the host gate, `adopt_until`), so no
+    tensor changes under code that reads it on another thread. A tensor edited in place while or after it was
+    copied is found by its edit count and copied again at adoption. Until a unit is adopted its original
+    tensors stay alive, so at most ``window`` units are packed ahead of adoption: host memory grows by at most
+    that many units, as it does while synchronous packing's threads each hold one.
+
+    A failed unit keeps its original tensors; asking for it raises a one-line error naming the fix.
+    """
+
+    def __init__(self, host: HostCopies, pin: bool, window: int, on_done: Callable[[float], None]) -> None:
+        self._host = host
+        self._pin = pin
+        self._window = window
+        self._on_done = on_done  # told the seconds packing took once the last unit is adopted
+        self._cond = threading.Condition()
+        self._in_flight = 0  # units submitted and not adopted (or failed) yet
+        self._next = 0  # the next position to submit: units are packed in position order
+        self._ready: dict[int, PackedCopy] = {}
+        self._failed: dict[int, BaseException] = {}
+        self._started = time.perf_counter()
+        self._last_packed = self._started
+        #: Positions not adopted yet: their tensors are still the model's own.
+        self.pending: set[int] = set(range(len(host.positions)))
+        # No task ever waits for room: a unit is submitted only when the window has some (`_submit_more`), so an
+        # idle model leaves idle threads, which let the interpreter exit.
+        self._pool = ThreadPoolExecutor(PACK_THREADS, thread_name_prefix="flextensor-pack")
+        with self._cond:
+            self._submit_more()
+
+    def _submit_more(self) -> None:
+        """Submit units in position order while the window has room (called holding ``_cond``)."""
+        while self._in_flight < self._window and self._next < len(self._host.positions):
+            self._pool.submit(self._pack, self._next)
+            self._next += 1
+            self._in_flight += 1
+
+    def _pack(self, position: int) -> None:
+        unit = self._host.positions[position]
+        try:
+            versions = tuple(packed.tensor._version for packed in unit.tensors)
+            buffer = host_buffer(unit.nbytes)
+            with torch.no_grad():
+                copy_into(unit, buffer)
+            buffer, in_place = page_locked(buffer) if self._pin else (buffer, False)
+        except BaseException as exc:  # raised where the unit is asked for, on the model's thread
+            with self._cond:
+                self._failed[position] = exc
+                self._in_flight -= 1
+                self._submit_more()
+                self._cond.notify_all()
+            return
+        with self._cond:
+            self._ready[position] = PackedCopy(buffer, in_place, versions)
+            self._last_packed = time.perf_counter()
+            self._cond.notify_all()
+
+    def gate(self, unit: Unit) -> None:
+        """The host gate while packing: return once ``unit`` is adopted (adopting every unit packed so far)."""
+        position = unit.index + 1
+        if position in self.pending:
+            self.adopt_until(position)
+
+    def adopt_until(self, position: int) -> None:
+        """Adopt packed units, in the order they are ready, until ``position`` is; raise its packing's failure.
+        Interrupted (Ctrl-C), a unit is either adopted or still pending: asking again goes on."""
+        while position in self.pending:
+            with self._cond:
+                self._cond.wait_for(lambda: self._ready or position in self._failed)
+                if position in self._failed and not self._ready:
+                    raise self._failure(position)
+                ready = min(self._ready)
+                copy = self._ready[ready]
+            self._adopt(ready, copy)
+            with self._cond:
+                del self._ready[ready]
+                self._in_flight -= 1
+                self._submit_more()
+        if not self.pending:
+            self._finish()
+
+    def _adopt(self, position: int, copy: PackedCopy) -> None:
+        unit = self._host.positions[position]
+        with torch.no_grad(), torch.inference_mode(False):
+            for packed, version in zip(unit.tensors, copy.versions, strict=True):
+                if packed.tensor._version != version:  # edited in place while or after it was copied
+                    copy_tensor_into(packed, copy.buffer)
+            unit.bind(copy.buffer)
+        unit.host, unit.pinned_in_place = copy.buffer, copy.pinned_in_place
+        self.pending.discard(position)
+
+    def _failure(self, position: int) -> FlexTensorError:
+        exc = self._failed[position]
+        unit = self._host.positions[position]
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return FlexTensorError(
+            f"packing {unit.name!r} into host memory failed ({first_line}): free host memory (or pass a "
+            "host_budget), then remove() the offload and offload again; the model's weights are unchanged"
+        )
+
+    def _finish(self) -> None:
+        self._pool.shutdown(wait=False)
+        self._host.packing_done(self)
+        self._on_done(self._last_packed - self._started)
+
+    def abandon(self) -> None:
+        """Stop packing (removal): units not started are not packed, those under way finish, and every unit
+        not adopted keeps its original tensors; the buffers packed for them are dropped."""
+        with self._cond:
+            self._next = len(self._host.positions)  # nothing more is submitted
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for copy in self._ready.values():
+            if copy.pinned_in_place:
+                unpin_in_place(copy.buffer)
+        self._ready = {}
+        self.pending = set()
+        self._host.packing_done(self)
+
+
 class HostCopies:
     """Where each unit's host bytes are, and the verbs that move them (see the module docstring).
 
@@ -168,6 +304,7 @@ class HostCopies:
         #: Compressed only (see the module docstring): where raw bytes of units kept compressed wait (`keep_raw_in`).
         self.raw_homes: RawHomes | None = None
         self._payloads_taken: list[int] = []  # units whose payloads were taken back during a payload spill
+        self._progressive: ProgressivePacking | None = None  # packing still under way after set-up
 
     @property
     def positions(self) -> list[Unit]:
@@ -207,6 +344,29 @@ class HostCopies:
         packing = Packing(self, work, positions, gate)
         self.host_gate = packing.gate
         return packing
+
+    def start_progressive_packing(self, pin: bool, on_done: Callable[[float], None]) -> ProgressivePacking:
+        """Start packing every unit and the base on threads, to be adopted as each is first asked for
+        (`ProgressivePacking`): set-up does not wait for it. ``on_done`` is told the seconds it took once the
+        last unit is adopted."""
+        packing = ProgressivePacking(self, pin, PACK_THREADS, on_done)
+        self._progressive = packing
+        self.host_gate = packing.gate
+        return packing
+
+    def packing_done(self, packing: ProgressivePacking) -> None:
+        """``packing`` has no unit left to adopt (all adopted, or abandoned): reads no longer ask it."""
+        if self._progressive is packing:
+            self._progressive = None
+        if self.host_gate == packing.gate:  # bound methods compare by instance
+            self.host_gate = None
+
+    def offloaded(self, unit: Unit) -> bool:
+        """Whether ``unit`` has a host copy, or is getting one (packed progressively, not adopted yet); False
+        once `restore` gave its tensors back."""
+        if unit.host is not None:
+            return True
+        return self._progressive is not None and unit.index + 1 in self._progressive.pending
 
     # ------------------------------------------------------------------------------------ compressed only
 
@@ -522,7 +682,9 @@ class HostCopies:
         """Give every tensor its own storage again, bit-exact, on the device it came from (the model is
         inactive), telling ``on_restored`` of each unit done. Units go one by one, each all-or-nothing: if one
         fails (out of memory, say), those not restored yet stay packed and correct, and `restore` may be
-        called again."""
+        called again. Packing still under way is abandoned first: units not adopted keep their own tensors."""
+        if self._progressive is not None:
+            self._progressive.abandon()
         self.gate_all()
         with torch.no_grad(), torch.inference_mode(False):
             for unit in [*self.units, self.base]:

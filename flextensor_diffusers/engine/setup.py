@@ -1,6 +1,7 @@
 """Set-up: everything offloading adds to a model, done in one place and undone in one place.
 
-In order: host buffers packed (or attached to another process's shared ones) and page-locked, compressed copies
+In order: host buffers packed (or attached to another process's shared ones) and page-locked (raw copies only:
+while the model is already in use, `packs_progressively`), compressed copies
 made while later units are still packed (with ``raw_copies="disk"`` each unit's raw bytes leave RAM for its raw
 home as soon as its payload is made, the packing kept a few units ahead of the encoder), the
 boundaries that route the model's and its units' calls to the handle, ``state_dict`` hooks that read host
@@ -33,6 +34,7 @@ from .units import Unit, UnitLayout
 if TYPE_CHECKING:
     import torch
 
+    from .config import OffloadConfig
     from .handle import OffloadHandle
 
 
@@ -59,6 +61,13 @@ class Copies:
     device: DeviceCopies
     binding: Binding
     edits: Edits
+
+
+def packs_progressively(config: OffloadConfig) -> bool:
+    """Whether set-up leaves packing to go on while the model is in use (`HostCopies.start_progressive_packing`):
+    when nothing at set-up reads the packed bytes. The encoder reads every unit, and weights shared between
+    processes are published once packed, so those pack before set-up returns."""
+    return config.compression == "none" and config.shared_host is None
 
 
 def assemble(model: nn.Module, layout: UnitLayout, device: torch.device) -> Copies:
@@ -96,6 +105,10 @@ class SetUp:
         window = PACKING_WINDOW if compressed_only and h.cuda else None  # the CPU encoder asks for all at once
         pin_now = pin and not compressed_only
         start = time.perf_counter()
+        if packs_progressively(h.config):
+            h.host.start_progressive_packing(pin, self._packed)
+            self._finish(shared)
+            return
         if h.config.compression == "lossless" and h.config.compression_cache:  # named before packing moves tensors
             self.payload_cache = self._payload_cache()
         packing = h.host.start_packing(pin=pin_now, shared=shared, attaching=h.attaching, window=window)
@@ -112,12 +125,21 @@ class SetUp:
                 homes.pin_the_rest()
             given = h.planning.profiles.given
             h.planning.check_budget(h.budget_bytes, given.profile if given is not None else None)  # staging room now
-        h.binding.record()  # packing re-pointed tensors; edits count from here
+        self._finish(shared)
+
+    def _finish(self, shared: Any) -> None:
+        """The steps after packing began: edit counts recorded, shared weights published, boundaries hooked."""
+        h = self.handle
+        h.binding.record()  # packing re-points tensors without counting; edits count from here
         if shared is not None and shared.create:
             shared.publish(h.fingerprint["sha256"])
         hooking = time.perf_counter()
         self._hook()
         h.setup_times.hooks = 1e3 * (time.perf_counter() - hooking)
+
+    def _packed(self, seconds: float) -> None:
+        """Progressive packing is over (the last unit adopted): the time it took, for the report."""
+        self.handle.setup_times.pack = 1e3 * seconds
 
     def undo(self) -> None:
         """Undo what set-up added besides packing: boundaries, state-dict hooks, shared files, the raw file, the

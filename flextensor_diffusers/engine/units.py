@@ -480,9 +480,9 @@ def pack_unit(unit: Unit, host: torch.Tensor | None = None, filled: bool = False
     """
     if host is None:
         host = host_buffer(unit.nbytes)
+    if not filled:
+        copy_into(unit, host)
     for packed in unit.tensors:
-        if not filled:
-            _copy_in(packed, host)
         view = packed.view_of(host)
         if packed.tensor.device.type == "meta":  # ``.data`` cannot leave the meta device; swap in place
             new = nn.Parameter(view, packed.tensor.requires_grad) if isinstance(packed.tensor, nn.Parameter) else view
@@ -492,7 +492,14 @@ def pack_unit(unit: Unit, host: torch.Tensor | None = None, filled: bool = False
     unit.host = host
 
 
-def _copy_in(packed: PackedTensor, host: torch.Tensor) -> None:
+def copy_into(unit: Unit, host: torch.Tensor) -> None:
+    """Copy the values of the unit's tensors into their places in ``host`` (a flat buffer laid out for the
+    unit), leaving the tensors where they are."""
+    for packed in unit.tensors:
+        copy_tensor_into(packed, host)
+
+
+def copy_tensor_into(packed: PackedTensor, host: torch.Tensor) -> None:
     """Copy the tensor's values into its place in ``host``: element by element where its layout there is
     dense; else (gaps, repeats: then it kept its native strides) the bytes of its storage span as they are."""
     source = packed.tensor.data
