@@ -300,9 +300,7 @@ def test_failure_during_set_up_leaves_model_as_it_was(monkeypatch: pytest.Monkey
     encoder is at work on the units packed meanwhile (it waits for each at the host gate). Raw copies pack
     before set-up returns here (as with shared weights); progressive packing's failures are tested below."""
     from flextensor_diffusers.engine import host_copies as runtime  # where set-up packs
-    from flextensor_diffusers.engine import setup
 
-    monkeypatch.setattr(setup, "packs_progressively", lambda config: False)
     model, _ = make()
     before = snapshot(model)
     calls = itertools.count(1)  # packing runs on threads: next() counts each call once
@@ -315,7 +313,14 @@ def test_failure_during_set_up_leaves_model_as_it_was(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(runtime, "pack_unit", failing)
     with pytest.raises(MemoryError, match="simulated"):
-        ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**9, device="cpu", compression=compression)
+        ft.offload(
+            model,
+            include_patterns=["blocks.*"],
+            gpu_budget=10**9,
+            device="cpu",
+            compression=compression,
+            progressive_packing=False,
+        )
     assert_same(before, model)
     # torch private: no public way to list the hooks left on a module
     assert not model._forward_pre_hooks and not model.blocks[0]._forward_pre_hooks
@@ -464,7 +469,7 @@ def test_ctrl_c_while_set_up_waits_for_the_packing_threads_leaves_every_tensor_i
     each in a storage of its own as before, bit for bit."""
     import threading
 
-    from flextensor_diffusers.engine import host_copies, setup, setup_threads
+    from flextensor_diffusers.engine import host_copies, setup_threads
 
     model, x = make(depth=8)
     ref = native(model, x, "cpu")
@@ -493,11 +498,10 @@ def test_ctrl_c_while_set_up_waits_for_the_packing_threads_leaves_every_tensor_i
         raise KeyboardInterrupt
 
     monkeypatch.setattr(setup_threads, "PACK_THREADS", 2)
-    monkeypatch.setattr(setup, "packs_progressively", lambda config: False)  # set-up waits for the threads
     monkeypatch.setattr(host_copies, "pack_unit", held_pack)
     monkeypatch.setattr(setup_threads, "wait", interrupted_wait)
-    with pytest.raises(KeyboardInterrupt):
-        ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**9, device="cpu")
+    with pytest.raises(KeyboardInterrupt):  # packed before set-up returns, as under a pipeline's host tier
+        ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**9, device="cpu", progressive_packing=False)
     monkeypatch.setattr(setup_threads, "wait", real_wait)
     with changed:
         assert began and sorted(began) == sorted(ended), (began, ended)  # every pack that began had ended

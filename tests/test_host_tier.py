@@ -59,12 +59,16 @@ def test_a_host_budget_under_the_weights_keeps_outputs_bitwise_equal(reference, 
     pipe = build_pipeline("wan22_t2v", "tiny")
     before = {name: snapshot(getattr(pipe, name)) for name in ("text_encoder", "transformer", "transformer_2")}
     pipe.enable_flextensor_offload(budget=BUDGET, device="cpu")
+    handles = ft.pipeline_offload(pipe).handles.values()
+    assert any(h.host._progressive is not None for h in handles)  # all in RAM: packed as components run
     sizes = packed_sizes(pipe)
     pipe.disable_flextensor_offload()
     host_budget = max(sizes.values()) + 1  # the largest component fits, not two of the larger ones
     assert host_budget < sum(sizes.values()) - min(sizes.values())
 
     pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget=host_budget, cache_dir=tmp_path)
+    handles = ft.pipeline_offload(pipe).handles.values()
+    assert all(h.host._progressive is None for h in handles)  # the tier packs before set-up returns
     tier = ft.pipeline_offload(pipe).host_tier
     assert tier.ram_bytes() <= host_budget and tier.report()["on_disk"]  # set-up spilled as it packed
     outs = [wan_latents(pipe) for _ in range(3)]

@@ -169,6 +169,12 @@ class OffloadConfig:
         cache_dir: the folder for cache files (default: ``flextensor-cache`` in the temp dir).
         active_after_setup: take device memory at the end of set-up. A pipeline passes False: its
             components take device memory one at a time, when each first runs.
+        progressive_packing: without compression or shared weights, set-up returns while the raw host
+            copies are still being packed on threads, and the first forward waits only for the units it
+            reaches (see `host_copies.ProgressivePacking`). Until a unit is first used, up to one unit per
+            packing thread is held twice (its own tensors and its packed copy). False packs every unit before
+            set-up returns, each unit's tensors freed as it is copied: a pipeline's host tier passes it, since
+            it holds host memory to a budget.
     """
 
     include_patterns: list[str]
@@ -191,6 +197,7 @@ class OffloadConfig:
     compression_cache: bool = False
     cache_dir: str | Path | None = None
     active_after_setup: bool = True
+    progressive_packing: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.include_patterns, str):

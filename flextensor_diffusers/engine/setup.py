@@ -65,9 +65,9 @@ class Copies:
 
 def packs_progressively(config: OffloadConfig) -> bool:
     """Whether set-up leaves packing to go on while the model is in use (`HostCopies.start_progressive_packing`):
-    when nothing at set-up reads the packed bytes. The encoder reads every unit, and weights shared between
-    processes are published once packed, so those pack before set-up returns."""
-    return config.compression == "none" and config.shared_host is None
+    when asked (``progressive_packing``) and nothing at set-up reads the packed bytes. The encoder reads every
+    unit, and weights shared between processes are published once packed, so those pack before set-up returns."""
+    return config.progressive_packing and config.compression == "none" and config.shared_host is None
 
 
 def assemble(model: nn.Module, layout: UnitLayout, device: torch.device) -> Copies:

@@ -318,6 +318,8 @@ def enable(
     tier = None
     if tier_bytes is not None:
         config = _compressed_only_under_a_host_budget(request.config, auto=is_auto(host_budget))
+        # packed before set-up returns: progressive packing holds a few units twice, beyond the budget's reckoning
+        config = {**config, "progressive_packing": False}
         request = dataclasses.replace(request, config=config)
         tier = _host_tier(request, tier_bytes)
     state = PipelineOffload(pipeline=pipeline, device=request.device, budget_bytes=request.budget_bytes, host_tier=tier)
