@@ -53,7 +53,8 @@ chosen configuration is unfinished (a later call on the same machine reuses the 
 **On the GPU**, from the repository root, two calls of under 10 minutes each (every call writes ``--out`` after
 every phase; ``--resume`` keeps an earlier file's finished configurations and set-up runs, ``--redo`` runs them
 again; ``--time-limit`` stops starting phases past it, and stops a phase still running at it; the JSON's ``code``
-is ``$CODE_COMMIT`` where set, else the checkout's git commit, else "unknown")::
+is ``$CODE_COMMIT`` where set, else the checkout's git commit, else "unknown"; ``TIERS_BENCH_LOG=INFO`` puts the
+package's log lines, timestamped, in the output: the host tier's moves and reads at each switch)::
 
     source benchmarks/device_setup.sh && python3 benchmarks/tiers_bench.py --no-setup \\
         --out $OUT/tiers_h200.json --time-limit 520
@@ -80,6 +81,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -352,6 +354,12 @@ def child_pipeline(args: argparse.Namespace) -> None:
     from flextensor_diffusers.recipes.models import load_pipeline
 
     diffusers.utils.logging.set_verbosity_error()
+    if os.environ.get("TIERS_BENCH_LOG"):  # e.g. INFO: the host tier's moves and reads, timestamped, in the log
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d %(name)s: %(message)s", "%H:%M:%S"))
+        package = logging.getLogger("flextensor_diffusers")
+        package.addHandler(handler)
+        package.setLevel(os.environ["TIERS_BENCH_LOG"])
     name = args.config
     run = ChildRun(args)  # phases, host memory sampler, storage reads, progress file
     run.role = name

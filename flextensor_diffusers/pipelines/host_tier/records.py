@@ -23,6 +23,7 @@ class Switch:
     read_ahead_bytes: int = 0  # read while another component ran, before this one became active
     read_s: float = 0.0  # the reader's busy time on it, ahead and after (wall clock, paused time excluded)
     wait_s: float = 0.0  # time it was kept from computing: `bring_in`'s own, then blocked in the gate
+    bring_in_s: float = 0.0  # of ``wait_s``, `bring_in`'s own: moving others out, starting the read
     complete: bool = False  # every unit arrived (False: still arriving, or given up)
     prefetched: bool = field(init=False)  # some of it was read ahead (a field: records are read with asdict)
 
@@ -47,6 +48,7 @@ class Switch:
             "prefetched": self.prefetched,
             "read_s": round(self.read_s, 4),
             "wait_s": round(self.wait_s, 4),
+            "bring_in_s": round(self.bring_in_s, 4),
             "gbps": self.gbps,
             "complete": self.complete,
         }

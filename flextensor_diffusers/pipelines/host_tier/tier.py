@@ -143,7 +143,8 @@ class HostTier:
             self._placement.note_peak()
             self._aheads.after(name)
             if switch is not None:  # all of it kept the component from computing
-                switch.wait_s += disk_reads.clock() - started
+                switch.bring_in_s = disk_reads.clock() - started
+                switch.wait_s += switch.bring_in_s
 
     def report(self) -> dict[str, Any]:
         """What `report.tier_report` tells, the switch under way counted up to now."""
