@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import hashlib
 import json
 import os
 import shutil
@@ -247,11 +248,17 @@ def generate(pipe: Any, args: argparse.Namespace, steps: int, embeds: tuple, dev
     step, the steps that switched expert, and the host tier's switches during it; ``latents`` on the CPU."""
     ends: list[float] = []
     timesteps: list[float] = []
+    step_hashes: list[str] = []
 
     def on_step(_pipe: Any, _i: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         sync(device)
         ends.append(time.perf_counter())
         timesteps.append(float(t))
+        latents = kwargs.get("latents")
+        if latents is not None:  # after the step's timestamp: where two runs first differ, step by step
+            step_hashes.append(
+                hashlib.sha256(latents.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
+            )
         return kwargs
 
     before = len(switches(pipe))
@@ -279,6 +286,7 @@ def generate(pipe: Any, args: argparse.Namespace, steps: int, embeds: tuple, dev
         "experts": experts,
         "switch_steps": [i for i in range(len(experts)) if i == 0 or experts[i] != experts[i - 1]],
         "switches": switches(pipe)[before:],
+        "step_latents_sha256": step_hashes,
         "latents": latents.detach().cpu(),
     }
 

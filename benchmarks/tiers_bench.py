@@ -137,6 +137,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "host24_compressed": {"host_budget": "24GiB", "compression": "lossless"},
     "defaults": {},
     "host32_raw": {"host_budget": "32GiB", "compression": "none"},
+    "ram_compressed": {"host_budget": None, "compression": "lossless"},
     "defaults_64gb": {},
 }
 #: Configurations run as on a machine with less RAM: the parent holds the rest of the machine's RAM (touched
@@ -155,6 +156,7 @@ EXPECTED_S = {
     "host24_compressed": 200,
     "host32_raw": 200,
     "defaults_64gb": 200,
+    "ram_compressed": 150,
 }
 #: Set-up runs on the block stack, in order, and the `peers.set_up` method of each. The two compressed runs share
 #: one cache folder, empty before the first: the first writes the payload file, the second reads it.
