@@ -257,11 +257,13 @@ def test_raw_copies_ram_under_a_host_budget_with_compression_is_refused(tmp_path
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_cuda_the_experts_take_turns_on_disk_compressed_bitwise(saved, tmp_path, monkeypatch) -> None:
+def test_on_cuda_the_experts_take_turns_on_disk_compressed_bitwise(saved, tmp_path, monkeypatch, caplog) -> None:
     """On CUDA: units are encoded on the device, each unit's raw bytes leave RAM as soon as its payload is made
     (the packing kept one unit ahead of the encoder here), payloads are page-locked and read back page-locked;
-    three generations are bitwise equal to native on CUDA, and disabling restores every tensor."""
+    three generations are bitwise equal to native on CUDA, and disabling restores every tensor. Enabling it
+    warns that the combination is not to be trusted yet (one full-size run was not bitwise)."""
     from flextensor_diffusers.engine import setup
+    from flextensor_diffusers.pipelines.offload import UNTRUSTED_COMPRESSED_TIER
 
     monkeypatch.setattr(setup, "PACKING_WINDOW", 1)
     folder, _ = saved
@@ -281,9 +283,11 @@ def test_on_cuda_the_experts_take_turns_on_disk_compressed_bitwise(saved, tmp_pa
     assert all(h.host.where().raw_disk_bytes for n, h in handles.items() if n in EXPERTS)
     pipe.disable_flextensor_offload()
     host_budget = max(stored[n] + sum(raw[o] for o in stored if o != n) for n in stored)
+    caplog.clear()
     pipe.enable_flextensor_offload(
         budget=budget, device="cuda", compression="lossless", host_budget=host_budget, cache_dir=cache
     )
+    assert UNTRUSTED_COMPRESSED_TIER in caplog.text
     outs = [wan_latents(pipe).cpu() for _ in range(3)]
     assert all(torch.equal(o, reference) for o in outs)
     tier = ft.pipeline_offload(pipe).host_tier.report()
