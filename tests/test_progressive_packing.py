@@ -205,3 +205,18 @@ def test_an_interrupted_adoption_goes_on_at_the_next_forward(monkeypatch) -> Non
     assert torch.equal(forward(model, x, "cpu"), ref)
     handle.remove()
     assert_same(before, model)
+
+
+def test_progressive_packing_with_a_host_budget_is_refused_before_packing(tmp_path) -> None:
+    """A host tier packs before set-up returns (it keeps the process under a budget); asking for progressive
+    packing there is refused at once, naming the fix, with nothing packed."""
+    from flextensor_diffusers.recipes.models import build_pipeline
+
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    before = snapshot(pipe.transformer)
+    with pytest.raises(ft.FlexTensorError, match=r"progressive_packing=True .* drop progressive_packing"):
+        pipe.enable_flextensor_offload(
+            budget=10**9, device="cpu", host_budget="1GiB", cache_dir=tmp_path, progressive_packing=True
+        )
+    assert ft.pipeline_offload(pipe) is None
+    assert_same(before, pipe.transformer)

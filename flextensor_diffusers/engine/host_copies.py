@@ -4,7 +4,9 @@ Every parameter and buffer of a unit (and of the *base*, the weights outside uni
 buffer from set-up to removal; device memory only ever holds copies of it. A unit's host bytes are in one of
 these places, and this object alone knows which:
 
-* **RAM, raw**: a flat buffer of its own (page-locked for CUDA), packed at set-up (`start_packing`);
+* **RAM, raw**: a flat buffer of its own (page-locked for CUDA), packed at set-up (`start_packing`), or
+  while the model already runs, each unit adopted when first asked for (`start_progressive_packing`; until
+  then the gate below is set and the unit's tensors are still its own);
 * **RAM, compressed** as well, when compression is on (`compressed`, a `CompressedCopies`): loads may move the
   payload and decode it on the device; the raw bytes stay the truth;
 * **compressed only** (``raw_copies="disk"``, and always under a pipeline's host budget with compression): the
@@ -154,16 +156,17 @@ class PackedCopy:
 
 
 class ProgressivePacking:
-    """Raw host copies packed on threads while the model is already in use (`HostCopies.start_packing` with
-    ``progressive``): set-up returns at once, and the first forward waits only for the units it reaches, so
-    packing overlaps the first forward instead of preceding it.
+    """Raw host copies packed on threads while the model is already in use
+    (`HostCopies.start_progressive_packing`): set-up returns at once, and the first forward waits only for the
+    units it reaches, so packing overlaps the first forward instead of preceding it.
 
     Threads only copy: each unit into a new flat buffer, page-locked when ``pin``. A unit's tensors are
     re-pointed at its buffer on the thread that asks for its host bytes (the host gate, `adopt_until`), so no
     tensor changes under code that reads it on another thread. A tensor edited in place while or after it was
     copied is found by its edit count and copied again at adoption. Until a unit is adopted its original
     tensors stay alive, so at most ``window`` units are packed ahead of adoption: host memory grows by at most
-    that many units, as it does while synchronous packing's threads each hold one.
+    that many units (synchronous packing frees each tensor as soon as it is copied, and grows by the units its
+    threads are copying only: on the H200, 5.3 GB less for 28 GB of blocks).
 
     A failed unit keeps its original tensors; asking for it raises a one-line error naming the fix.
     """
