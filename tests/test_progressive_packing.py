@@ -13,21 +13,9 @@ import torch
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import host_copies
 from tests.models import Stack, assert_same, snapshot
+from tests.test_engine import make, native
 
 HELD = "blocks.2"  # the unit whose packing a test holds
-
-
-def make(depth: int = 6) -> tuple[Stack, torch.Tensor]:
-    torch.manual_seed(0)
-    return Stack(depth=depth), torch.randint(0, 50, (2, 16))
-
-
-def native(model: Stack, x: torch.Tensor, device: str) -> torch.Tensor:
-    model.to(device)
-    with torch.no_grad():
-        out = model(x.to(device)).cpu()
-    model.to("cpu")
-    return out
 
 
 def forward(model: Stack, x: torch.Tensor, device: str) -> torch.Tensor:
