@@ -627,8 +627,9 @@ def header(args: argparse.Namespace) -> dict[str, Any]:
             "peak_host_bytes: RssAnon + RssShmem of the configuration's process, sampled every "
             f"{args.sample_ms:g} ms over its phases {', '.join(BUDGETED_PHASES)}",
             "identical experts give identical payload-cache keys: with compression, both experts' host tier "
-            "payload files in cache_dir have one name (each writes it when it moves to disk, renamed into place "
-            "whole; their bytes are the same), so cache_dir holds one expert's payloads where distinct experts "
+            "payload files in cache_dir have one name: the first expert writes it after encoding, the second reads "
+            "it at set-up (decode-checked against its weights) and both wait in it (a write by either, after an "
+            "edit, would go to a file of its own), so cache_dir holds one expert's payloads where distinct experts "
             "would hold two (stored_host_bytes_by_phase[...].cache_dir_bytes)",
             "stored_host_bytes: the largest of the components' host_ram_bytes summed (flextensor_report, after "
             "enable and after each generation) and the host tier's peak_host_ram_bytes",
