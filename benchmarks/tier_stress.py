@@ -43,16 +43,10 @@ from flextensor_diffusers.recipes.models import build_pipeline
 
 EXPERTS = ("transformer", "transformer_2")
 
-#: As tests/models.py TINY_WAN_CALL.
-TINY_WAN_CALL = dict(
-    prompt="a cat walking on the beach",
-    negative_prompt="blurry",
-    num_frames=9,
-    height=32,
-    width=32,
-    num_inference_steps=4,
-    guidance_scale=4.0,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: the tests' tiny call
+from tests.models import TINY_WAN_CALL  # noqa: E402
+
+CALL = dict(TINY_WAN_CALL)  # the generation's arguments; --steps changes its step count
 
 BUDGET = 340_000  # as tests/test_compressed_tier.py: the blocks stream compressed
 
@@ -285,7 +279,7 @@ def generate(pipe: Any, steps: list[torch.Tensor] | None = None, num_steps: int 
             steps.append(kwargs["latents"].clone())
         return kwargs
 
-    call = dict(TINY_WAN_CALL)
+    call = dict(CALL)
     if EMBEDS:
         del call["prompt"], call["negative_prompt"]
         call.update(EMBEDS)
@@ -342,7 +336,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.read_threads:
         disk_reads.READ_THREADS = args.read_threads
     widen(args.layers)
-    TINY_WAN_CALL["num_inference_steps"] = args.steps
+    CALL["num_inference_steps"] = args.steps
     work = Path(tempfile.mkdtemp(prefix="tier_stress_", dir="/tmp"))
     folder = save_folder(work, args.experts) if args.source == "folder" else None
     native = make_pipe(args, folder)
