@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from .cache_files import drop_cached_pages
 from .codec import CodecMismatch, EncodedUnit, Segment, check_decodes, encode_unit, worth_compressing
 from .device_encoding import DeviceEncoder, EncodeJob
-from .errors import FlexTensorError, OffloadStateError
+from .errors import FlexTensorError, OffloadStateError, first_line
 from .host_memory import host_buffer, page_locked, unpin_in_place
 from .payload_cache import BackgroundWrite, PayloadCache
 from .setup_threads import PACK_THREADS, on_threads
@@ -150,10 +150,9 @@ class CompressedCopies:
             unit = next(u for u in self.units if u.index == exc.unit)
             return self._mismatch_error(unit, unit.tensors[exc.segment].names[0])
         if isinstance(exc, RuntimeError) and not isinstance(exc, FlexTensorError):
-            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             room = "; or leave ~3 GiB of the device free at set-up (the encoder's most)"
             return FlexTensorError(
-                f"compressing the weights on {self.device} failed ({first_line}): pass compression='none' "
+                f"compressing the weights on {self.device} failed ({first_line(exc)}): pass compression='none' "
                 f"(--compression none) to stream them raw{room if isinstance(exc, torch.OutOfMemoryError) else ''}"
             )
         return exc

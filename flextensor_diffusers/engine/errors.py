@@ -13,6 +13,12 @@ class FlexTensorError(RuntimeError):
     """Base class of every error this package raises on purpose."""
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its class name when it has none): what a one-line error quotes of
+    the fault under it."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 class PatternError(FlexTensorError, ValueError):
     """An include pattern matched no module, or matched the whole model."""
 

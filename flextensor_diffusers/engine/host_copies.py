@@ -44,7 +44,7 @@ from .binding import Binding
 from .cache_files import drop_cached_pages, map_cache_file, write_cache_file
 from .codec import EncodedUnit
 from .compressed_copies import CompressedCopies
-from .errors import FlexTensorError, OffloadStateError
+from .errors import FlexTensorError, OffloadStateError, first_line
 from .host_memory import host_buffer, page_locked, unpin_in_place
 from .raw_homes import RawHome, RawHomes
 from .setup_threads import PACK_THREADS, ThreadedWork
@@ -253,12 +253,10 @@ class ProgressivePacking:
         self.pending.discard(position)
 
     def _failure(self, position: int) -> FlexTensorError:
-        exc = self._failed[position]
-        unit = self._host.positions[position]
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        unit, cause = self._host.positions[position], first_line(self._failed[position])
         return FlexTensorError(
-            f"packing {unit.name!r} into host memory failed ({first_line}): free host memory (or pass a "
-            "host_budget), then remove() the offload and offload again; the model's weights are unchanged"
+            f"packing {unit.name!r} into host memory failed ({cause}): free host memory (or pass a host_budget), "
+            "then remove() the offload and offload again; the model's weights are unchanged"
         )
 
     def _finish(self) -> None:
