@@ -100,15 +100,15 @@ class SetUp:
         if shared is not None:
             self._open_shared(shared)
         pin = h.cuda and h.config.pin_memory
+        if packs_progressively(h.config):
+            h.host.start_progressive_packing(pin, self._packed)
+            self._finish(shared)
+            return
         compressed_only = h.config.compressed_only
         homes = h.host.keep_raw_in(self._raw_home or self._raw_cache_file()) if compressed_only else None
         window = PACKING_WINDOW if compressed_only and h.cuda else None  # the CPU encoder asks for all at once
         pin_now = pin and not compressed_only
         start = time.perf_counter()
-        if packs_progressively(h.config):
-            h.host.start_progressive_packing(pin, self._packed)
-            self._finish(shared)
-            return
         if h.config.compression == "lossless" and h.config.compression_cache:  # named before packing moves tensors
             self.payload_cache = self._payload_cache()
         packing = h.host.start_packing(pin=pin_now, shared=shared, attaching=h.attaching, window=window)

@@ -99,7 +99,6 @@ class Placement:
         self.recency.append(name)
         host_copies = handle.host
         if not host_copies.compressed_only:  # compressed only, its raw bytes already wait in their raw home
-            host_copies.gate_all()  # its bytes are compared with the files: every unit packed first
             folders = component_folders(name, handle.model, self.weights_root)
             source = WeightSource.find(name, folders, host_copies.positions) if folders else None
             if source is not None:
