@@ -248,6 +248,8 @@ def enable_options(name: str, args: argparse.Namespace) -> dict[str, Any]:
     options = dict(CONFIGS[name])
     if "host_budget" in options:
         options["host_budget"] = host_budget_of(name, args)
+    if args.verify_loads:  # every unit call checks its device bytes (the report's load_checks say what was found)
+        options["verify_loads"] = True
     return {"budget": args.budget_bytes, "cache_dir": str(args.cache_dir), **options}
 
 
@@ -509,6 +511,7 @@ def child_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--frames", str(args.frames), "--height", str(args.height), "--width", str(args.width)]
     argv += ["--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps), "--guidance", str(args.guidance)]
     argv += ["--budget", str(args.budget_bytes), "--card", args.card, "--sample-ms", str(args.sample_ms)]
+    argv += ["--verify-loads"] if args.verify_loads else []
     return [*argv, "--setup-budget", str(args.setup_budget_bytes), *args.stack.argv()]
 
 
@@ -916,6 +919,12 @@ def parse_args() -> argparse.Namespace:
         help="GPU budget (default 8GiB; tiny: 360000, over the 320 KiB a compressed load of its blocks needs)",
     )
     parser.add_argument("--card", default="24GB", help="memory cap of the emulated card")
+    parser.add_argument(
+        "--verify-loads",
+        action="store_true",
+        help="enable with verify_loads=True: every unit call compares its device bytes with its weights, and a "
+        "wrong load fails the generation (the report's load_checks count the comparisons)",
+    )
     parser.add_argument(
         "--cache-room",
         default=None,

@@ -20,6 +20,7 @@ from .errors import (
 )
 from .handle import OffloadHandle, offload, offload_shared
 from .host_copies import HostCopies, HostPlaces
+from .load_checks import LoadCheckError
 from .phases import Phase
 from .planner import Call, Plan, WorkloadProfile, plan_residency, simulate
 from .shared_host import SharedHostMemory
@@ -33,6 +34,7 @@ __all__ = [
     "HostCopies",
     "HostPlaces",
     "InferenceOnlyError",
+    "LoadCheckError",
     "MeasuringOutOfMemoryError",
     "NoCudaDeviceError",
     "OffloadConfig",

@@ -113,6 +113,10 @@ class Binding:
         self._counts[position] = counts
         return Edit.ON_DEVICE if flat is not None else Edit.ON_HOST
 
+    def unchanged(self, unit: Unit) -> bool:
+        """No in-place write through ``unit``'s tensors since their counts were last handled (changes nothing)."""
+        return self._count(unit.index + 1) == self._counts[unit.index + 1]
+
     def sweep(self) -> bool:
         """`check` every unit; True when any edit was found."""
         return any([self.check(unit) is not Edit.NONE for unit in self._units])  # a list: check them all

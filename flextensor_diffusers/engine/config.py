@@ -175,6 +175,10 @@ class OffloadConfig:
             packing thread is held twice (its own tensors and its packed copy). False packs every unit before
             set-up returns, each unit's tensors freed as it is copied: a pipeline's host tier passes it, since
             it holds host memory to a budget.
+        verify_loads: check on the device, before and after every unit call, that the bytes the unit computes
+            with are its weights (`load_checks`): a wrong load raises instead of giving a wrong output, at the
+            next forward, at ``handle.check_loads()``, or at the end of a pipeline's generation. Costs two reads
+            of each unit's bytes on the device per call and one pass over its host copy when first checked.
     """
 
     include_patterns: list[str]
@@ -198,6 +202,7 @@ class OffloadConfig:
     cache_dir: str | Path | None = None
     active_after_setup: bool = True
     progressive_packing: bool = True
+    verify_loads: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.include_patterns, str):

@@ -283,6 +283,14 @@ class DeviceCopies:
         if owner is not None and self.binding.on_device(self.units[owner]) is self.buffers.slots[slot]:
             self.binding.to_host(self.units[owner])
 
+    def load_path(self, index: int) -> str:
+        """How unit ``index``'s device bytes are loaded under the current layout, in words (for `LoadChecks`)."""
+        slot = self.slot_of[index]
+        if slot is None:
+            decoded = index in self.host.encoded and not self.host.raw_at_hand(self.units[index])
+            return "resident, decoded at activation" if decoded else "resident, copied at activation"
+        return f"slot {slot}, {'decoded' if index in self.decoding else 'copied raw'}"
+
     def note_load(self, slot: int, index: int) -> None:
         self.slot_owner[slot] = index
         self.loads[index] += 1

@@ -21,6 +21,7 @@ from .binding import Binding
 from .device_copies import DeviceCopies
 from .errors import FlexTensorError
 from .host_copies import HostCopies
+from .load_checks import LoadChecks
 from .units import Unit
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,8 @@ class Edits:
         self.host = host
         self.device = device
         self.binding = binding
+        #: With ``verify_loads``: told of every edit, so that the fingerprints of edited units are taken again.
+        self.load_checks: LoadChecks | None = None
 
     def found(self, unit: Unit, on_device: bool) -> None:
         """An in-place edit of ``unit`` was found; its host copy holds it now (copied back when it was made in
@@ -41,6 +44,8 @@ class Edits:
             logger.info("%s was edited in place outside editing(); its copies follow", unit.name)
         self.host.edited(unit)
         self.device.stale_copies_of(unit, on_device)
+        if self.load_checks is not None:
+            self.load_checks.forget(unit)
 
     @contextmanager
     def editing(self) -> Iterator[None]:
@@ -64,6 +69,8 @@ class Edits:
             if self.host.encoded:  # the compressed copies must say what the edited host copies say
                 self.host.compressed.make(self.host.compressed.pinned, at_set_up=False)
             self.binding.record()  # every copy was made again from the edited host copies
+            if self.load_checks is not None:
+                self.load_checks.forget()
 
     def _adopt_replaced(self) -> None:
         refused: list[str] = []

@@ -43,6 +43,7 @@ from .call_guards import (
 )
 from .config import OffloadConfig, resolve_budget, resolve_device
 from .errors import BudgetError, FlexTensorError, OffloadStateError
+from .load_checks import LoadChecks, LoadCheckSummary
 from .payload_cache import PayloadCache
 from .phases import Discovery, OnDemand, Phase, Phases, Removed, Steady
 from .planner import Plan, WorkloadProfile
@@ -98,6 +99,9 @@ class OffloadHandle:
             copies.edits,
         )
         self.units = layout.units
+        #: ``verify_loads``: every unit call compares its device bytes with its weights (`load_checks`).
+        self.load_checks = LoadChecks(self.units, self.device, self.host.raw_tensor) if config.verify_loads else None
+        self.edits.load_checks = self.load_checks
         self.resident_weight_bytes = self.device_copies.resident_weight_bytes
         # A compressed model loads other bytes (and needs staging room): its profiles are its own.
         marker = [f"compression={config.compression}"] if config.compression != "none" else []
@@ -264,6 +268,12 @@ class OffloadHandle:
         if self.phase is Phase.OVER_BUDGET and not self.defer_budget_errors:
             self._depth = 0
             raise self.planning.shortfall_error()
+        if self.load_checks is not None:  # a wrong load an earlier forward made, read back since
+            try:
+                self.load_checks.raise_faults(type(self.model).__name__, wait=False)
+            except FlexTensorError:
+                self._depth = 0
+                raise
         if not self.active:
             self.activate()
         elif self.binding.sweep():  # edits since the last forward: slots loaded ahead may be stale
@@ -277,6 +287,8 @@ class OffloadHandle:
 
     def exit_workload(self, output: Any = None) -> None:
         self._depth -= 1
+        if self._depth == 0 and self.load_checks is not None:
+            self.load_checks.end_of_forward()
         if self._depth == 0:
             self.phases.current.end()
 
@@ -320,6 +332,8 @@ class OffloadHandle:
             pos, self._pos = self._pos, self._pos + 1
             self.phases.current.before_unit(index, pos, self._depth > 0)
             self.device_copies.bind_for_call(index)
+            if self.load_checks is not None:
+                self._check_load(index, before=True)
             self._open_unit = index
 
         return enter
@@ -332,12 +346,35 @@ class OffloadHandle:
             slot = self.device_copies.slot_of[index]
             if slot is not None and self.device_copies.buffers.slots:
                 refuse_views_of(self.device_copies.buffers.slots[slot], name, output)
+            if self.load_checks is not None:  # before the slot is handed on
+                self._check_load(index, before=False)
             self.phases.current.after_unit(index, self._pos - 1, self._depth > 0)
 
         return exit_
 
     def unit_failed(self, exc: BaseException) -> None:
         self._open_unit = None
+
+    def _check_load(self, index: int, before: bool) -> None:
+        """``verify_loads``: compare the device bytes unit ``index`` computes with (before its call), or computed
+        with (after it, unless the call itself wrote its tensors: an edit the binding handles), with its weights."""
+        unit = self.units[index]
+        flat = self.binding.on_device(unit)
+        if flat is None or self.load_checks is None:
+            return
+        if before:
+            how = f"{self.device_copies.load_path(index)}, {self.phase} phase"
+            self.load_checks.before_call(unit, flat, how)
+        elif self.binding.unchanged(unit):
+            self.load_checks.after_call(unit, flat)
+
+    def check_loads(self) -> LoadCheckSummary | None:
+        """With ``verify_loads``: wait for every comparison enqueued so far and raise `LoadCheckError` when a unit
+        computed with bytes that are not its weights; else the comparisons made (None without ``verify_loads``)."""
+        if self.load_checks is None:
+            return None
+        self.load_checks.raise_faults(type(self.model).__name__, wait=True)
+        return self.load_checks.summary()
 
     # ------------------------------------------------------------------------------------ removal
 

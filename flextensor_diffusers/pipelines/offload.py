@@ -119,6 +119,13 @@ class PipelineOffload:
             self.budget_bytes, need, needs, "weights outside blocks + 2 slots + measured activations", workload=True
         )
 
+    def check_loads(self) -> None:
+        """With ``verify_loads``: raise `LoadCheckError` when a component computed with bytes that are not its
+        weights (waits for the comparisons enqueued so far; see `load_checks`)."""
+        for handle in self.handles.values():
+            if handle.load_checks is not None:
+                handle.load_checks.raise_faults(type(handle.model).__name__, wait=True)
+
     def report(self) -> dict[str, Any]:
         components = {}
         for name, handle in self.handles.items():
@@ -147,6 +154,7 @@ class PipelineOffload:
                 "payload_cache": stats.payload_cache,  # compression_cache: read, written or refused, and where
                 # host copies in RAM now (raw copies, and compressed copies where kept)
                 "host_ram_bytes": handle.host.host_ram_bytes,
+                "load_checks": _load_checks_record(handle),  # verify_loads: comparisons made, faults found
             }
         cuda = self.device.type == "cuda"
         return {
@@ -439,7 +447,8 @@ class OffloadRequest:
 UNTRUSTED_COMPRESSED_TIER = (
     "a host budget with compression is not to be trusted yet on a GPU: one of four runs of the Wan2.2 pipeline gave "
     "latents not bitwise equal to native, cause unknown; pass compression='none' (--compression none) for a host "
-    "tier that was bitwise in every run"
+    "tier that was bitwise in every run, or verify_loads=True (--verify-loads) to have every load checked on the "
+    "device (a wrong one raises instead of giving a wrong output)"
 )
 
 
@@ -641,12 +650,22 @@ def _refuse_move(*args: Any, **kwargs: Any) -> Any:
     )
 
 
+def _load_checks_record(handle: OffloadHandle) -> dict[str, Any] | None:
+    """``verify_loads``: how many comparisons were made and the faults found (None when not verifying)."""
+    if handle.load_checks is None:
+        return None
+    summary = handle.load_checks.summary()
+    return {"checks": summary.checks, "faults": [fault.line() for fault in summary.faults]}
+
+
 def _checking_budget(end_of_generation: Any, state: PipelineOffload) -> Any:
-    """Diffusers' end-of-generation call, followed by `PipelineOffload.check_budget`."""
+    """Diffusers' end-of-generation call, followed by `PipelineOffload.check_loads` (a wrong load refuses the
+    output) and `PipelineOffload.check_budget`."""
 
     @functools.wraps(end_of_generation)
     def call(*args: Any, **kwargs: Any) -> Any:
         result = end_of_generation(*args, **kwargs)
+        state.check_loads()
         state.check_budget()
         return result
 

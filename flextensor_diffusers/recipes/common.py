@@ -86,6 +86,8 @@ def enable_offload(pipe: Any, options: RecipeOptions, device: torch.device, shar
         typed["raw_copies"] = options.raw_copies
     if options.compression_cache:
         typed["compression_cache"] = True
+    if options.verify_loads:
+        typed["verify_loads"] = True
     pipe.enable_flextensor_offload(
         budget=options.budget,
         profile_dir=options.profile_dir,

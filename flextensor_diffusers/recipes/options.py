@@ -66,6 +66,7 @@ class RecipeOptions:
     compression: str = "none"
     raw_copies: str | None = None  # None: the offload's choice ("disk" under a host budget with compression)
     compression_cache: bool = False
+    verify_loads: bool = False
     profile_dir: Path | None = Path("profiles")
     device: str | None = None
     no_offload: bool = False
@@ -223,6 +224,12 @@ def add_memory(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --compression lossless: keep the compressed copies in a file (--cache-dir) and read them back "
         "next time instead of encoding (each is checked against the weights)",
+    )
+    parser.add_argument(
+        "--verify-loads",
+        action="store_true",
+        help="check on the GPU, around every block call, that the bytes it computes with are its weights; a wrong "
+        "load fails the run instead of writing a wrong video (costs two reads of each block per call)",
     )
     parser.add_argument(
         "--profile-dir",

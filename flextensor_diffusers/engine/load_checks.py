@@ -1,0 +1,216 @@
+"""`LoadChecks` (``verify_loads=True``): every unit call checks, on the device, that the bytes it computes with are
+its weights.
+
+Why: the one rule is bitwise or refused, and a load that goes wrong breaks it without a word. A slot written
+by one stream while another still reads it, a payload decoded into a slot before its copy landed, a buffer
+freed while a copy still reads it: the model then computes with other bytes and its output is simply
+different. Copies and decodes on a CPU are synchronous, so tests there cannot meet such faults; a run on a
+GPU can, and this is how it finds them (one run of the compressed host tier on the H200 was not bitwise, and
+nothing in its log said why: see benchmarks/results/README.md, issue 25).
+
+**What is compared.** A unit's *fingerprint*: for each run of its tensors' bytes (tensors that follow each
+other without a gap form one run), the sum of its 32-bit words (16- or 8-bit where the run's offset or
+length asks) as a 64-bit integer. Integer sums are exact in any order, so a fingerprint taken on the device
+equals one taken on the host bit for bit. Bytes between tensors (alignment padding, which a decode leaves as
+it found it) are not part of it. The host side is taken from the unit's host copy, the weights' truth, when
+the unit is first checked and again after an edit.
+
+**When.** Right before each unit call, once the unit's tensors view the device buffer they compute with
+(resident copy or slot, whichever load filled it), and right after the call, before the slot is handed on
+(so a write into the slot during the call is caught too). Each comparison is a few reductions enqueued on the
+compute stream, counted into a per-unit device counter: nothing synchronises while the model runs. After
+each forward the counters are copied to page-locked memory behind an event; `LoadChecks.raise_faults` reads
+them (waiting when asked) and raises one line naming the first unit that computed with wrong bytes and how it
+had been loaded. A pipeline calls it at the end of every generation, before the output is returned; a
+standalone handle at the start of the next forward and in ``handle.check_loads()``.
+
+**Cost.** Two reads of every unit's bytes per call on the device (memory bandwidth, no copy), a few small
+tensors per call, and one host pass over each unit's host copy when it is first checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from .errors import FlexTensorError
+from .units import Unit
+
+#: The word a run of bytes is summed in, by the largest of these sizes dividing its offset and its length.
+_WORDS = ((4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+@dataclass(frozen=True)
+class ByteRun:
+    """Bytes ``[start, stop)`` of a unit's flat buffer, all of them tensor bytes, summed as ``word``s."""
+
+    start: int
+    stop: int
+    word: torch.dtype
+
+
+def tensor_runs(unit: Unit) -> list[ByteRun]:
+    """The unit's tensor bytes as runs: tensors that follow each other with no gap share one."""
+    spans = sorted((p.offset, p.offset + p.nbytes) for p in unit.tensors if p.nbytes)
+    merged: list[list[int]] = []
+    for start, stop in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        else:
+            merged.append([start, stop])
+    return [
+        ByteRun(start, stop, next(word for size, word in _WORDS if start % size == 0 and (stop - start) % size == 0))
+        for start, stop in merged
+    ]
+
+
+def fingerprint(flat: torch.Tensor, runs: list[ByteRun]) -> torch.Tensor:
+    """One int64 per run: the sum of its words in ``flat`` (a uint8 buffer laid out like the unit's), on
+    ``flat``'s device. Enqueued on the current stream; no synchronisation."""
+    if not runs:
+        return torch.zeros(0, dtype=torch.int64, device=flat.device)
+    return torch.stack([flat[r.start : r.stop].view(r.word).sum(dtype=torch.int64) for r in runs])
+
+
+class CheckPoint(Enum):
+    """Where in a unit call its bytes were compared."""
+
+    BEFORE = "before its call"
+    AFTER = "after its call"
+
+
+@dataclass(frozen=True)
+class LoadFault:
+    """A unit that computed with bytes other than its weights: where it was found and how it had been loaded."""
+
+    unit: str
+    found: CheckPoint
+    how: str
+    count: int
+
+    def line(self) -> str:
+        return f"{self.unit} ({self.how}; found {self.found.value}, {self.count} time(s))"
+
+
+@dataclass(frozen=True)
+class LoadCheckSummary:
+    """For a report: the comparisons made so far and the faults found among those already read back."""
+
+    checks: int
+    faults: list[LoadFault]
+
+
+class LoadChecks:
+    """The host fingerprints of a model's units, the device counters of mismatches, and reading them back.
+
+    ``host_bytes(unit)`` gives the unit's host copy as one flat tensor (`HostCopies.raw_tensor`)."""
+
+    def __init__(self, units: list[Unit], device: torch.device, host_bytes: Callable[[Unit], torch.Tensor]) -> None:
+        self.units = units
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._host_bytes = host_bytes
+        self._runs = [tensor_runs(unit) for unit in units]
+        self._expected: dict[int, torch.Tensor] = {}  # on the device, by unit index
+        #: Mismatches per unit and check point: row 0 before the call, row 1 after it.
+        self._mismatches = torch.zeros(2, len(units), dtype=torch.int32, device=device)
+        self._read_back = torch.zeros(2, len(units), dtype=torch.int32, pin_memory=self.cuda)
+        self._read_event: torch.cuda.Event | None = None
+        self._how = [""] * len(units)  # how each unit's bytes were loaded when it was last checked
+        self.checks = 0
+
+    # ------------------------------------------------------------------------------------ comparing
+
+    def before_call(self, unit: Unit, flat: torch.Tensor, how: str) -> None:
+        """Compare ``flat`` (the device buffer ``unit``'s tensors view for this call) with its weights."""
+        self._how[unit.index] = how
+        self._compare(unit, flat, CheckPoint.BEFORE)
+
+    def after_call(self, unit: Unit, flat: torch.Tensor) -> None:
+        """Compare again once the call is enqueued, before the buffer can be handed to another unit."""
+        self._compare(unit, flat, CheckPoint.AFTER)
+
+    def _compare(self, unit: Unit, flat: torch.Tensor, point: CheckPoint) -> None:
+        runs = self._runs[unit.index]
+        if not runs:
+            return
+        expected = self._expected_of(unit)
+        with torch.no_grad(), torch.inference_mode(False):
+            differs = (fingerprint(flat, runs) != expected).any()
+            row = 0 if point is CheckPoint.BEFORE else 1
+            self._mismatches[row, unit.index : unit.index + 1].add_(differs.to(torch.int32))
+        self.checks += 1
+
+    def _expected_of(self, unit: Unit) -> torch.Tensor:
+        expected = self._expected.get(unit.index)
+        if expected is None:
+            with torch.no_grad(), torch.inference_mode(False):
+                host = fingerprint(self._host_bytes(unit), self._runs[unit.index])
+                expected = host.to(self.device)
+            self._expected[unit.index] = expected
+        return expected
+
+    def forget(self, unit: Unit | None = None) -> None:
+        """The host copy of ``unit`` (None: of every unit) was edited: its fingerprint is taken again at its
+        next check."""
+        if unit is None:
+            self._expected.clear()
+        elif unit.index >= 0:
+            self._expected.pop(unit.index, None)
+
+    # ------------------------------------------------------------------------------------ reading back
+
+    def end_of_forward(self) -> None:
+        """Copy the counters towards the host behind an event (no synchronisation)."""
+        if self.cuda:
+            self._read_back.copy_(self._mismatches, non_blocking=True)
+            self._read_event = torch.cuda.Event()
+            self._read_event.record(torch.cuda.current_stream(self.device))
+
+    def faults(self, wait: bool) -> list[LoadFault]:
+        """The faults found so far: with ``wait``, every comparison enqueued until now is counted (one
+        synchronisation); else only those already read back."""
+        if not self.cuda:
+            counts = self._mismatches.clone()
+        else:
+            if wait:
+                self.end_of_forward()
+            event = self._read_event
+            if event is None:
+                return []
+            if wait:
+                event.synchronize()
+            elif not event.query():
+                return []
+            counts = self._read_back.clone()
+        found = []
+        for row, point in enumerate(CheckPoint):
+            for index in torch.nonzero(counts[row]).flatten().tolist():
+                found.append(LoadFault(self.units[index].name, point, self._how[index], int(counts[row, index])))
+        return found
+
+    def raise_faults(self, model: str, wait: bool) -> None:
+        """Raise `LoadCheckError` when a unit of ``model`` computed with wrong bytes (see `faults`)."""
+        found = self.faults(wait)
+        if found:
+            raise LoadCheckError(model, found)
+
+    def summary(self) -> LoadCheckSummary:
+        return LoadCheckSummary(self.checks, self.faults(wait=True))
+
+
+class LoadCheckError(FlexTensorError):
+    """A unit computed with bytes that are not its weights: the outputs since are wrong. Never expected: it
+    is a fault of the offloading itself, which ``verify_loads=True`` caught instead of returning them."""
+
+    def __init__(self, model: str, faults: list[LoadFault]) -> None:
+        self.faults = faults
+        more = f" and {len(faults) - 1} more" if len(faults) > 1 else ""
+        super().__init__(
+            f"verify_loads: a unit of {model} computed with bytes that are not its weights, so this output is "
+            f"wrong: {faults[0].line()}{more}. Please report it with flextensor_report(); compression='none' "
+            "(--compression none) and host_budget=None (--host-budget none) take other load paths"
+        )

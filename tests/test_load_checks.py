@@ -1,0 +1,205 @@
+"""``verify_loads=True``: every unit call compares the device bytes it computes with against its weights, and a
+wrong load raises instead of giving a wrong output (`engine.load_checks`)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import flextensor_diffusers as ft
+from flextensor_diffusers.engine.device_copies import DeviceCopies
+from flextensor_diffusers.engine.load_checks import ByteRun, fingerprint, tensor_runs
+from flextensor_diffusers.recipes.models import build_pipeline
+from tests.models import Block, Stack, device_headroom, offload_compressed_on_the_device, wan_latents
+from tests.test_compression import make as make_compressible
+from tests.test_compression import planned_from_fixed_figures
+from tests.test_engine import UNITS, make, native, run
+
+
+def make_for(compression: str) -> tuple[Stack, torch.Tensor]:
+    """The engine tests' stack; compressed, tests.test_compression's in BF16 (FP32 blocks compress too little
+    for a plan to decode them)."""
+    return make() if compression == "none" else make_compressible(torch.bfloat16)
+
+
+def offload_verified(
+    model: Stack, x: torch.Tensor, device: str, compression: str = "none", monkeypatch: pytest.MonkeyPatch | None = None
+) -> ft.OffloadHandle:
+    """Blocks streamed, every load verified: raw through two slots; compressed with room for two slots with
+    staging (planned from fixed figures, as tests.test_compression does, so that the plan decodes), and
+    discovery and profiling run already."""
+    config = dict(include_patterns=["blocks.*"], device=device, compression=compression, verify_loads=True)
+    if compression == "none":
+        budget = 14_848 + 2 * UNITS[device, torch.float32] + device_headroom(device, model, x)
+        return ft.offload(model, gpu_budget=budget, **config)
+    assert monkeypatch is not None
+    planned_from_fixed_figures(monkeypatch, compute_ms=10.0)
+    unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    budget = int(3.8 * unit) + device_headroom(device, model, x, compression=compression)
+    handle = offload_compressed_on_the_device(model, gpu_budget=budget, **config)
+    run(model, x, device, 2)
+    assert handle.device_copies.decoding
+    return handle
+
+
+def flip_first_tensor_byte(copies: DeviceCopies, index: int) -> None:
+    """Change one byte of unit ``index``'s first tensor in its slot (what a wrong load would leave there)."""
+    offset = copies.units[index].tensors[0].offset
+    copies._dst[index][offset : offset + 1].bitwise_xor_(1)
+
+
+def test_a_fingerprint_sums_tensor_bytes_only_and_sees_a_changed_byte() -> None:
+    """Runs cover the tensors (contiguous ones merged), never the padding between them; one changed byte of a
+    tensor changes the fingerprint, a changed padding byte does not."""
+    torch.manual_seed(0)
+    model = Stack(depth=1)
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=2**30, device="cpu")
+    unit = handle.units[0]
+    runs = tensor_runs(unit)
+    covered = sum(r.stop - r.start for r in runs)
+    assert covered == sum(p.nbytes for p in unit.tensors) < unit.nbytes
+    assert all(a.stop < b.start for a, b in itertools.pairwise(runs))  # merged: a gap between runs
+    flat = handle.host.raw_tensor(unit).clone()
+    before = fingerprint(flat, runs)
+    gap = next(r.stop for r in runs if r.stop < unit.nbytes)
+    flat[gap] ^= 0xFF
+    assert torch.equal(fingerprint(flat, runs), before)
+    flat[runs[0].start + 3] ^= 0x10
+    assert not torch.equal(fingerprint(flat, runs), before)
+    handle.remove()
+    odd = fingerprint(torch.arange(10, dtype=torch.uint8), [ByteRun(1, 4, torch.uint8), ByteRun(4, 8, torch.int32)])
+    assert odd[0].item() == 1 + 2 + 3 and odd.dtype == torch.int64
+
+
+@pytest.mark.parametrize("compression", ["none", "lossless"])
+def test_verified_loads_stay_bitwise_and_find_nothing(device: str, compression: str, monkeypatch) -> None:
+    model, x = make_for(compression)
+    ref = native(model, x, device)
+    handle = offload_verified(model, x, device, compression, monkeypatch)
+    outs = run(model, x, device, 4)
+    assert all(torch.equal(out, ref) for out in outs)
+    assert handle.plan is not None and handle.plan.streamed
+    summary = handle.check_loads()
+    assert summary is not None and not summary.faults
+    forwards = 4 if compression == "none" else 6
+    calls = len(model.blocks) + model.repeat  # every block, and block 1 again
+    assert summary.checks == 2 * calls * forwards  # before and after each call
+    handle.remove()
+
+
+@pytest.mark.parametrize("compression", ["none", "lossless"])
+def test_a_wrong_load_is_raised_naming_the_unit_and_how_it_was_loaded(device: str, compression: str, monkeypatch):
+    """A load that leaves one wrong byte in a slot (raw or decoded): `check_loads` raises naming the unit and its
+    load path, and so does the next forward, before computing anything."""
+    model, x = make_for(compression)
+    handle = offload_verified(model, x, device, compression, monkeypatch)
+    run(model, x, device, 3)
+    assert not handle.check_loads().faults
+    wrong = handle.schedule.order[2]
+    original = DeviceCopies.decode_staged if compression != "none" else DeviceCopies.stage
+
+    def corrupting(copies: DeviceCopies, index: int, slot: int) -> bool:
+        result = original(copies, index, slot)
+        if index == wrong and (compression != "none" or not result):
+            flip_first_tensor_byte(copies, index)
+        return result
+
+    monkeypatch.setattr(DeviceCopies, "decode_staged" if compression != "none" else "stage", corrupting)
+    run(model, x, device, 1)
+    how = "decoded" if compression != "none" else "copied raw"
+    with pytest.raises(ft.LoadCheckError, match=rf"{handle.units[wrong].name} \(slot \d, {how}, steady phase"):
+        handle.check_loads()
+    with pytest.raises(ft.LoadCheckError, match="this output is wrong"):
+        run(model, x, device, 1)
+    monkeypatch.undo()
+    handle.remove()
+
+
+class ScribblingBlock(Block):
+    """Writes into its own weight through ``.data`` while it is called: an edit no version count sees."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        self.out.bias.data.add_(1.0)
+        return out
+
+
+def test_bytes_changed_during_a_call_are_found_after_it(device: str) -> None:
+    model, x = make()
+    model.blocks[3] = ScribblingBlock(32)
+    handle = offload_verified(model, x, device)
+    run(model, x, device, 1)
+    with pytest.raises(ft.LoadCheckError, match=r"blocks\.3 .*found after its call"):
+        handle.check_loads()
+    handle.remove()
+
+
+class CountingBlock(Block):
+    """Counts its calls in a buffer, in place: an edit the binding finds and copies back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        return super().forward(x)
+
+
+def test_edits_are_not_taken_for_wrong_loads(device: str) -> None:
+    """A unit that updates its own buffer, and an edit made inside ``editing()``: outputs as native, no fault."""
+    model, x = make()
+    model.blocks[2] = CountingBlock(32)
+    twin, _ = make()
+    twin.blocks[2] = CountingBlock(32)
+    twin.load_state_dict(model.state_dict())
+    handle = offload_verified(model, x, device)
+    outs = run(model, x, device, 4)
+    with handle.editing(), torch.no_grad():
+        model.blocks[4].ff[0].weight.mul_(0.5)
+    outs += run(model, x, device, 2)
+    twin.to(device)
+    with torch.inference_mode():
+        expected = [twin(x.to(device)).cpu() for _ in range(4)]
+        twin.blocks[4].ff[0].weight.mul_(0.5)
+        expected += [twin(x.to(device)).cpu() for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(outs, expected, strict=True))
+    assert not handle.check_loads().faults
+    handle.remove()
+
+
+def test_a_pipeline_refuses_the_output_of_a_generation_with_a_wrong_load(monkeypatch) -> None:
+    """``enable_flextensor_offload(verify_loads=True)``: a clean generation is bitwise and the report counts the
+    comparisons; one with a wrong load raises at its end instead of returning its latents."""
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    reference = wan_latents(pipe)
+    pipe.enable_flextensor_offload(budget=250_000, device="cpu", verify_loads=True)
+    assert torch.equal(wan_latents(pipe), reference)
+    record = pipe.flextensor_report()["components"]["transformer"]["load_checks"]
+    assert record["checks"] > 0 and record["faults"] == []
+    original = DeviceCopies.stage
+
+    def corrupting(copies: DeviceCopies, index: int, slot: int) -> bool:
+        decoding = original(copies, index, slot)
+        flip_first_tensor_byte(copies, index)
+        return decoding
+
+    monkeypatch.setattr(DeviceCopies, "stage", corrupting)
+    with pytest.raises(ft.LoadCheckError, match="WanTransformer3DModel"):
+        wan_latents(pipe)
+    monkeypatch.undo()
+    pipe.disable_flextensor_offload()
+
+
+def test_the_recipes_pass_verify_loads_on(monkeypatch) -> None:
+    """``--verify-loads`` reaches ``enable_flextensor_offload``; without it nothing is verified."""
+    from flextensor_diffusers.recipes import common, wan22_t2v
+    from tests.models import TINY_WAN_ARGV
+
+    seen: list[dict] = []
+
+    class Pipe:
+        def enable_flextensor_offload(self, **kwargs: object) -> None:
+            seen.append(kwargs)
+
+    for argv in (TINY_WAN_ARGV, [*TINY_WAN_ARGV, "--verify-loads"]):
+        common.enable_offload(Pipe(), wan22_t2v.parse_args(argv), torch.device("cpu"))
+    assert "verify_loads" not in seen[0] and seen[1]["verify_loads"] is True
