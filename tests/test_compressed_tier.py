@@ -91,6 +91,26 @@ def test_the_experts_take_turns_on_disk_compressed_bitwise(saved, tmp_path) -> N
     assert digest(folder) == before_folder
 
 
+def test_verified_loads_under_the_compressed_tier_find_nothing(saved, tmp_path) -> None:
+    """``verify_loads=True`` while the experts take turns on disk compressed: the blocks' fingerprints are taken
+    from the weight files they wait in (stand-ins, nothing gathered), every call is compared, and the three
+    generations are bitwise with nothing found."""
+    folder, reference = saved
+    pipe = load(folder)
+    cache = tmp_path / "cache"
+    host_budget = smallest_host_budget(pipe, cache)
+    pipe.enable_flextensor_offload(
+        budget=BUDGET, device="cpu", compression="lossless", host_budget=host_budget, cache_dir=cache, verify_loads=True
+    )
+    assert all(torch.equal(wan_latents(pipe), reference) for _ in range(3))
+    report = pipe.flextensor_report()
+    assert set(EXPERTS) & set(report["host_tier"]["on_disk"])
+    for name in EXPERTS:
+        assert report["components"][name]["load_checks"]["checks"] > 0
+        assert report["components"][name]["load_checks"]["faults"] == []
+    pipe.disable_flextensor_offload()
+
+
 def test_the_default_host_budget_with_compression_keeps_compressed_copies_only_when_ram_is_short(
     saved, tmp_path, monkeypatch
 ) -> None:

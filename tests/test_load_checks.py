@@ -10,7 +10,7 @@ import torch
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine.device_copies import DeviceCopies
-from flextensor_diffusers.engine.load_checks import ByteRun, fingerprint, tensor_runs
+from flextensor_diffusers.engine.load_checks import ByteRun, fingerprint, host_fingerprint, tensor_runs
 from flextensor_diffusers.recipes.models import build_pipeline
 from tests.models import Block, Stack, device_headroom, offload_compressed_on_the_device, wan_latents
 from tests.test_compression import make as make_compressible
@@ -69,7 +69,9 @@ def test_a_fingerprint_sums_tensor_bytes_only_and_sees_a_changed_byte() -> None:
     flat[runs[0].start + 3] ^= 0x10
     assert not torch.equal(fingerprint(flat, runs), before)
     handle.remove()
-    odd = fingerprint(torch.arange(10, dtype=torch.uint8), [ByteRun(1, 4, torch.uint8), ByteRun(4, 8, torch.int32)])
+    assert torch.equal(host_fingerprint(flat, runs), fingerprint(flat, runs))  # tensor by tensor, the same
+    runs = [ByteRun(1, 4, torch.uint8, ((1, 2), (2, 4))), ByteRun(4, 8, torch.int32, ((4, 8),))]
+    odd = fingerprint(torch.arange(10, dtype=torch.uint8), runs)
     assert odd[0].item() == 1 + 2 + 3 and odd.dtype == torch.int64
 
 

@@ -100,7 +100,7 @@ class OffloadHandle:
         )
         self.units = layout.units
         #: ``verify_loads``: every unit call compares its device bytes with its weights (`load_checks`).
-        self.load_checks = LoadChecks(self.units, self.device, self.host.raw_tensor) if config.verify_loads else None
+        self.load_checks = LoadChecks(self.units, self.device, self.host.host_of) if config.verify_loads else None
         self.edits.load_checks = self.load_checks
         self.resident_weight_bytes = self.device_copies.resident_weight_bytes
         # A compressed model loads other bytes (and needs staging room): its profiles are its own.

@@ -45,26 +45,31 @@ _WORDS = ((4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 @dataclass(frozen=True)
 class ByteRun:
-    """Bytes ``[start, stop)`` of a unit's flat buffer, all of them tensor bytes, summed as ``word``s."""
+    """Bytes ``[start, stop)`` of a unit's flat buffer, all of them tensor bytes (the tensors' ``spans``, which
+    follow each other without a gap), summed as ``word``s: a size dividing every span's ends, so that the run's
+    sum is the sum of its spans' sums."""
 
     start: int
     stop: int
     word: torch.dtype
+    spans: tuple[tuple[int, int], ...]
 
 
 def tensor_runs(unit: Unit) -> list[ByteRun]:
     """The unit's tensor bytes as runs: tensors that follow each other with no gap share one."""
     spans = sorted((p.offset, p.offset + p.nbytes) for p in unit.tensors if p.nbytes)
-    merged: list[list[int]] = []
-    for start, stop in spans:
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], stop)
+    grouped: list[list[tuple[int, int]]] = []
+    for span in spans:
+        if grouped and span[0] == grouped[-1][-1][1]:
+            grouped[-1].append(span)
         else:
-            merged.append([start, stop])
-    return [
-        ByteRun(start, stop, next(word for size, word in _WORDS if start % size == 0 and (stop - start) % size == 0))
-        for start, stop in merged
-    ]
+            grouped.append([span])
+    runs = []
+    for group in grouped:
+        ends = [end for span in group for end in span]
+        word = next(word for size, word in _WORDS if all(end % size == 0 for end in ends))
+        runs.append(ByteRun(group[0][0], group[-1][1], word, tuple(group)))
+    return runs
 
 
 def fingerprint(flat: torch.Tensor, runs: list[ByteRun]) -> torch.Tensor:
@@ -73,6 +78,17 @@ def fingerprint(flat: torch.Tensor, runs: list[ByteRun]) -> torch.Tensor:
     if not runs:
         return torch.zeros(0, dtype=torch.int64, device=flat.device)
     return torch.stack([flat[r.start : r.stop].view(r.word).sum(dtype=torch.int64) for r in runs])
+
+
+def host_fingerprint(host: object, runs: list[ByteRun]) -> torch.Tensor:
+    """`fingerprint` of a unit's host copy, tensor by tensor: ``host`` is its flat buffer or a stand-in for it
+    (which gives bytes only when sliced at a tensor's range, e.g. views of the weight files), so nothing of the
+    unit is gathered into new memory."""
+    sums = [
+        torch.stack([host[a:b].view(r.word).sum(dtype=torch.int64) for a, b in r.spans]).sum()  # type: ignore[index]
+        for r in runs
+    ]
+    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
 
 
 class CheckPoint(Enum):
@@ -106,13 +122,13 @@ class LoadCheckSummary:
 class LoadChecks:
     """The host fingerprints of a model's units, the device counters of mismatches, and reading them back.
 
-    ``host_bytes(unit)`` gives the unit's host copy as one flat tensor (`HostCopies.raw_tensor`)."""
+    ``host_of(unit)`` gives the unit's host copy: its flat buffer or a stand-in for it (`HostCopies.host_of`)."""
 
-    def __init__(self, units: list[Unit], device: torch.device, host_bytes: Callable[[Unit], torch.Tensor]) -> None:
+    def __init__(self, units: list[Unit], device: torch.device, host_of: Callable[[Unit], object]) -> None:
         self.units = units
         self.device = device
         self.cuda = device.type == "cuda"
-        self._host_bytes = host_bytes
+        self._host_of = host_of
         self._runs = [tensor_runs(unit) for unit in units]
         self._expected: dict[int, torch.Tensor] = {}  # on the device, by unit index
         #: Mismatches per unit and check point: row 0 before the call, row 1 after it.
@@ -148,7 +164,7 @@ class LoadChecks:
         expected = self._expected.get(unit.index)
         if expected is None:
             with torch.no_grad(), torch.inference_mode(False):
-                host = fingerprint(self._host_bytes(unit), self._runs[unit.index])
+                host = host_fingerprint(self._host_of(unit), self._runs[unit.index])
                 expected = host.to(self.device)
             self._expected[unit.index] = expected
         return expected
