@@ -9,11 +9,12 @@ GPU can, and this is how it finds them (one run of the compressed host tier on t
 nothing in its log said why: see benchmarks/results/README.md, issue 25).
 
 **What is compared.** A unit's *fingerprint*: for each run of its tensors' bytes (tensors that follow each
-other without a gap form one run), the sum of its 32-bit words (16- or 8-bit where the run's offset or
-length asks) as a 64-bit integer. Integer sums are exact in any order, so a fingerprint taken on the device
+other without a gap form one run), the sum of its 32-bit words (16- or 8-bit where a tensor's ends are not on a
+32-bit boundary) as a 64-bit integer. Integer sums are exact in any order, so a fingerprint taken on the device
 equals one taken on the host bit for bit. Bytes between tensors (alignment padding, which a decode leaves as
-it found it) are not part of it. The host side is taken from the unit's host copy, the weights' truth, when
-the unit is first checked and again after an edit.
+it found it) are not part of it. The host side is taken from the unit's host copy, the weights' truth, tensor by
+tensor (a stand-in of the weight files gives them without gathering the unit), when the unit is first checked
+and again after an edit.
 
 **When.** Right before each unit call, once the unit's tensors view the device buffer they compute with
 (resident copy or slot, whichever load filled it), and right after the call, before the slot is handed on
@@ -39,7 +40,7 @@ import torch
 from .errors import FlexTensorError
 from .units import Unit
 
-#: The word a run of bytes is summed in, by the largest of these sizes dividing its offset and its length.
+#: The word a run of bytes is summed in: the largest of these sizes dividing the ends of every tensor in it.
 _WORDS = ((4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
@@ -113,7 +114,7 @@ class LoadFault:
 
 @dataclass(frozen=True)
 class LoadCheckSummary:
-    """For a report: the comparisons made so far and the faults found among those already read back."""
+    """For a report: the comparisons made so far and the faults among them (`LoadChecks.summary` waits for them)."""
 
     checks: int
     faults: list[LoadFault]
