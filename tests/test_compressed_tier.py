@@ -91,18 +91,40 @@ def test_the_experts_take_turns_on_disk_compressed_bitwise(saved, tmp_path) -> N
     assert digest(folder) == before_folder
 
 
-def test_verified_loads_under_the_compressed_tier_find_nothing(saved, tmp_path) -> None:
-    """``verify_loads=True`` while the experts take turns on disk compressed: the blocks' fingerprints are taken
-    from the weight files they wait in (stand-ins, nothing gathered), every call is compared, and the three
-    generations are bitwise with nothing found."""
+def test_verified_loads_under_the_compressed_tier_find_nothing(saved, tmp_path, monkeypatch) -> None:
+    """``verify_loads=True`` while the experts take turns on disk compressed: the blocks' fingerprints are taken as
+    they are packed (none is read back from the weight files they then wait in), every call is compared, and the
+    three generations are bitwise with nothing found. After an edit, the edited blocks' fingerprints are taken
+    again from their host copies, and the outputs follow the edit with nothing found."""
+    from flextensor_diffusers.engine import load_checks
+
     folder, reference = saved
     pipe = load(folder)
     cache = tmp_path / "cache"
     host_budget = smallest_host_budget(pipe, cache)
+    taken_from: list[str] = []
+    real = load_checks.host_fingerprint
+
+    def spied(host: object, runs: list) -> torch.Tensor:
+        taken_from.append(type(host).__name__)
+        return real(host, runs)
+
+    monkeypatch.setattr(load_checks, "host_fingerprint", spied)
     pipe.enable_flextensor_offload(
         budget=BUDGET, device="cpu", compression="lossless", host_budget=host_budget, cache_dir=cache, verify_loads=True
     )
+    packed = len(taken_from)
+    assert packed and set(taken_from) == {"Tensor"}  # at packing, from RAM
     assert all(torch.equal(wan_latents(pipe), reference) for _ in range(3))
+    assert len(taken_from) == packed  # nothing taken again
+    name = next(n for n in EXPERTS if ft.pipeline_offload(pipe).handles[n].host.waiting_on_disk)
+    torch.manual_seed(5)
+    edited = {k: v + 0.01 * torch.randn_like(v) for k, v in getattr(pipe, name).state_dict().items()}
+    getattr(pipe, name).load_state_dict(edited)
+    native = load(folder)
+    getattr(native, name).load_state_dict(edited)
+    assert torch.equal(wan_latents(pipe), wan_latents(native))
+    assert len(taken_from) > packed  # the edited blocks' fingerprints, from their host copies
     report = pipe.flextensor_report()
     assert set(EXPERTS) & set(report["host_tier"]["on_disk"])
     for name in EXPERTS:

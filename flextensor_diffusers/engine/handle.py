@@ -102,6 +102,7 @@ class OffloadHandle:
         #: ``verify_loads``: every unit call compares its device bytes with its weights (`load_checks`).
         self.load_checks = LoadChecks(self.units, self.device, self.host.host_of) if config.verify_loads else None
         self.edits.load_checks = self.load_checks
+        self.host.on_packed = self.load_checks.note_packed if self.load_checks is not None else None
         self.resident_weight_bytes = self.device_copies.resident_weight_bytes
         # A compressed model loads other bytes (and needs staging room): its profiles are its own.
         marker = [f"compression={config.compression}"] if config.compression != "none" else []

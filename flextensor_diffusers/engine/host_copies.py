@@ -205,6 +205,8 @@ class ProgressivePacking:
             buffer = host_buffer(unit.nbytes)
             with torch.no_grad():
                 copy_into(unit, buffer)
+            if self._host.on_packed is not None:
+                self._host.on_packed(unit, buffer)
             buffer, in_place = page_locked(buffer) if self._pin else (buffer, False)
         except BaseException as exc:  # raised where the unit is asked for, on the model's thread
             with self._cond:
@@ -244,11 +246,15 @@ class ProgressivePacking:
 
     def _adopt(self, position: int, copy: PackedCopy) -> None:
         unit = self._host.positions[position]
+        recopied = False
         with torch.no_grad(), torch.inference_mode(False):
             for packed, version in zip(unit.tensors, copy.versions, strict=True):
                 if packed.tensor._version != version:  # edited in place while or after it was copied
                     copy_tensor_into(packed, copy.buffer)
+                    recopied = True
             unit.bind(copy.buffer)
+        if recopied and self._host.on_packed is not None:
+            self._host.on_packed(unit, copy.buffer)
         unit.host, unit.pinned_in_place = copy.buffer, copy.pinned_in_place
         self.pending.discard(position)
 
@@ -306,6 +312,9 @@ class HostCopies:
         self.raw_homes: RawHomes | None = None
         self._payloads_taken: list[int] = []  # units whose payloads were taken back during a payload spill
         self._progressive: ProgressivePacking | None = None  # packing still under way after set-up
+        #: Told of each unit's bytes as they are packed, on the thread that packed them (``verify_loads``
+        #: fingerprints them while they are at hand: compressed only, they leave RAM soon after); None: nobody.
+        self.on_packed: Callable[[Unit, torch.Tensor], None] | None = None
 
     @property
     def positions(self) -> list[Unit]:
@@ -336,6 +345,8 @@ class HostCopies:
                 pack_unit(unit, host=shared.buffer(unit.index) if shared is not None else None, filled=attaching)
             if pin:
                 pin_unit(unit, attached=attaching)
+            if self.on_packed is not None:
+                self.on_packed(unit, unit.host)  # type: ignore[arg-type]
             if self.raw_homes is not None and unit.index >= 0:  # while its bytes are at hand; the base stays in RAM
                 self.raw_homes.home.prepare(positions[unit.index], unit)
 

@@ -13,8 +13,8 @@ other without a gap form one run), the sum of its 32-bit words (16- or 8-bit whe
 32-bit boundary) as a 64-bit integer. Integer sums are exact in any order, so a fingerprint taken on the device
 equals one taken on the host bit for bit. Bytes between tensors (alignment padding, which a decode leaves as
 it found it) are not part of it. The host side is taken from the unit's host copy, the weights' truth, tensor by
-tensor (a stand-in of the weight files gives them without gathering the unit), when the unit is first checked
-and again after an edit.
+tensor: as each unit is packed at set-up, on the packing thread (`note_packed`), and again from its host copy
+after an edit (a stand-in of the weight files gives the tensors without gathering the unit).
 
 **When.** Right before each unit call, once the unit's tensors view the device buffer they compute with
 (resident copy or slot, whichever load filled it), and right after the call, before the slot is handed on
@@ -26,7 +26,7 @@ had been loaded. A pipeline calls it at the end of every generation, before the 
 standalone handle at the start of the next forward and in ``handle.check_loads()``.
 
 **Cost.** Two reads of every unit's bytes per call on the device (memory bandwidth, no copy), a few small
-tensors per call, and one host pass over each unit's host copy when it is first checked.
+tensors per call, and one host pass over each unit's bytes as it is packed (and after each edit).
 """
 
 from __future__ import annotations
@@ -132,6 +132,7 @@ class LoadChecks:
         self._host_of = host_of
         self._runs = [tensor_runs(unit) for unit in units]
         self._expected: dict[int, torch.Tensor] = {}  # on the device, by unit index
+        self._packed: dict[int, torch.Tensor] = {}  # host fingerprints taken as units were packed (`note_packed`)
         #: Mismatches per unit and check point: row 0 before the call, row 1 after it.
         self._mismatches = torch.zeros(2, len(units), dtype=torch.int32, device=device)
         self._read_back = torch.zeros(2, len(units), dtype=torch.int32, pin_memory=self.cuda)
@@ -161,22 +162,34 @@ class LoadChecks:
             self._mismatches[row, unit.index : unit.index + 1].add_(differs.to(torch.int32))
         self.checks += 1
 
+    def note_packed(self, unit: Unit, host: torch.Tensor) -> None:
+        """Take ``unit``'s host fingerprint from the bytes just packed for it (on the packing thread): its first
+        check then reads nothing from its host copy, which may wait on disk by then (compressed only), and the
+        first forward does no host pass over the weights."""
+        if unit.index >= 0:
+            with torch.no_grad(), torch.inference_mode(False):
+                self._packed[unit.index] = host_fingerprint(host, self._runs[unit.index])
+
     def _expected_of(self, unit: Unit) -> torch.Tensor:
         expected = self._expected.get(unit.index)
         if expected is None:
             with torch.no_grad(), torch.inference_mode(False):
-                host = host_fingerprint(self._host_of(unit), self._runs[unit.index])
+                host = self._packed.pop(unit.index, None)
+                if host is None:
+                    host = host_fingerprint(self._host_of(unit), self._runs[unit.index])
                 expected = host.to(self.device)
             self._expected[unit.index] = expected
         return expected
 
     def forget(self, unit: Unit | None = None) -> None:
-        """The host copy of ``unit`` (None: of every unit) was edited: its fingerprint is taken again at its
-        next check."""
+        """The host copy of ``unit`` (None: of every unit) was edited: its fingerprint is taken again from it at
+        its next check."""
         if unit is None:
             self._expected.clear()
+            self._packed.clear()
         elif unit.index >= 0:
             self._expected.pop(unit.index, None)
+            self._packed.pop(unit.index, None)
 
     # ------------------------------------------------------------------------------------ reading back
 
