@@ -70,6 +70,9 @@ def test_a_fingerprint_sums_tensor_bytes_only_and_sees_a_changed_byte() -> None:
     assert not torch.equal(fingerprint(flat, runs), before)
     handle.remove()
     assert torch.equal(host_fingerprint(flat, runs), fingerprint(flat, runs))  # tensor by tensor, the same
+    shifted = torch.empty(flat.numel() + 1, dtype=torch.uint8)[1:]  # a stand-in's view off a word boundary
+    shifted.copy_(flat)
+    assert torch.equal(host_fingerprint(shifted, runs), fingerprint(flat, runs))
     runs = [ByteRun(1, 4, torch.uint8, ((1, 2), (2, 4))), ByteRun(4, 8, torch.int32, ((4, 8),))]
     odd = fingerprint(torch.arange(10, dtype=torch.uint8), runs)
     assert odd[0].item() == 1 + 2 + 3 and odd.dtype == torch.int64

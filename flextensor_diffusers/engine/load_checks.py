@@ -86,10 +86,18 @@ def host_fingerprint(host: object, runs: list[ByteRun]) -> torch.Tensor:
     (which gives bytes only when sliced at a tensor's range, e.g. views of the weight files), so nothing of the
     unit is gathered into new memory."""
     sums = [
-        torch.stack([host[a:b].view(r.word).sum(dtype=torch.int64) for a, b in r.spans]).sum()  # type: ignore[index]
+        torch.stack([_words(host[a:b], r.word).sum(dtype=torch.int64) for a, b in r.spans]).sum()  # type: ignore[index]
         for r in runs
     ]
     return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
+
+
+def _words(data: torch.Tensor, word: torch.dtype) -> torch.Tensor:
+    """``data`` (uint8) as ``word``s; copied first when its place in its storage is not on a word boundary (a view
+    of a weight file, whose tensors need not start on one)."""
+    if data.storage_offset() % torch.empty(0, dtype=word).element_size():
+        data = data.clone()
+    return data.view(word)
 
 
 class CheckPoint(Enum):
