@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tqdm.auto import tqdm
@@ -26,7 +27,7 @@ from .codec import CodecMismatch, EncodedUnit, Segment, check_decodes, encode_un
 from .device_encoding import DeviceEncoder, EncodeJob
 from .errors import FlexTensorError, OffloadStateError, first_line
 from .host_memory import host_buffer, page_locked, unpin_in_place
-from .payload_cache import BackgroundWrite, PayloadCache
+from .payload_cache import BackgroundWrite, PayloadCache, UnusableCache
 from .setup_threads import PACK_THREADS, on_threads
 from .units import Unit
 
@@ -86,7 +87,7 @@ class CompressedCopies:
         self.release()
         self.pinned = pin
         told = _InOrder(settled, [unit.index for unit in self.units])
-        if cache is not None and self._keep_cached(cache.read(PACK_THREADS), pin, cache, told):
+        if cache is not None and self._keep_cached(cache, pin, told):
             self._file_holds = True
         else:
             self._encode_all(pin, cache, told, at_set_up)
@@ -157,39 +158,62 @@ class CompressedCopies:
             )
         return exc
 
-    def _keep_cached(self, cached: dict[int, EncodedUnit], pin: bool, cache: PayloadCache, told: _InOrder) -> bool:
-        """Keep the payloads read from ``cache`` when every one decodes to its unit's weights; else keep none."""
-        if not cached:
+    def _keep_cached(self, cache: PayloadCache, pin: bool, told: _InOrder) -> bool:
+        """Keep the payloads of ``cache``'s file when every one is intact and decodes to its unit's weights; else
+        keep none (the file refused, saying why).
+
+        Reading is pipelined: threads read the payloads ahead, in unit order, each checked against its CRC-32 and
+        page-locked in place, while the main thread shows each one read to decode to its unit's weights. On CUDA
+        that is one decode at a time on the device, in unit order, so ``told`` moves each unit's raw bytes out
+        of RAM as it goes; on the CPU the thread that read a payload compares it with a fresh encoding. So the
+        disk, the checksums and the device work at once instead of one after the other."""
+        records = cache.open()
+        if not records:
             return False
         by_index = {unit.index: unit for unit in self.units}
-        if not set(cached) <= set(by_index):
+        if not set(records) <= set(by_index):
             cache.refuse("it names units this model does not have")
             return False
-        if any(list(encoded.segments) != segments_of(by_index[i]) for i, encoded in cached.items()):
+        empty = torch.empty(0, dtype=torch.uint8)
+        if any(list(r.encoded(empty).segments) != segments_of(by_index[i]) for i, r in records.items()):
             cache.refuse("its tensors lie elsewhere in the units (other alignment classes or strides)")
             return False
-        self._keep(cached, pin)
-        mismatches: dict[str, str] = {}
 
-        def check(unit: Unit) -> None:
-            mismatch = self._first_mismatch(unit, self.encoded[unit.index])
-            if mismatch is not None:
-                mismatches[unit.name] = mismatch
+        def fetch(index: int) -> _CachedPayload:
+            encoded = records[index].encoded(cache.read_checked(index))
+            mismatch = None if self.cuda else self._first_mismatch(by_index[index], encoded)
+            payload, locked = page_locked(encoded.payload) if pin else (encoded.payload, False)
+            return _CachedPayload(dataclasses.replace(encoded, payload=payload), locked, mismatch)
 
-        units = [by_index[i] for i in sorted(cached)]
-        if self.cuda:  # one decode at a time on the device
-            for unit in units:
-                check(unit)
-                if not mismatches:
-                    told.upto(unit.index, self.encoded)
-        else:  # fresh encodings, one unit per thread as `_encode_all` encodes
-            on_threads(check, units, "checking cached compressed weights")
-        if mismatches:
+        order, ahead = sorted(records), 2 * PACK_THREADS
+        pool = ThreadPoolExecutor(PACK_THREADS, thread_name_prefix="flextensor-cache")
+        refused = None
+        try:
+            pending = [pool.submit(fetch, index) for index in order[:ahead]]
+            desc = "reading compressed weights"
+            for k, index in enumerate(tqdm(order, desc=desc, disable=None, leave=False)):
+                fetched = pending[k].result()
+                if k + ahead < len(order):
+                    pending.append(pool.submit(fetch, order[k + ahead]))
+                self.encoded[index] = fetched.encoded
+                if fetched.locked:
+                    self._registered.append(fetched.encoded.payload)
+                unit = by_index[index]
+                mismatch = self._first_mismatch(unit, fetched.encoded) if self.cuda else fetched.mismatch
+                if mismatch is not None:
+                    raise UnusableCache(f"its copy of {unit.name!r} does not decode to the weights ({mismatch})")
+                if self.cuda:
+                    told.upto(index, self.encoded)
+        except UnusableCache as exc:
+            refused = str(exc)
+        finally:  # payloads read ahead and not kept are dropped with their futures (unlocked as they go)
+            pool.shutdown(wait=True, cancel_futures=True)
+        if refused is not None:
             self.release()
             told.restart()
-            name = min(mismatches)
-            cache.refuse(f"its copy of {name!r} does not decode to the weights ({mismatches[name]})")
+            cache.refuse(refused)
             return False
+        cache.mark_read()
         return True
 
     def _keep(self, encoded_by_unit: dict[int, EncodedUnit], pin: bool, locked: frozenset[int] = frozenset()) -> None:
@@ -354,6 +378,16 @@ class CompressedCopies:
         for index in indices:
             self.encoded[index] = dataclasses.replace(self.encoded[index], payload=views[index])
             self.waiting.add(index)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CachedPayload:
+    """One payload read from the payload file (`CompressedCopies._keep_cached`): as an `EncodedUnit`, whether it is
+    page-locked in place, and on the CPU the first tensor a fresh encoding disagrees with (None: none)."""
+
+    encoded: EncodedUnit
+    locked: bool
+    mismatch: str | None
 
 
 class _InOrder:

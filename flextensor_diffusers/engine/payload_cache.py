@@ -147,6 +147,10 @@ def _read_at(fd: int, position: int, record: CacheRecord, into: torch.Tensor | N
     return payload
 
 
+class UnusableCache(Exception):
+    """A payload file that cannot be used, and why (`PayloadCache.read_checked`): the caller refuses it."""
+
+
 #: How many live models of this process use each payload file (`PayloadCache.close` gives one back).
 _users: dict[Path, int] = {}
 
@@ -172,12 +176,9 @@ class PayloadCache:
         self.records: dict[int, CacheRecord] = {}
         self.data_start = 0
 
-    def read(self, threads: int = 1) -> dict[int, EncodedUnit]:
-        """The cached payloads by unit index, in new host buffers; empty when there is no usable file.
-
-        Payloads are read on ``threads`` threads, one payload each at a time: a single reader, which copies
-        out of the page cache and faults in the new buffers' pages on one core, falls far below what the
-        memory (or a fast disk) delivers."""
+    def open(self) -> dict[int, CacheRecord]:
+        """The file's records by unit index, its header checked (format and key); empty when there is no usable
+        file (refused, saying why, when there is one). No payload is read here: `read_checked` reads each."""
         wait_for_writes(self.path)
         if not self.path.exists():
             return {}
@@ -185,28 +186,38 @@ class PayloadCache:
             with self.path.open("rb") as f:
                 length = int.from_bytes(f.read(_LENGTH_BYTES), "little")
                 header = json.loads(f.read(length))
-                data_start = align(_LENGTH_BYTES + length, FILE_ALIGNMENT)
-                if header.get("version") != FORMAT_VERSION or header.get("key") != self.key:
-                    self.refuse("its header names another key or format")
-                    return {}
-                records = [CacheRecord(**fields) for fields in header["units"]]
-                with ThreadPoolExecutor(max(1, threads)) as pool:
-                    payloads = list(pool.map(lambda r: _read_at(f.fileno(), data_start + r.offset, r), records))
+            if header.get("version") != FORMAT_VERSION or header.get("key") != self.key:
+                self.refuse("its header names another key or format")
+                return {}
+            records = [CacheRecord(**fields) for fields in header["units"]]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             self.refuse(f"it cannot be read ({exc})")
             return {}
-        if any(payload is None for payload in payloads):
-            self.refuse("it is shorter than its header says")
-            return {}
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            sums = list(pool.map(crc32_of, payloads))  # type: ignore[arg-type]
-        if any(r.crc32 != c for r, c in zip(records, sums, strict=True)):
-            self.refuse("a payload's checksum differs from its record (the file was changed on disk)")
-            return {}
         self.records = {r.index: r for r in records}
-        self.data_start = data_start
+        self.data_start = align(_LENGTH_BYTES + length, FILE_ALIGNMENT)
+        return dict(self.records)
+
+    def read_checked(self, index: int) -> torch.Tensor:
+        """Unit ``index``'s payload (from `open`'s records) in a new host buffer, checked against its CRC-32; raises
+        `UnusableCache` saying why when the file ends first or the bytes differ. Runs on any thread."""
+        record = self.records[index]
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                payload = _read_at(fd, self.data_start + record.offset, record)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise UnusableCache(f"it cannot be read ({exc})") from exc
+        if payload is None:
+            raise UnusableCache("it is shorter than its header says")
+        if crc32_of(payload) != record.crc32:
+            raise UnusableCache("a payload's checksum differs from its record (the file was changed on disk)")
+        return payload
+
+    def mark_read(self) -> None:
+        """Every payload was read and kept (the report says so)."""
         self.status = "read"
-        return {r.index: r.encoded(p) for r, p in zip(records, payloads, strict=True) if p is not None}
 
     def close(self) -> None:
         """The model is gone: it no longer uses its file; a file of its own (edited weights) is deleted."""
