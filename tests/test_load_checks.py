@@ -180,6 +180,7 @@ def test_a_pipeline_refuses_the_output_of_a_generation_with_a_wrong_load(monkeyp
     assert torch.equal(wan_latents(pipe), reference)
     record = pipe.flextensor_report()["components"]["transformer"]["load_checks"]
     assert record["checks"] > 0 and record["faults"] == []
+    assert f"transformer {record['checks']} compared, no fault(s)" in pipe.flextensor_report(as_text=True)
     original = DeviceCopies.stage
 
     def corrupting(copies: DeviceCopies, index: int, slot: int) -> bool:

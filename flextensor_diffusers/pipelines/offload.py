@@ -243,6 +243,10 @@ def format_report(report: dict[str, Any]) -> str:
             cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
         ]
         lines.append("  ".join(cells).rstrip())
+    verified = {name: c["load_checks"] for name, c in report["components"].items() if c.get("load_checks")}
+    if verified:  # verify_loads: how many calls' bytes were compared, and any fault (which raised already)
+        said = [f"{name} {v['checks']} compared, {len(v['faults']) or 'no'} fault(s)" for name, v in verified.items()]
+        lines.append("verified loads: " + "; ".join(said))
     lines.append(COMPONENT_LEGEND)
     return "\n".join(lines)
 
