@@ -149,14 +149,22 @@ class CountingBlock(Block):
         return super().forward(x)
 
 
-def test_edits_are_not_taken_for_wrong_loads(device: str) -> None:
-    """A unit that updates its own buffer, and an edit made inside ``editing()``: outputs as native, no fault."""
+@pytest.mark.parametrize("resident", [False, True])
+def test_edits_are_not_taken_for_wrong_loads(device: str, resident: bool) -> None:
+    """A unit that updates its own buffer (streamed, or resident and called twice in a forward: its second call
+    computes with the edit its first made, not found yet), and an edit made inside ``editing()``: outputs as
+    native, no fault."""
     model, x = make()
-    model.blocks[2] = CountingBlock(32)
+    counting = 1 if resident else 2  # block 1 is called twice per forward
+    model.blocks[counting] = CountingBlock(32)
     twin, _ = make()
-    twin.blocks[2] = CountingBlock(32)
+    twin.blocks[counting] = CountingBlock(32)
     twin.load_state_dict(model.state_dict())
-    handle = offload_verified(model, x, device)
+    if resident:
+        config = dict(include_patterns=["blocks.*"], device=device, verify_loads=True)
+        handle = ft.offload(model, gpu_budget=2**30 if device == "cpu" else "auto", **config)
+    else:
+        handle = offload_verified(model, x, device)
     outs = run(model, x, device, 4)
     with handle.editing(), torch.no_grad():
         model.blocks[4].ff[0].weight.mul_(0.5)
@@ -168,6 +176,7 @@ def test_edits_are_not_taken_for_wrong_loads(device: str) -> None:
         expected += [twin(x.to(device)).cpu() for _ in range(2)]
     assert all(torch.equal(a, b) for a, b in zip(outs, expected, strict=True))
     assert not handle.check_loads().faults
+    assert not resident or handle.plan.resident
     handle.remove()
 
 

@@ -358,15 +358,17 @@ class OffloadHandle:
 
     def _check_load(self, index: int, before: bool) -> None:
         """``verify_loads``: compare the device bytes unit ``index`` computes with (before its call), or computed
-        with (after it, unless the call itself wrote its tensors: an edit the binding handles), with its weights."""
+        with (after it), with its weights. Not while its tensors hold a write the binding has not handled yet (a
+        unit that updates its own buffers, called again before its edit is found): those bytes are its weights
+        now, which its host copy learns only when the edit is found."""
         unit = self.units[index]
         flat = self.binding.on_device(unit)
-        if flat is None or self.load_checks is None:
+        if flat is None or self.load_checks is None or not self.binding.unchanged(unit):
             return
         if before:
             how = f"{self.device_copies.load_path(index)}, {self.phase} phase"
             self.load_checks.before_call(unit, flat, how)
-        elif self.binding.unchanged(unit):
+        else:
             self.load_checks.after_call(unit, flat)
 
     def check_loads(self) -> LoadCheckSummary | None:
