@@ -437,6 +437,8 @@ def child_pipeline(args: argparse.Namespace) -> None:
         traceback.print_exc()
         run.out["error"] = error_text(exc)
         run.out["failed_phase"] = run.sampler.phase
+        # the failed generation's steps (a wrong load found at its end by verify_loads: which step went wrong)
+        run.out["failed_step_latents_sha256"] = getattr(exc, "step_latents_sha256", None)
     run.sampler.stop()
     run.out["complete"] = True
     run.save()
