@@ -302,8 +302,9 @@ def test_raw_copies_ram_under_a_host_budget_with_compression_is_refused(tmp_path
 def test_on_cuda_the_experts_take_turns_on_disk_compressed_bitwise(saved, tmp_path, monkeypatch, caplog) -> None:
     """On CUDA: units are encoded on the device, each unit's raw bytes leave RAM as soon as its payload is made
     (the packing kept one unit ahead of the encoder here), payloads are page-locked and read back page-locked;
-    three generations are bitwise equal to native on CUDA, and disabling restores every tensor. Enabling it
-    warns that the combination is not to be trusted yet (one full-size run was not bitwise)."""
+    three generations are bitwise equal to native on CUDA, and disabling restores every tensor. Every load is
+    verified there by default (one full-size run of the combination was not bitwise, cause unknown), and nothing
+    is found; ``verify_loads=False`` warns that the combination is not to be trusted yet."""
     from flextensor_diffusers.engine import setup
     from flextensor_diffusers.pipelines.offload import UNTRUSTED_COMPRESSED_TIER
 
@@ -329,14 +330,25 @@ def test_on_cuda_the_experts_take_turns_on_disk_compressed_bitwise(saved, tmp_pa
     pipe.enable_flextensor_offload(
         budget=budget, device="cuda", compression="lossless", host_budget=host_budget, cache_dir=cache
     )
-    assert UNTRUSTED_COMPRESSED_TIER in caplog.text
+    assert UNTRUSTED_COMPRESSED_TIER not in caplog.text
     outs = [wan_latents(pipe).cpu() for _ in range(3)]
     assert all(torch.equal(o, reference) for o in outs)
+    for name in EXPERTS:
+        checks = pipe.flextensor_report()["components"][name]["load_checks"]
+        assert checks["checks"] > 0 and checks["faults"] == []
     tier = ft.pipeline_offload(pipe).host_tier.report()
     assert set(EXPERTS) & set(tier["on_disk"]) and len(tier["disk_reads_s"]) >= 3
     assert tier["peak_host_ram_bytes"] <= host_budget
     pipe.disable_flextensor_offload()
     assert_same(before, pipe.transformer)
+    caplog.clear()
+    pipe.enable_flextensor_offload(
+        budget=budget, device="cuda", compression="lossless", host_budget=host_budget, cache_dir=cache,
+        verify_loads=False,
+    )  # fmt: skip
+    assert UNTRUSTED_COMPRESSED_TIER in caplog.text
+    assert all(h.load_checks is None for h in ft.pipeline_offload(pipe).handles.values())
+    pipe.disable_flextensor_offload()
 
 
 def test_a_packing_window_packs_only_near_the_unit_the_encoder_asked_for() -> None:

@@ -206,8 +206,9 @@ def test_a_pipeline_refuses_the_output_of_a_generation_with_a_wrong_load(monkeyp
     pipe.disable_flextensor_offload()
 
 
-def test_the_recipes_pass_verify_loads_on(monkeypatch) -> None:
-    """``--verify-loads`` reaches ``enable_flextensor_offload``; without it nothing is verified."""
+def test_the_recipes_pass_verify_loads_as_typed(monkeypatch) -> None:
+    """``--verify-loads`` / ``--no-verify-loads`` reach ``enable_flextensor_offload``; without either, the offload
+    chooses."""
     from flextensor_diffusers.recipes import common, wan22_t2v
     from tests.models import TINY_WAN_ARGV
 
@@ -217,6 +218,23 @@ def test_the_recipes_pass_verify_loads_on(monkeypatch) -> None:
         def enable_flextensor_offload(self, **kwargs: object) -> None:
             seen.append(kwargs)
 
-    for argv in (TINY_WAN_ARGV, [*TINY_WAN_ARGV, "--verify-loads"]):
+    for argv in (TINY_WAN_ARGV, [*TINY_WAN_ARGV, "--verify-loads"], [*TINY_WAN_ARGV, "--no-verify-loads"]):
         common.enable_offload(Pipe(), wan22_t2v.parse_args(argv), torch.device("cpu"))
-    assert "verify_loads" not in seen[0] and seen[1]["verify_loads"] is True
+    assert "verify_loads" not in seen[0] and seen[1]["verify_loads"] is True and seen[2]["verify_loads"] is False
+
+
+def test_a_compressed_host_tier_on_a_gpu_verifies_loads_unless_told_not_to(caplog) -> None:
+    """The policy (`offload._verified_under_a_compressed_tier`): on CUDA, a host tier with compression turns
+    ``verify_loads`` on; ``verify_loads=False`` stays, with a warning naming the fix; raw tiers and the CPU are
+    left as asked."""
+    from flextensor_diffusers.pipelines.offload import UNTRUSTED_COMPRESSED_TIER, _verified_under_a_compressed_tier
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    compressed = {"compression": "lossless"}
+    assert _verified_under_a_compressed_tier(compressed, cuda)["verify_loads"] is True
+    assert _verified_under_a_compressed_tier({**compressed, "verify_loads": True}, cuda)["verify_loads"] is True
+    assert "verify_loads" not in _verified_under_a_compressed_tier(compressed, cpu)
+    assert "verify_loads" not in _verified_under_a_compressed_tier({"compression": "none"}, cuda)
+    caplog.clear()
+    assert _verified_under_a_compressed_tier({**compressed, "verify_loads": False}, cuda)["verify_loads"] is False
+    assert UNTRUSTED_COMPRESSED_TIER in caplog.text

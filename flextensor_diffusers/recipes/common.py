@@ -79,15 +79,16 @@ def place_natively(pipe: Any, options: RecipeOptions, device: torch.device) -> N
 
 def enable_offload(pipe: Any, options: RecipeOptions, device: torch.device, shared_host: str | None = None) -> None:
     """``shared_host``: the namespace of one host copy for all ranks of a ``--gpus N`` job. Where the raw copies
-    wait and the payload cache are passed only as typed (else the offload chooses: under a host tier with
-    compression, compressed copies only, cached), so that ``--host-budget auto`` may still turn the tier on."""
+    wait, the payload cache and load verification are passed only as typed (else the offload chooses: under a
+    host tier with compression, compressed copies only, cached, and on a GPU verified), so that ``--host-budget
+    auto`` may still turn the tier on."""
     typed: dict[str, Any] = {}
     if options.raw_copies is not None:
         typed["raw_copies"] = options.raw_copies
     if options.compression_cache:
         typed["compression_cache"] = True
-    if options.verify_loads:
-        typed["verify_loads"] = True
+    if options.verify_loads is not None:
+        typed["verify_loads"] = options.verify_loads
     pipe.enable_flextensor_offload(
         budget=options.budget,
         profile_dir=options.profile_dir,

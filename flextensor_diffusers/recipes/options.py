@@ -66,7 +66,7 @@ class RecipeOptions:
     compression: str = "none"
     raw_copies: str | None = None  # None: the offload's choice ("disk" under a host budget with compression)
     compression_cache: bool = False
-    verify_loads: bool = False
+    verify_loads: bool | None = None  # None: the offload's choice (on under a host tier with compression on a GPU)
     profile_dir: Path | None = Path("profiles")
     device: str | None = None
     no_offload: bool = False
@@ -227,9 +227,11 @@ def add_memory(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--verify-loads",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="check on the GPU, around every block call, that the bytes it computes with are its weights; a wrong "
-        "load fails the run instead of writing a wrong video (costs two reads of each block per call)",
+        "load fails the run instead of writing a wrong video (costs two reads of each block per call). Default: on "
+        "under a host budget with --compression lossless on a GPU, else off",
     )
     parser.add_argument(
         "--profile-dir",
