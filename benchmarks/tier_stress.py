@@ -378,7 +378,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for path in cache.iterdir() if cache.exists() else []:
                 path.unlink()
         pipe.enable_flextensor_offload(
-            budget=args.budget, device="cpu", compression="lossless", host_budget=host_bytes, cache_dir=cache
+            budget=args.budget,
+            device="cpu",
+            compression="lossless",
+            host_budget=host_bytes,
+            cache_dir=cache,
+            verify_loads=args.verify_loads,  # every call's bytes compared with its weights (a fault raises)
         )
         state = ft.pipeline_offload(pipe)
         statuses.append({n: state.handles[n].payload_cache.describe() for n in EXPERTS})
@@ -512,6 +517,7 @@ def main() -> None:
     parser.add_argument("--torch-threads", type=int, default=1, help="torch.set_num_threads (0: as it is)")
     parser.add_argument("--extra-host", type=int, default=0, help="bytes added to the smallest host budget")
     parser.add_argument("--max-seconds", type=float, default=420.0, help="stop starting generations after this")
+    parser.add_argument("--verify-loads", action="store_true", help="enable with verify_loads=True")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.experts == "identical-linked":
