@@ -494,3 +494,18 @@ def result_header(config: dict[str, Any], device: torch.device) -> dict[str, Any
     }
     print(f"device {result['device']}, torch {torch.__version__}, pinned H2D {result['bandwidth_GBps']} GB/s")
     return result
+
+
+def forwards_until_compressed_steady(handle: Any, forward: Callable[[], Any], limit: int = 12) -> int | None:
+    """Run ``forward()`` until ``handle`` is in steady state with planned loads that decode: a compressed set-up
+    profiles first, and one from the payload file that did not wait for it streams raw until its payloads arrived
+    and were proven (`CompressedCopies.unproven`). The forwards run (0: it was already), or None when ``limit``
+    forwards did not get there (e.g. a plan that loads every unit raw)."""
+    from flextensor_diffusers.engine import Phase
+
+    for ran in range(limit + 1):
+        if handle.phase is Phase.STEADY and handle.device_copies.decoding and not handle.host.compressed.arriving:
+            return ran
+        if ran < limit:
+            forward()
+    return None

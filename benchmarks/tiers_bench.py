@@ -105,6 +105,7 @@ from bench_common import (
     build_stack,
     default_device,
     device_name,
+    forwards_until_compressed_steady,
     rss_bytes,
     stack_inputs,
     sync,
@@ -447,6 +448,23 @@ def child_pipeline(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------- a set-up run
 
 
+def compressed_steady(handle: Any, runner: Any, x: tuple, device: torch.device, start: float) -> dict[str, Any]:
+    """After the first forward of a compressed set-up: forwards until one runs in steady state with planned loads
+    that decode (`forwards_until_compressed_steady`), and when that was, from the start of set-up."""
+
+    def forward() -> None:
+        with torch.inference_mode():
+            runner(*x)
+        sync(device)
+
+    ran = forwards_until_compressed_steady(handle, forward)
+    return {
+        "compressed_steady_from_s": round(time.perf_counter() - start, 4) if ran is not None else None,
+        "forwards_until_compressed_steady": None if ran is None else 1 + ran,  # the first forward counted
+        "payloads_unproven": len(handle.host.compressed.unproven),
+    }
+
+
 def child_setup(args: argparse.Namespace) -> dict[str, Any]:
     """One set-up run (``--setup-run``) of the block stack: set-up, then the first forward; its record."""
     from peers import set_up
@@ -482,6 +500,8 @@ def child_setup(args: argparse.Namespace) -> dict[str, Any]:
             output_sha256=latents_sha256(y.detach().cpu()),
             **watch.check(f"set-up {args.setup_run}", args.setup_budget_bytes),
         )
+        if method != "flextensor" and keep.config.compression != "none":
+            out.update(compressed_steady(keep, runner, x, device, start))
         if method != "flextensor":
             stats = keep.stats()
             out.update(setup_ms=stats.setup_ms, payload_cache=stats.payload_cache)

@@ -168,6 +168,7 @@ def test_the_payload_cache_is_read_back_and_refused_when_the_weights_changed(
             compression="lossless",
             compression_cache=True,
             cache_dir=tmp_path,
+            progressive_packing=False,  # set-up reads and checks the file (tests.test_payload_arrival: it need not)
         )
         try:
             with torch.inference_mode():
@@ -546,7 +547,7 @@ def test_models_of_the_same_weights_share_a_payload_file_until_one_writes(tmp_pa
 
     first, _ = make(torch.bfloat16)
     config = ft.OffloadConfig(["blocks.*"], device="cpu", compression="lossless", compression_cache=True)
-    config = dataclasses.replace(config, cache_dir=tmp_path)
+    config = dataclasses.replace(config, cache_dir=tmp_path, progressive_packing=False)  # set-up reads the file
     handles = [ft.offload(model, config) for model in (first, copy.deepcopy(first))]
     caches = [h.payload_cache for h in handles]
     assert caches[0].path == caches[1].path and caches[1].status == "read"

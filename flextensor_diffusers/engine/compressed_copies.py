@@ -27,7 +27,7 @@ from .codec import CodecMismatch, EncodedUnit, Segment, check_decodes, encode_un
 from .device_encoding import DeviceEncoder, EncodeJob
 from .errors import FlexTensorError, OffloadStateError, first_line
 from .host_memory import host_buffer, page_locked, unpin_in_place
-from .payload_cache import BackgroundWrite, PayloadCache, UnusableCache
+from .payload_cache import BackgroundWrite, CacheRecord, PayloadCache, UnusableCache
 from .setup_threads import PACK_THREADS, on_threads
 from .units import Unit
 
@@ -65,6 +65,12 @@ class CompressedCopies:
         #: The peak allocated device memory the device encoder may reach at set-up (None: no bound); the handle
         #: sets its GPU budget.
         self.budget_bytes: int | None = None
+        #: A set-up from the payload file that did not wait for it (`start_arrival`): its payloads being read.
+        self._arrival: PayloadArrival | None = None
+        #: Payloads kept from the payload file and not yet shown to decode to their unit's weights: no planned load
+        #: decodes them until a first decoded load (an on-demand one) compared the result with the weights
+        #: (`DeviceCopies.prove`).
+        self.unproven: set[int] = set()
 
     def make(
         self, pin: bool, cache: PayloadCache | None = None, settled: Settled | None = None, at_set_up: bool = True
@@ -167,17 +173,10 @@ class CompressedCopies:
         that is one decode at a time on the device, in unit order, so ``told`` moves each unit's raw bytes out
         of RAM as it goes; on the CPU the thread that read a payload compares it with a fresh encoding. So the
         disk, the checksums and the device work at once instead of one after the other."""
-        records = cache.open()
+        records = self._usable_records(cache)
         if not records:
             return False
         by_index = {unit.index: unit for unit in self.units}
-        if not set(records) <= set(by_index):
-            cache.refuse("it names units this model does not have")
-            return False
-        empty = torch.empty(0, dtype=torch.uint8)
-        if any(list(r.encoded(empty).segments) != segments_of(by_index[i]) for i, r in records.items()):
-            cache.refuse("its tensors lie elsewhere in the units (other alignment classes or strides)")
-            return False
 
         def fetch(index: int) -> _CachedPayload:
             encoded = records[index].encoded(cache.read_checked(index))
@@ -215,6 +214,99 @@ class CompressedCopies:
             return False
         cache.mark_read()
         return True
+
+    def _usable_records(self, cache: PayloadCache) -> dict[int, CacheRecord]:
+        """``cache``'s records when its header matches this model (its units, laid out alike); else none, the file
+        refused saying why."""
+        records = cache.open()
+        if not records:
+            return {}
+        by_index = {unit.index: unit for unit in self.units}
+        if not set(records) <= set(by_index):
+            cache.refuse("it names units this model does not have")
+            return {}
+        empty = torch.empty(0, dtype=torch.uint8)
+        if any(list(r.encoded(empty).segments) != segments_of(by_index[i]) for i, r in records.items()):
+            cache.refuse("its tensors lie elsewhere in the units (other alignment classes or strides)")
+            return {}
+        return records
+
+    # ------------------------------------------------------------------------------------ arriving after set-up
+
+    def start_arrival(self, cache: PayloadCache, pin: bool) -> bool:
+        """Set-up from the payload file without waiting for it: its payloads are read on threads (`PayloadArrival`)
+        while the model already runs raw, and kept once all arrived (`adopt_arrival`), each to be proven at its
+        first decoded load. False, nothing started, when the file is missing or refused."""
+        self.release()
+        records = self._usable_records(cache)
+        if not records:
+            return False
+        self.file, self.pinned = cache, pin
+        self._arrival = PayloadArrival(cache, records, pin)
+        cache.mark_reading()
+        return True
+
+    @property
+    def arriving(self) -> bool:
+        """The payload file's copies are being read since set-up and not taken yet (`start_arrival`)."""
+        return self._arrival is not None
+
+    @property
+    def arrived(self) -> bool:
+        """The payload file's copies, read since set-up, are all here (or one failed): `adopt_arrival` takes them."""
+        return self._arrival is not None and self._arrival.done
+
+    def adopt_arrival(self) -> bool:
+        """Keep the payloads read since set-up (the model inactive), every one unproven; True when kept. A read that
+        failed keeps none: the file is refused and deleted (the next set-up encodes again), the model streams raw."""
+        arrival, self._arrival = self._arrival, None
+        assert arrival is not None and self.file is not None
+        payloads, failure = arrival.take()
+        if failure is not None:
+            self._forget_file(failure)
+            return False
+        for index in sorted(payloads):
+            self.encoded[index] = payloads[index].encoded
+            if payloads[index].locked:
+                self._registered.append(payloads[index].encoded.payload)
+        self.unproven = set(payloads)
+        self._file_holds = True
+        self.file.mark_read()
+        return True
+
+    def cancel_arrival(self, why: str | None) -> None:
+        """Stop reading the payload file, keeping none of its payloads: an edit made them stale (``why`` says so, in
+        the file's status and a warning), or the copies are dropped (None)."""
+        arrival, self._arrival = self._arrival, None
+        if arrival is not None:
+            arrival.abandon()
+            if why is not None and self.file is not None:
+                self.file.refuse(f"{why} came while it was being read", then="the model streams raw")
+
+    def prove(self, index: int) -> None:
+        """Unit ``index``'s payload decoded to its weights at its first load: planned loads may decode it now."""
+        self.unproven.discard(index)
+
+    def disprove(self, unit: Unit) -> frozenset[int]:
+        """``unit``'s payload from the file did not decode to its weights: the file is stale. Every payload not proven
+        yet is dropped (once no copy reads it), and the file refused and deleted so that the next set-up encodes
+        again; the units dropped."""
+        dropped = frozenset(self.unproven)
+        self._unregister(
+            [self.encoded[i].payload for i in dropped if any(self.encoded[i].payload is r for r in self._registered)]
+        )
+        for index in dropped:
+            del self.encoded[index]
+        self.unproven = set()
+        self._forget_file(f"its copy of {unit.name!r} does not decode to the weights")
+        return dropped
+
+    def _forget_file(self, why: str) -> None:
+        """The payload file cannot be used: refused (saying ``why``) and deleted when no other live model uses it."""
+        self._file_holds = False
+        if self.file is not None:
+            self.file.refuse(why, then="this run streams those units raw, and the next set-up encodes again")
+            self.file.discard()
 
     def _keep(self, encoded_by_unit: dict[int, EncodedUnit], pin: bool, locked: frozenset[int] = frozenset()) -> None:
         """Make each payload of ``encoded_by_unit`` its unit's compressed copy, page-locked when ``pin`` (those
@@ -273,6 +365,7 @@ class CompressedCopies:
         old = self.encoded.pop(unit.index, None)
         if old is None:
             return
+        self.unproven.discard(unit.index)  # encoded again below, from the weights
         self.waiting.discard(unit.index)  # its new payload is in RAM; the file's is stale
         self._file_holds = False
         if self._writing is not None:
@@ -290,9 +383,11 @@ class CompressedCopies:
         """Drop the compressed copies, unregistering those pinned in place (once no copy reads them), after the
         payload file's write under way (it reads them)."""
         self._finish_write()
+        self.cancel_arrival(None)
         self._unregister(self._registered)
         self.encoded = {}
         self.waiting = set()
+        self.unproven = set()
         self._file_holds = False
 
     def _unregister(self, payloads: list[torch.Tensor]) -> None:
@@ -378,6 +473,42 @@ class CompressedCopies:
         for index in indices:
             self.encoded[index] = dataclasses.replace(self.encoded[index], payload=views[index])
             self.waiting.add(index)
+
+
+class PayloadArrival:
+    """The payloads of the payload file, read on threads after set-up returned (`CompressedCopies.start_arrival`):
+    in unit order, each checked against its CRC-32 and page-locked in place. ``done`` once every read ended."""
+
+    def __init__(self, cache: PayloadCache, records: dict[int, CacheRecord], pin: bool) -> None:
+        self._pool = ThreadPoolExecutor(PACK_THREADS, thread_name_prefix="flextensor-arrive")
+        self._futures = {index: self._pool.submit(self._read, cache, records[index], pin) for index in sorted(records)}
+
+    @staticmethod
+    def _read(cache: PayloadCache, record: CacheRecord, pin: bool) -> _CachedPayload:
+        encoded = record.encoded(cache.read_checked(record.index))
+        payload, locked = page_locked(encoded.payload) if pin else (encoded.payload, False)
+        return _CachedPayload(dataclasses.replace(encoded, payload=payload), locked, None)
+
+    @property
+    def done(self) -> bool:
+        return all(future.done() for future in self._futures.values())
+
+    def take(self) -> tuple[dict[int, _CachedPayload], str | None]:
+        """The payloads read, and the first failure's line (None: none failed)."""
+        payloads: dict[int, _CachedPayload] = {}
+        failure = None
+        for index, future in self._futures.items():
+            try:
+                payloads[index] = future.result()
+            except Exception as exc:  # a short or changed file (UnusableCache), or no memory: the file is not used
+                failure = failure or first_line(exc)
+        self._pool.shutdown(wait=False)
+        return payloads, failure
+
+    def abandon(self) -> None:
+        """Stop: reads not started are not made; those under way end and their buffers are dropped (unlocked)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._futures = {}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -181,7 +181,8 @@ class DeviceCopies:
 
     def _lay_out_plan(self, plan: Plan) -> None:
         self.buffers.slots = [aligned_buffer(plan.slot_bytes, self.device) for _ in range(plan.num_slots)]
-        self.decoding = plan.compressed & frozenset(self.host.encoded)
+        # a payload not proven yet is decoded only by an on-demand load, which proves it (`prove`)
+        self.decoding = plan.compressed & frozenset(self.host.encoded) - frozenset(self.host.compressed.unproven)
         self._allocate_staging(plan.num_slots)
         for index in sorted(plan.resident):
             unit = self.units[index]
@@ -202,7 +203,8 @@ class DeviceCopies:
         plan)."""
         unit = self.units[index]
         room = self.buffers.staging[0].numel() if self.buffers.staging else 0
-        if index in self.host.encoded and not self.host.raw_at_hand(unit):
+        proven = index in self.host.encoded and index not in self.host.compressed.unproven
+        if proven and not self.host.raw_at_hand(unit):
             encoded = self.host.payload_of(unit)
             if encoded.payload.numel() <= room:
                 staging = self.buffers.staging[0][: encoded.payload.numel()]
@@ -243,8 +245,33 @@ class DeviceCopies:
             if on_staged is not None:
                 on_staged()
             self.decode_staged(index, slot)
+            if index in self.host.compressed.unproven:
+                self.prove(index, slot)
         self.note_load(slot, index)
         return True
+
+    def prove(self, index: int, slot: int) -> None:
+        """The first decoded load of a payload kept from the payload file without a check at set-up
+        (`CompressedCopies.unproven`): compare the decoded bytes in the slot with the raw host copy, tensor by
+        tensor, byte for byte (on a device through the slot's staging buffer, a piece at a time: no memory beyond
+        the layout's), with one synchronisation. Equal: the payload is proven, and planned loads may decode it. Not
+        equal: the file is stale; every unproven payload is dropped, the decodes that would use them stop, and this
+        unit is loaded again raw, so this call computes with its weights."""
+        unit, dst, room = self.units[index], self._dst[index], self.buffers.staging[slot]
+        raw = self.host.raw_tensor(unit)
+        differs = torch.zeros((), dtype=torch.bool, device=self.device)
+        for packed in unit.tensors:
+            end = packed.offset + packed.nbytes
+            for start in range(packed.offset, end, room.numel()):
+                stop = min(start + room.numel(), end)
+                piece = room[: stop - start]
+                piece.copy_(raw[start:stop], non_blocking=True)
+                differs.logical_or_(torch.ne(piece, dst[start:stop]).any())  # type: ignore[index]
+        if not bool(differs):
+            self.host.compressed.prove(index)
+            return
+        self.decoding = self.decoding - self.host.compressed.disprove(unit)
+        self.host.copy_raw_into(unit, dst)  # type: ignore[arg-type]
 
     def copy_in(self, index: int, slot: int) -> None:
         """Enqueue ``index``'s whole load into ``slot`` on the current stream (`stage`, then `decode_staged`)."""

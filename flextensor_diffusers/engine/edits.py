@@ -56,6 +56,7 @@ class Edits:
             torch.cuda.synchronize(self.device.device)
         self.host.gate_all()  # the edit lands in the final host copies, not in stand-ins about to be replaced
         self.host.mark_spill_stale()  # the RAM copies may change: the next spill writes them
+        self.host.compressed.cancel_arrival("an edit of the weights")  # payloads still being read: of the old ones
         with torch.no_grad(), torch.inference_mode(False):
             for t, _ in self.device.find_foreign():  # adapters come to the host too: one device for the edit
                 t.data = t.data.to("cpu") if t.device.type != "cpu" else t.data

@@ -275,6 +275,8 @@ class OffloadHandle:
             except FlexTensorError:
                 self._depth = 0
                 raise
+        if self.host.compressed.arrived:  # the payload file's copies, read since set-up: measured from now on
+            self._take_arrived_payloads()
         if not self.active:
             self.activate()
         elif self.binding.sweep():  # edits since the last forward: slots loaded ahead may be stale
@@ -285,6 +287,22 @@ class OffloadHandle:
         signature = workload_signature(args, kwargs)
         self.planning.enter_workload(signature if entry == "forward" else f"{entry}:{signature}")
         self.phases.current.start()
+
+    def _take_arrived_payloads(self) -> None:
+        """Set-up did not wait for the payload file (`setup.may_read_payloads_later`) and its copies have all
+        arrived: they are kept, each proven at its first decoded load, and every workload is measured again from a
+        discovery forward, whose on-demand loads decode and prove them, so that plans may decode them."""
+        self.release()
+        if self.host.compressed.adopt_arrival():
+            self.planning.forget_workloads()
+            self.phases.rediscover()
+        else:
+            logger.warning(
+                "%s: the compressed weights file could not be used (%s); this run streams raw, and the next set-up "
+                "encodes again",
+                type(self.model).__name__,
+                self.payload_cache.describe() if self.payload_cache is not None else "no file",
+            )
 
     def exit_workload(self, output: Any = None) -> None:
         self._depth -= 1

@@ -558,6 +558,7 @@ class HostCopies:
         self._current = False
         if self.raw_homes is not None:
             self.raw_homes.rehome_written([unit.index + 1])
+        self.compressed.cancel_arrival("an edit of the weights")  # the payloads being read are of the old weights
         if unit.index >= 0 and unit.index in self.encoded:
             self.compressed.refresh(unit)
 

@@ -215,6 +215,13 @@ class PayloadCache:
             raise UnusableCache("a payload's checksum differs from its record (the file was changed on disk)")
         return payload
 
+    def discard(self) -> None:
+        """Delete the file (refused: its payloads are stale or damaged), unless another live model of this process
+        uses it too; the next set-up then encodes and writes it again."""
+        wait_for_writes(self.path)
+        if _users.get(self.path, 0) <= 1:
+            self.path.unlink(missing_ok=True)
+
     def mark_read(self) -> None:
         """Every payload was read and kept (the report says so)."""
         self.status = "read"
@@ -247,10 +254,14 @@ class PayloadCache:
             return f"{self.status}; writing again: {self.path}" if refused else f"writing: {self.path}"
         return f"{self.status}: {self.path}"
 
-    def refuse(self, reason: str) -> None:
-        """Note that the file is not used; it is written again after encoding."""
+    def refuse(self, reason: str, then: str = "encoding again") -> None:
+        """Note that the file is not used (``then``: what happens instead); it is written again after encoding."""
         self.status = f"refused: {reason}"
-        logger.warning("payload cache %s refused: %s; encoding again", self.path, reason)
+        logger.warning("payload cache %s refused: %s; %s", self.path, reason, then)
+
+    def mark_reading(self) -> None:
+        """Set-up did not wait for the file: its payloads are being read while the model runs raw."""
+        self.status = "being read while the model runs raw"
 
     def write(
         self, encoded: dict[int, EncodedUnit], strict: bool = False, cancel: threading.Event | None = None

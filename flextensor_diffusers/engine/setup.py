@@ -70,6 +70,20 @@ def packs_progressively(config: OffloadConfig) -> bool:
     return config.progressive_packing and config.compression == "none" and config.shared_host is None
 
 
+def may_read_payloads_later(config: OffloadConfig) -> bool:
+    """Whether set-up may leave the payload file to be read while the model already runs raw
+    (`CompressedCopies.start_arrival`), packing progressively as without compression: with the payload file
+    (``compression_cache``), raw copies in RAM (a raw load is then always possible), progressive packing asked and no
+    shared weights. Set-up still encodes, and waits, when the file is missing or refused."""
+    return (
+        config.progressive_packing
+        and config.compression == "lossless"
+        and config.compression_cache
+        and not config.compressed_only
+        and config.shared_host is None
+    )
+
+
 def assemble(model: nn.Module, layout: UnitLayout, device: torch.device) -> Copies:
     """The four owners of a model's bytes, wired to each other (nothing is packed yet)."""
     positions = [layout.base, *layout.units]
@@ -104,13 +118,19 @@ class SetUp:
             h.host.start_progressive_packing(pin, self._packed)
             self._finish(shared)
             return
+        if may_read_payloads_later(h.config):
+            self.payload_cache = self._payload_cache()  # named before packing moves tensors
+            if h.host.compressed.start_arrival(self.payload_cache, pin):
+                h.host.start_progressive_packing(pin, self._packed)
+                self._finish(shared)
+                return
         compressed_only = h.config.compressed_only
         homes = h.host.keep_raw_in(self._raw_home or self._raw_cache_file()) if compressed_only else None
         window = PACKING_WINDOW if compressed_only and h.cuda else None  # the CPU encoder asks for all at once
         pin_now = pin and not compressed_only
         start = time.perf_counter()
-        if h.config.compression == "lossless" and h.config.compression_cache:  # named before packing moves tensors
-            self.payload_cache = self._payload_cache()
+        if h.config.compression == "lossless" and h.config.compression_cache and self.payload_cache is None:
+            self.payload_cache = self._payload_cache()  # named before packing moves tensors
         packing = h.host.start_packing(pin=pin_now, shared=shared, attaching=h.attaching, window=window)
         try:
             if h.config.compression == "lossless":  # units are compressed as they are packed

@@ -1,0 +1,149 @@
+"""Set-up from the payload file without waiting for it (`setup.may_read_payloads_later`): the model runs raw at
+once, the payloads are read on threads, kept once all arrived, and each is proven byte for byte at its first
+decoded load before any planned load decodes it; a stale or damaged file is never used."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import flextensor_diffusers as ft
+from flextensor_diffusers.engine import Phase
+from tests.models import assert_same, snapshot
+from tests.test_compression import make, planned_from_fixed_figures
+
+
+def offload_cached(model: nn.Module, folder: Path) -> ft.OffloadHandle:
+    """Streamed with compression and the payload file in ``folder``, under room for two slots with staging (the
+    plan decodes on the fixed figures)."""
+    unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    return ft.offload(
+        model,
+        include_patterns=["blocks.*"],
+        gpu_budget=int(3.8 * unit),
+        device="cpu",
+        compression="lossless",
+        compression_cache=True,
+        cache_dir=folder,
+    )
+
+
+def write_the_file(folder: Path) -> Path:
+    """A first set-up with no file: it encodes, waits, and writes the file (in the background, done at removal)."""
+    model, x = make(torch.bfloat16)
+    handle = offload_cached(model, folder)
+    assert handle.host.encoded and handle.payload_cache.describe().startswith(("writing", "written"))
+    with torch.inference_mode():
+        model(x)
+    handle.remove()
+    (path,) = folder.glob("*.payloads")
+    return path
+
+
+def run_until_payloads_are_taken(handle: ft.OffloadHandle, model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """Forwards until the payloads read since set-up were taken (at a forward's start), then three more."""
+    outs = []
+    with torch.inference_mode():
+        for _ in range(50):
+            outs.append(model(x))
+            if not handle.host.compressed.arriving:
+                break
+            time.sleep(0.02)
+        outs += [model(x) for _ in range(3)]
+    return outs
+
+
+def test_a_set_up_from_the_payload_file_runs_raw_at_once_and_decodes_once_each_payload_is_proven(
+    tmp_path, monkeypatch
+) -> None:
+    planned_from_fixed_figures(monkeypatch, compute_ms=10.0)
+    write_the_file(tmp_path)
+    model, x = make(torch.bfloat16)
+    with torch.inference_mode():
+        reference = model(x)
+    before = snapshot(model)
+    handle = offload_cached(model, tmp_path)
+    assert not handle.host.encoded and handle.setup_times.compress is None  # nothing encoded nor checked
+    assert handle.payload_cache.describe().startswith("being read while the model runs raw")
+    outs = run_until_payloads_are_taken(handle, model, x)
+    assert all(torch.equal(out, reference) for out in outs)
+    compressed = handle.host.compressed
+    assert compressed.encoded.keys() == {u.index for u in handle.units} and not compressed.unproven
+    assert handle.phase is Phase.STEADY and handle.plan.compressed and handle.device_copies.decoding
+    assert handle.payload_cache.describe().startswith("read: ")
+    handle.remove()
+    assert_same(before, model)
+    assert list(tmp_path.glob("*.payloads"))  # kept for the next run
+
+
+def test_a_stale_payload_file_is_caught_at_the_first_decoded_load_and_deleted(tmp_path, monkeypatch, caplog) -> None:
+    """Weights changed where the file's key does not sample them: the payloads arrive and are kept unproven; the
+    first decoded load of the changed block finds its bytes differ, drops every unproven payload, loads that block
+    raw again, and deletes the file: every output is the changed model's own."""
+    planned_from_fixed_figures(monkeypatch, compute_ms=10.0)
+    path = write_the_file(tmp_path)
+    model, x = make(torch.bfloat16)
+    weight = max(model.blocks[0].parameters(), key=lambda p: p.numel())
+    with torch.no_grad():
+        weight.view(-1)[weight.numel() // 3] += 1  # far from the bytes the key samples
+    with torch.inference_mode():
+        reference = model(x)
+    handle = offload_cached(model, tmp_path)
+    outs = run_until_payloads_are_taken(handle, model, x)
+    assert all(torch.equal(out, reference) for out in outs)
+    assert not path.exists() and "does not decode to the weights" in caplog.text
+    assert handle.payload_cache.describe().startswith("refused: its copy of 'blocks.0' does not decode")
+    assert 0 not in handle.host.encoded and not handle.host.compressed.unproven
+    handle.remove()
+
+
+def test_a_damaged_payload_file_is_not_used_and_deleted(tmp_path, caplog) -> None:
+    """A payload byte flipped on disk: its read fails its checksum, no payload is kept, the model streams raw, and
+    the file goes so that the next set-up encodes again."""
+    path = write_the_file(tmp_path)
+    with path.open("r+b") as f:
+        f.seek(path.stat().st_size - 5000)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    model, x = make(torch.bfloat16)
+    with torch.inference_mode():
+        reference = model(x)
+    handle = offload_cached(model, tmp_path)
+    outs = run_until_payloads_are_taken(handle, model, x)
+    assert all(torch.equal(out, reference) for out in outs)
+    assert not handle.host.encoded and not path.exists()
+    assert "checksum differs" in caplog.text and "streams raw" in caplog.text
+    handle.remove()
+    handle = offload_cached(make(torch.bfloat16)[0], tmp_path)  # no file: encoded again, and written
+    assert handle.host.encoded
+    handle.remove()
+    assert path.exists()
+
+
+def test_an_edit_while_the_payloads_arrive_keeps_none_of_them(tmp_path) -> None:
+    write_the_file(tmp_path)
+    model, x = make(torch.bfloat16)
+    handle = offload_cached(model, tmp_path)
+    with handle.editing(), torch.no_grad():
+        model.blocks[2].ff[0].weight.mul_(0.5)
+    twin, _ = make(torch.bfloat16)
+    with torch.no_grad():
+        twin.blocks[2].ff[0].weight.mul_(0.5)
+    with torch.inference_mode():
+        expected = twin(x)
+        assert all(torch.equal(model(x), expected) for _ in range(4))
+    assert not handle.host.encoded and handle.payload_cache.describe().startswith("refused: an edit")
+    handle.remove()
+
+
+def test_removal_while_the_payloads_arrive_restores_every_tensor(tmp_path) -> None:
+    write_the_file(tmp_path)
+    model, _ = make(torch.bfloat16)
+    before = snapshot(model)
+    handle = offload_cached(model, tmp_path)
+    handle.remove()
+    assert_same(before, model)
