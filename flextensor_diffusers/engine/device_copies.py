@@ -314,7 +314,8 @@ class DeviceCopies:
         """How unit ``index``'s device bytes are loaded under the current layout, in words (for `LoadChecks`)."""
         slot = self.slot_of[index]
         if slot is None:
-            decoded = index in self.host.encoded and not self.host.raw_at_hand(self.units[index])
+            proven = index in self.host.encoded and index not in self.host.compressed.unproven
+            decoded = proven and not self.host.raw_at_hand(self.units[index])
             return "resident, decoded at activation" if decoded else "resident, copied at activation"
         return f"slot {slot}, {'decoded' if index in self.decoding else 'copied raw'}"
 
