@@ -147,3 +147,29 @@ def test_removal_while_the_payloads_arrive_restores_every_tensor(tmp_path) -> No
     handle = offload_cached(model, tmp_path)
     handle.remove()
     assert_same(before, model)
+
+
+def test_a_pipeline_set_up_from_its_payload_files_streams_raw_then_compressed_bitwise(tmp_path, monkeypatch) -> None:
+    """The tiny Wan2.2 pipeline with compression and its payload files: a first enable encodes and writes them;
+    the next returns without reading them, generations stay bitwise while they arrive and once each is proven (by
+    the decoded loads of the discovery forward after they arrived), and every payload ends up proven."""
+    from flextensor_diffusers.recipes.models import build_pipeline
+    from tests.models import wan_latents
+
+    planned_from_fixed_figures(monkeypatch, compute_ms=10.0)
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    reference = wan_latents(pipe)
+    options = dict(budget=340_000, device="cpu", compression="lossless", compression_cache=True, cache_dir=tmp_path)
+    pipe.enable_flextensor_offload(**options)
+    assert torch.equal(wan_latents(pipe), reference)
+    pipe.disable_flextensor_offload()  # waits for the files written in the background
+    pipe.enable_flextensor_offload(**options)
+    transformer = ft.pipeline_offload(pipe).handles["transformer"]
+    assert not transformer.host.encoded and transformer.host.compressed.arriving
+    for _ in range(4):
+        assert torch.equal(wan_latents(pipe), reference)
+        time.sleep(0.05)
+    compressed = transformer.host.compressed
+    assert compressed.encoded and not compressed.unproven and not compressed.arriving
+    assert transformer.payload_cache.describe().startswith("read: ")
+    pipe.disable_flextensor_offload()
