@@ -496,16 +496,18 @@ def result_header(config: dict[str, Any], device: torch.device) -> dict[str, Any
     return result
 
 
-def forwards_until_compressed_steady(handle: Any, forward: Callable[[], Any], limit: int = 12) -> int | None:
+def forwards_until_compressed_steady(handle: Any, forward: Callable[[], Any], limit_s: float = 120.0) -> int | None:
     """Run ``forward()`` until ``handle`` is in steady state with planned loads that decode: a compressed set-up
     profiles first, and one from the payload file that did not wait for it streams raw until its payloads arrived
-    and were proven (`CompressedCopies.unproven`). The forwards run (0: it was already), or None when ``limit``
-    forwards did not get there (e.g. a plan that loads every unit raw)."""
+    and were proven (`CompressedCopies.unproven`). The forwards run (0: it was already), or None when ``limit_s``
+    seconds of forwards did not get there (e.g. a plan that loads every unit raw)."""
     from flextensor_diffusers.engine import Phase
 
-    for ran in range(limit + 1):
+    start, ran = time.perf_counter(), 0
+    while True:
         if handle.phase is Phase.STEADY and handle.device_copies.decoding and not handle.host.compressed.arriving:
             return ran
-        if ran < limit:
-            forward()
-    return None
+        if time.perf_counter() - start > limit_s:
+            return None
+        forward()
+        ran += 1

@@ -175,7 +175,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(warmup):  # discovery, profiling and the plan's first forward where there are
             runner(*x)
         if args.child in OURS and keep.config.compression != "none":  # until planned loads decode (timed: warm-up)
-            warmup += forwards_until_compressed_steady(keep, lambda: runner(*x)) or 0
+            warmup += forwards_until_compressed_steady(keep, lambda: runner(*x), limit_s=30.0) or 0
         sync(device)
         warmup_s = time.perf_counter() - start
         watch.part()

@@ -450,14 +450,14 @@ def child_pipeline(args: argparse.Namespace) -> None:
 
 def compressed_steady(handle: Any, runner: Any, x: tuple, device: torch.device, start: float) -> dict[str, Any]:
     """After the first forward of a compressed set-up: forwards until one runs in steady state with planned loads
-    that decode (`forwards_until_compressed_steady`), and when that was, from the start of set-up."""
+    that decode (`forwards_until_compressed_steady`, at most 60 s), and when that was, from the start of set-up."""
 
     def forward() -> None:
         with torch.inference_mode():
             runner(*x)
         sync(device)
 
-    ran = forwards_until_compressed_steady(handle, forward)
+    ran = forwards_until_compressed_steady(handle, forward, limit_s=60.0)
     return {
         "compressed_steady_from_s": round(time.perf_counter() - start, 4) if ran is not None else None,
         "forwards_until_compressed_steady": None if ran is None else 1 + ran,  # the first forward counted
