@@ -59,6 +59,9 @@ def run_until_payloads_are_taken(handle: ft.OffloadHandle, model: nn.Module, x: 
 def test_a_set_up_from_the_payload_file_runs_raw_at_once_and_decodes_once_each_payload_is_proven(
     tmp_path, monkeypatch
 ) -> None:
+    """Set-up encodes and checks nothing; forwards are bitwise while the payloads arrive (raw), while they are proven
+    (discovery's decoded loads) and once planned loads decode them; removal restores every tensor and keeps the
+    file."""
     planned_from_fixed_figures(monkeypatch, compute_ms=10.0)
     write_the_file(tmp_path)
     model, x = make(torch.bfloat16)
