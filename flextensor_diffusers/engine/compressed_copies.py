@@ -177,23 +177,12 @@ class CompressedCopies:
         if not records:
             return False
         by_index = {unit.index: unit for unit in self.units}
-
-        def fetch(index: int) -> _CachedPayload:
-            encoded = records[index].encoded(cache.read_checked(index))
-            mismatch = None if self.cuda else self._first_mismatch(by_index[index], encoded)
-            payload, locked = page_locked(encoded.payload) if pin else (encoded.payload, False)
-            return _CachedPayload(dataclasses.replace(encoded, payload=payload), locked, mismatch)
-
-        order, ahead = sorted(records), 2 * PACK_THREADS
-        pool = ThreadPoolExecutor(PACK_THREADS, thread_name_prefix="flextensor-cache")
+        check = None if self.cuda else lambda index, encoded: self._first_mismatch(by_index[index], encoded)
+        arrival = PayloadArrival(cache, records, pin, check)
         refused = None
         try:
-            pending = [pool.submit(fetch, index) for index in order[:ahead]]
-            desc = "reading compressed weights"
-            for k, index in enumerate(tqdm(order, desc=desc, disable=None, leave=False)):
-                fetched = pending[k].result()
-                if k + ahead < len(order):
-                    pending.append(pool.submit(fetch, order[k + ahead]))
+            for index in tqdm(sorted(records), desc="reading compressed weights", disable=None, leave=False):
+                fetched = arrival.wait_for(index)
                 self.encoded[index] = fetched.encoded
                 if fetched.locked:
                     self._registered.append(fetched.encoded.payload)
@@ -206,7 +195,7 @@ class CompressedCopies:
         except UnusableCache as exc:
             refused = str(exc)
         finally:  # payloads read ahead and not kept are dropped with their futures (unlocked as they go)
-            pool.shutdown(wait=True, cancel_futures=True)
+            arrival.abandon()
         if refused is not None:
             self.release()
             told.restart()
@@ -263,7 +252,7 @@ class CompressedCopies:
         assert arrival is not None and self.file is not None
         payloads, failure = arrival.take()
         if failure is not None:
-            self._forget_file(failure)
+            self._forget_file(failure, then="this run streams raw, and the next set-up encodes again")
             return False
         for index in sorted(payloads):
             self.encoded[index] = payloads[index].encoded
@@ -283,6 +272,11 @@ class CompressedCopies:
             if why is not None and self.file is not None:
                 self.file.refuse(f"{why} came while it was being read", then="the model streams raw")
 
+    @property
+    def proven(self) -> frozenset[int]:
+        """The units whose compressed copies a load may decode: all kept but those not proven yet."""
+        return frozenset(self.encoded) - frozenset(self.unproven)
+
     def prove(self, index: int) -> None:
         """Unit ``index``'s payload decoded to its weights at its first load: planned loads may decode it now."""
         self.unproven.discard(index)
@@ -292,20 +286,22 @@ class CompressedCopies:
         yet is dropped (once no copy reads it), and the file refused and deleted so that the next set-up encodes
         again; the units dropped."""
         dropped = frozenset(self.unproven)
-        self._unregister(
-            [self.encoded[i].payload for i in dropped if any(self.encoded[i].payload is r for r in self._registered)]
-        )
+        self._unregister([self.encoded[i].payload for i in dropped])
         for index in dropped:
             del self.encoded[index]
         self.unproven = set()
-        self._forget_file(f"its copy of {unit.name!r} does not decode to the weights")
+        self._forget_file(
+            f"its copy of {unit.name!r} does not decode to the weights",
+            then="the units not proven yet stream raw, and the next set-up encodes again",
+        )
         return dropped
 
-    def _forget_file(self, why: str) -> None:
-        """The payload file cannot be used: refused (saying ``why``) and deleted when no other live model uses it."""
+    def _forget_file(self, why: str, then: str) -> None:
+        """The payload file cannot be used: refused (saying ``why``, and ``then`` what happens instead, in a
+        warning) and deleted when no other live model uses it."""
         self._file_holds = False
         if self.file is not None:
-            self.file.refuse(why, then="this run streams those units raw, and the next set-up encodes again")
+            self.file.refuse(why, then=then)
             self.file.discard()
 
     def _keep(self, encoded_by_unit: dict[int, EncodedUnit], pin: bool, locked: frozenset[int] = frozenset()) -> None:
@@ -370,11 +366,7 @@ class CompressedCopies:
         self._file_holds = False
         if self._writing is not None:
             self._writing.stale = True
-        if any(payload is old.payload for payload in self._registered):
-            if self.cuda:  # a copy issued before may still read it
-                torch.cuda.synchronize(self.device)
-            unpin_in_place(old.payload)
-            self._registered = [p for p in self._registered if p is not old.payload]
+        self._unregister([old.payload])  # a copy issued before may still read it
         encoded = encode_unit(self._host_of(unit), segments_of(unit))
         if worth_compressing(encoded):
             self._keep({unit.index: encoded}, self.pinned)
@@ -391,11 +383,13 @@ class CompressedCopies:
         self._file_holds = False
 
     def _unregister(self, payloads: list[torch.Tensor]) -> None:
-        """Unlock ``payloads`` (locked in place), once no copy issued before reads them."""
-        if payloads and self.cuda:
-            torch.cuda.synchronize(self.device)
+        """Unlock those of ``payloads`` that are locked in place, once no copy issued before reads them (the
+        others were page-locked as copies, or not at all: nothing to undo)."""
         ids = {id(p) for p in payloads}
-        for payload in payloads:
+        locked = [p for p in self._registered if id(p) in ids]
+        if locked and self.cuda:
+            torch.cuda.synchronize(self.device)
+        for payload in locked:
             unpin_in_place(payload)
         self._registered = [p for p in self._registered if id(p) not in ids]
 
@@ -468,26 +462,38 @@ class CompressedCopies:
             return
         assert self.file is not None
         views = self.file.map()
-        payloads = [self.encoded[i].payload for i in indices]
-        self._unregister([p for p in payloads if any(p is r for r in self._registered)])
+        self._unregister([self.encoded[i].payload for i in indices])
         for index in indices:
             self.encoded[index] = dataclasses.replace(self.encoded[index], payload=views[index])
             self.waiting.add(index)
 
 
 class PayloadArrival:
-    """The payloads of the payload file, read on threads after set-up returned (`CompressedCopies.start_arrival`):
-    in unit order, each checked against its CRC-32 and page-locked in place. ``done`` once every read ended."""
+    """The payloads of the payload file, read on threads in unit order, each checked against its CRC-32, compared
+    with its weights by ``check(index, encoded)`` when given (the first tensor that differs, None: none) and
+    page-locked in place. A set-up that waits for them takes each in turn (`wait_for`: `CompressedCopies._keep_cached`);
+    one that does not (`CompressedCopies.start_arrival`) takes them all once ``done`` (`take`)."""
 
-    def __init__(self, cache: PayloadCache, records: dict[int, CacheRecord], pin: bool) -> None:
+    def __init__(
+        self,
+        cache: PayloadCache,
+        records: dict[int, CacheRecord],
+        pin: bool,
+        check: Callable[[int, EncodedUnit], str | None] | None = None,
+    ) -> None:
+        self._cache, self._records, self._pin, self._check = cache, records, pin, check
         self._pool = ThreadPoolExecutor(PACK_THREADS, thread_name_prefix="flextensor-arrive")
-        self._futures = {index: self._pool.submit(self._read, cache, records[index], pin) for index in sorted(records)}
+        self._futures = {index: self._pool.submit(self._read, index) for index in sorted(records)}
 
-    @staticmethod
-    def _read(cache: PayloadCache, record: CacheRecord, pin: bool) -> _CachedPayload:
-        encoded = record.encoded(cache.read_checked(record.index))
-        payload, locked = page_locked(encoded.payload) if pin else (encoded.payload, False)
-        return _CachedPayload(dataclasses.replace(encoded, payload=payload), locked, None)
+    def _read(self, index: int) -> _CachedPayload:
+        encoded = self._records[index].encoded(self._cache.read_checked(index))
+        mismatch = self._check(index, encoded) if self._check is not None else None
+        payload, locked = page_locked(encoded.payload) if self._pin else (encoded.payload, False)
+        return _CachedPayload(dataclasses.replace(encoded, payload=payload), locked, mismatch)
+
+    def wait_for(self, index: int) -> _CachedPayload:
+        """Unit ``index``'s payload once read; raises its read's failure (`UnusableCache`: a short or changed file)."""
+        return self._futures[index].result()
 
     @property
     def done(self) -> bool:
@@ -513,8 +519,8 @@ class PayloadArrival:
 
 @dataclasses.dataclass(frozen=True)
 class _CachedPayload:
-    """One payload read from the payload file (`CompressedCopies._keep_cached`): as an `EncodedUnit`, whether it is
-    page-locked in place, and on the CPU the first tensor a fresh encoding disagrees with (None: none)."""
+    """One payload read from the payload file (`PayloadArrival`): as an `EncodedUnit`, whether it is page-locked in
+    place, and the first tensor its check found different (None: none, or not checked there)."""
 
     encoded: EncodedUnit
     locked: bool

@@ -178,7 +178,8 @@ class OffloadConfig:
         verify_loads: check on the device, before and after every unit call, that the bytes the unit computes
             with are its weights (`load_checks`): a wrong load raises instead of giving a wrong output, at the
             next forward, at ``handle.check_loads()``, or at the end of a pipeline's generation. Costs two reads
-            of each unit's bytes on the device per call and one pass over its host copy when first checked.
+            of each unit's bytes on the device per call and one pass over its bytes on the host as it is packed.
+            A pipeline's host tier with compression on CUDA turns it on unless given False.
     """
 
     include_patterns: list[str]

@@ -182,7 +182,7 @@ class DeviceCopies:
     def _lay_out_plan(self, plan: Plan) -> None:
         self.buffers.slots = [aligned_buffer(plan.slot_bytes, self.device) for _ in range(plan.num_slots)]
         # a payload not proven yet is decoded only by an on-demand load, which proves it (`prove`)
-        self.decoding = plan.compressed & frozenset(self.host.encoded) - frozenset(self.host.compressed.unproven)
+        self.decoding = plan.compressed & self.host.compressed.proven
         self._allocate_staging(plan.num_slots)
         for index in sorted(plan.resident):
             unit = self.units[index]
@@ -203,8 +203,7 @@ class DeviceCopies:
         plan)."""
         unit = self.units[index]
         room = self.buffers.staging[0].numel() if self.buffers.staging else 0
-        proven = index in self.host.encoded and index not in self.host.compressed.unproven
-        if proven and not self.host.raw_at_hand(unit):
+        if index in self.host.compressed.proven and not self.host.raw_at_hand(unit):
             encoded = self.host.payload_of(unit)
             if encoded.payload.numel() <= room:
                 staging = self.buffers.staging[0][: encoded.payload.numel()]
@@ -314,8 +313,7 @@ class DeviceCopies:
         """How unit ``index``'s device bytes are loaded under the current layout, in words (for `LoadChecks`)."""
         slot = self.slot_of[index]
         if slot is None:
-            proven = index in self.host.encoded and index not in self.host.compressed.unproven
-            decoded = proven and not self.host.raw_at_hand(self.units[index])
+            decoded = index in self.host.compressed.proven and not self.host.raw_at_hand(self.units[index])
             return "resident, decoded at activation" if decoded else "resident, copied at activation"
         return f"slot {slot}, {'decoded' if index in self.decoding else 'copied raw'}"
 

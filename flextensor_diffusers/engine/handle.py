@@ -43,7 +43,7 @@ from .call_guards import (
 )
 from .config import OffloadConfig, resolve_budget, resolve_device
 from .errors import BudgetError, FlexTensorError, OffloadStateError
-from .load_checks import LoadChecks, LoadCheckSummary
+from .load_checks import LoadCheckError, LoadChecks, LoadCheckSummary
 from .payload_cache import PayloadCache
 from .phases import Discovery, OnDemand, Phase, Phases, Removed, Steady
 from .planner import Plan, WorkloadProfile
@@ -293,16 +293,9 @@ class OffloadHandle:
         arrived: they are kept, each proven at its first decoded load, and every workload is measured again from a
         discovery forward, whose on-demand loads decode and prove them, so that plans may decode them."""
         self.release()
-        if self.host.compressed.adopt_arrival():
+        if self.host.compressed.adopt_arrival():  # else the file was refused, with a warning that says so
             self.planning.forget_workloads()
             self.phases.rediscover()
-        else:
-            logger.warning(
-                "%s: the compressed weights file could not be used (%s); this run streams raw, and the next set-up "
-                "encodes again",
-                type(self.model).__name__,
-                self.payload_cache.describe() if self.payload_cache is not None else "no file",
-            )
 
     def exit_workload(self, output: Any = None) -> None:
         self._depth -= 1
@@ -394,8 +387,10 @@ class OffloadHandle:
         computed with bytes that are not its weights; else the comparisons made (None without ``verify_loads``)."""
         if self.load_checks is None:
             return None
-        self.load_checks.raise_faults(type(self.model).__name__, wait=True)
-        return self.load_checks.summary()
+        summary = self.load_checks.summary()  # one wait for the device
+        if summary.faults:
+            raise LoadCheckError(type(self.model).__name__, summary.faults)
+        return summary
 
     # ------------------------------------------------------------------------------------ removal
 

@@ -95,7 +95,7 @@ def host_fingerprint(host: object, runs: list[ByteRun]) -> torch.Tensor:
 def _words(data: torch.Tensor, word: torch.dtype) -> torch.Tensor:
     """``data`` (uint8) as ``word``s; copied first when its place in its storage is not on a word boundary (a view
     of a weight file, whose tensors need not start on one)."""
-    if data.storage_offset() % torch.empty(0, dtype=word).element_size():
+    if data.storage_offset() % word.itemsize:
         data = data.clone()
     return data.view(word)
 
