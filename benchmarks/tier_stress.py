@@ -34,6 +34,7 @@ import torch
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import codec as codec_mod
 from flextensor_diffusers.engine import device_copies as device_copies_mod
+from flextensor_diffusers.engine import file_reads
 from flextensor_diffusers.engine import payload_cache as payload_cache_mod
 from flextensor_diffusers.engine.compressed_copies import CompressedCopies
 from flextensor_diffusers.engine.host_copies import HostCopies
@@ -127,8 +128,8 @@ def install(jitter: Jitter, args: argparse.Namespace) -> None:
     if a.inject_fault > 0:  # positive control: a bit flipped in a payload after its CRC check
         checked_read = CompressedCopies.read_payload
 
-        def corrupting(self: Any, index: int, pin: bool) -> Any:
-            payload, locked = checked_read(self, index, pin)
+        def corrupting(self: Any, index: int, pin: bool, *rest: Any) -> Any:
+            payload, locked = checked_read(self, index, pin, *rest)
             with jitter._lock:
                 flip = jitter._rng.random() < a.inject_fault
             if flip and payload.numel():
@@ -335,6 +336,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     host_budget.HOST_RESERVE_BYTES = 0
     if args.read_threads:
         disk_reads.READ_THREADS = args.read_threads
+    if args.piece_bytes:  # units of the tiny models read in many pieces, on every reader thread at once
+        file_reads.MIN_PIECE_BYTES = file_reads.PIECE_ALIGN = args.piece_bytes
     widen(args.layers)
     CALL["num_inference_steps"] = args.steps
     work = Path(tempfile.mkdtemp(prefix="tier_stress_", dir="/tmp"))
@@ -496,6 +499,9 @@ def main() -> None:
     parser.add_argument("--gate-sleep", type=float, default=0.005, help="main-thread sleeps at the gate/adoption")
     parser.add_argument("--compute-sleep", type=float, default=0.002, help="main-thread sleep before a decode")
     parser.add_argument("--read-threads", type=int, default=0, help="disk_reads.READ_THREADS (0: as it is)")
+    parser.add_argument(
+        "--piece-bytes", type=int, default=0, help="file_reads' smallest piece and alignment (0: as they are)"
+    )
     parser.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval (0: as it is)")
     parser.add_argument("--extra-expert", type=float, default=0.0, help="host budget + this fraction of an expert")
     parser.add_argument("--no-text-encoder", action="store_true", help="random prompt embeddings (as the GPU bench)")

@@ -893,7 +893,7 @@ def scripted_reads(
 
 def one_read_at_a_time(monkeypatch) -> None:
     """Units are read one after the other: a unit in flight is the only one."""
-    monkeypatch.setattr(disk_reads, "READ_THREADS", 1)
+    monkeypatch.setattr(disk_reads, "UNITS_IN_FLIGHT", 1)
 
 
 def reading(pipe, component: str) -> dict | None:

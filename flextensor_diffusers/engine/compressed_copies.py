@@ -26,6 +26,7 @@ from .cache_files import drop_cached_pages
 from .codec import CodecMismatch, EncodedUnit, Segment, check_decodes, encode_unit, worth_compressing
 from .device_encoding import DeviceEncoder, EncodeJob
 from .errors import FlexTensorError, OffloadStateError, first_line
+from .file_reads import SERIAL, PieceReader
 from .host_memory import host_buffer, page_locked, unpin_in_place
 from .payload_cache import BackgroundWrite, CacheRecord, PayloadCache, UnusableCache
 from .setup_threads import PACK_THREADS, on_threads
@@ -436,13 +437,14 @@ class CompressedCopies:
         self.encoded = {i: dataclasses.replace(e, payload=views[i]) for i, e in self.encoded.items()}
         self.waiting = set(self.encoded)
 
-    def read_payload(self, index: int, pin: bool) -> tuple[torch.Tensor, bool]:
+    def read_payload(self, index: int, pin: bool, reader: PieceReader = SERIAL) -> tuple[torch.Tensor, bool]:
         """Unit ``index``'s waiting payload in a new RAM buffer (page-locked when ``pin``: in place where CUDA
-        allows, else a pinned copy; True when in place), read from the file and checked against its checksum.
-        Changes nothing here: runs on a reader thread while the model waits or computes."""
+        allows, else a pinned copy; True when in place), read from the file in pieces on ``reader``'s threads and
+        checked against its checksum. Changes nothing here: runs on a reader thread while the model waits or
+        computes."""
         assert self.file is not None
         buffer = host_buffer(self.file.records[index].payload_nbytes)
-        self.file.read_payload(index, buffer)
+        self.file.read_payload(index, buffer, reader)
         return page_locked(buffer) if pin else (buffer, False)
 
     def take(self, index: int, payload: torch.Tensor, locked: bool) -> None:

@@ -31,6 +31,7 @@ moves bytes and says where they are.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -45,6 +46,7 @@ from .cache_files import drop_cached_pages, map_cache_file, write_cache_file
 from .codec import EncodedUnit
 from .compressed_copies import CompressedCopies
 from .errors import FlexTensorError, OffloadStateError, first_line
+from .file_reads import SERIAL, PieceReader
 from .host_memory import host_buffer, page_locked, unpin_in_place
 from .raw_homes import RawHome, RawHomes
 from .setup_threads import PACK_THREADS, ThreadedWork
@@ -53,9 +55,10 @@ from .units import Unit, copy_into, copy_tensor_into, pack_unit, pin_unit, resto
 
 logger = logging.getLogger(__name__)
 
-#: ``read(position, buffer)``: fills one unit's new buffer (position 0: the base) straight from where its
-#: stand-in's bytes live, e.g. large reads of a weight file instead of page faults through a mapping.
-ReadInto = Callable[[int, torch.Tensor], None]
+#: ``read(position, buffer, reader)``: fills one unit's new buffer (position 0: the base) straight from where its
+#: stand-in's bytes live, e.g. large reads of a weight file instead of page faults through a mapping, in pieces
+#: on ``reader``'s threads.
+ReadInto = Callable[[int, torch.Tensor, PieceReader], None]
 
 
 #: Units packed ahead of the one the encoder asks for when raw bytes leave RAM as encoding goes (compressed
@@ -621,25 +624,30 @@ class HostCopies:
         assert self.spilled_to is not None and not self._taken, "spilled_hosts() needs a spill with nothing taken"
         return [u.host for u in self.positions]
 
-    def read_unit(self, position: int, host: object, pin: bool, read: ReadInto | None = None) -> Unit:
+    def read_unit(
+        self, position: int, host: object, pin: bool, read: ReadInto | None = None, reader: PieceReader = SERIAL
+    ) -> Unit:
         """One spilled unit's bytes in a new RAM buffer, as a copy of the unit for `take_unit`: from
-        ``read(position, buffer)`` when given, else copied from its stand-in ``host``. Page-locked when ``pin``
-        (in place where CUDA allows, else a pinned copy), so that taking it back does no heavy work. Changes
-        nothing of the model: runs on any thread, while the model waits or computes.
+        ``read(position, buffer, reader)`` when given, else copied from its stand-in ``host``; in pieces on
+        ``reader``'s threads (`file_reads`: units then arrive in the order read). Page-locked when ``pin`` (in
+        place where CUDA allows, else a pinned copy), so that taking it back does no heavy work. Changes nothing
+        of the model: runs on any thread, while the model waits or computes.
 
         Compressed only, the unit's payload is read from the payload file instead (checked against its
         checksum): the copy returned holds it as ``host``, its size as ``nbytes``."""
         unit = self.positions[position]
         if self.compressed_only:
-            payload, locked = self.compressed.read_payload(unit.index, pin)
+            payload, locked = self.compressed.read_payload(unit.index, pin, reader)
             return dataclasses.replace(unit, host=payload, nbytes=payload.numel(), pinned_in_place=locked)
         buffer = host_buffer(unit.nbytes)
         if read is not None:
-            read(position, buffer)
+            read(position, buffer, reader)
         elif not isinstance(host, torch.Tensor):  # a stand-in is sliced per tensor only
             copy_by_tensor(unit, host, buffer)
-        else:
-            buffer.copy_(host)
+        else:  # a view of a cache file's mapping: its pages are read as the pieces fault them in
+            step = reader.piece_bytes(unit.nbytes)
+            ends = [(a, min(a + step, unit.nbytes)) for a in range(0, unit.nbytes, step)]
+            reader.run([functools.partial(_copy_range, buffer, host, a, b) for a, b in ends])
         buffer, in_place = page_locked(buffer) if pin else (buffer, False)
         return dataclasses.replace(unit, host=buffer, pinned_in_place=in_place)
 
@@ -715,3 +723,8 @@ class HostCopies:
         if self.raw_homes is not None:
             self.raw_homes.close()
             self.raw_homes = None
+
+
+def _copy_range(buffer: torch.Tensor, host: torch.Tensor, start: int, end: int) -> None:
+    """One piece of a unit read from its stand-in: bytes ``[start, end)``."""
+    buffer[start:end].copy_(host[start:end])

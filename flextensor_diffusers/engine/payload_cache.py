@@ -43,6 +43,7 @@ import torch
 
 from .codec import EncodedUnit, Segment
 from .errors import FlexTensorError
+from .file_reads import SERIAL, FileSpan, PieceReader
 from .host_memory import host_buffer
 from .setup_threads import PACK_THREADS
 from .units import Unit, align
@@ -331,17 +332,13 @@ class PayloadCache:
     def _truncated(self) -> FlexTensorError:
         return FlexTensorError(f"the compressed weights file {self.path} was truncated: enable offload again")
 
-    def read_payload(self, index: int, into: torch.Tensor) -> None:
-        """Read unit ``index``'s payload into ``into`` (its size) with ``pread`` and check its CRC-32: a
-        payload changed on disk since it was written is refused with a one-line error, never used."""
+    def read_payload(self, index: int, into: torch.Tensor, reader: PieceReader = SERIAL) -> None:
+        """Read unit ``index``'s payload into ``into`` (its size) with ``preadv``, in pieces on ``reader``'s
+        threads, and check its CRC-32: a payload changed on disk since it was written is refused with a one-line
+        error, never used."""
         record = self.records[index]
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            read = _read_at(fd, self.data_start + record.offset, record, into)
-        finally:
-            os.close(fd)
-        if read is None:
-            raise self._truncated()
+        span = FileSpan(self.path, self.data_start + record.offset, memoryview(into.numpy())[: record.payload_nbytes])
+        reader.read([span], lambda _path: self._truncated())
         if crc32_of(into) != record.crc32:
             raise FlexTensorError(
                 f"the compressed weights of unit {index} in {self.path} changed on disk since they were written: "

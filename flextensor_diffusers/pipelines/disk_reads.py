@@ -2,8 +2,11 @@
 
 A component waiting on disk (`host_tier`) is read back by a `ReadJob` on the `Reader`'s thread: its units in
 the order the component will need them (`read_order`: the base, the plan's resident units, then the profiled
-call order; unit order before a profile exists), up to `READ_THREADS` at once, each into its own (pinned)
-buffer, never past the bytes the host budget allows it (a read ahead pauses there). The engine asks
+call order; unit order before a profile exists), `UNITS_IN_FLIGHT` at once, each into its own (pinned)
+buffer, never past the bytes the host budget allows it (a read ahead pauses there). Each unit is read in pieces
+by all `READ_THREADS` threads (`engine.file_reads`), the first unit's pieces queued first: units arrive one
+after the other, in order, at the disk's whole rate, rather than several at once at the end (the first one a
+switch waits for then comes after one unit's read time, not after as many as were in flight). The engine asks
 the gate given to `HostCopies.expect_arrivals` before it reads a unit's host bytes; `FillGate` is that gate
 while units arrive: it blocks until the reader delivered the unit, then adopts the buffer on the main thread.
 A read that fails is raised at the next gate as a one-line error (`read_error`).
@@ -26,18 +29,22 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..engine.errors import FlexTensorError
+from ..engine.file_reads import PieceReader
 
 if TYPE_CHECKING:
     from ..engine import OffloadHandle
-    from ..engine.host_copies import HostCopies
+    from ..engine.host_copies import HostCopies, ReadInto
     from ..engine.units import Unit
 
-#: Units read at once: a disk serves several large reads in flight faster than one, and a unit's
-#: page-locking overlaps the next one's read.
+#: Threads that read the pieces of the units in flight: a disk serves several large reads in flight faster
+#: than one.
 READ_THREADS = max(2, min(8, os.cpu_count() or 1))
+#: Units read at once: the next unit's pieces are queued while one unit is checked and page-locked, so the
+#: readers never idle; more would share the disk among units and delay the first.
+UNITS_IN_FLIGHT = 2
 
 #: What `ReadJob.read_s` and the host tier's switch waits are measured with (seconds). A seam: tests put a fake
 #: clock here that only moves when their fake reads say so, so that those figures are fixed.
@@ -87,7 +94,7 @@ def read_order(handle: OffloadHandle) -> list[int]:
 class HowToRead:
     """How a component waiting on disk is read back."""
 
-    read: Callable[[int, Any], None] | None  # straight from the weight files (None: copy from its stand-ins)
+    read: ReadInto | None  # straight from the weight files (None: copy from its stand-ins)
     written: bool  # its weight-file views were written into: the files no longer hold its bytes
 
 
@@ -187,8 +194,8 @@ class ReadJob:
 
     # ------------------------------------------------------------------------------------ reader threads
 
-    def run(self, pool: ThreadPoolExecutor) -> None:
-        """On the reader thread: submit the units in order, at most `READ_THREADS` at once and never past
+    def run(self, pools: ReadPools) -> None:
+        """On the reader thread: submit the units in order, at most `UNITS_IN_FLIGHT` at once and never past
         ``allowed``; the job is finished once the last one submitted is in."""
         with self._cond:
             if self.finished:  # given up before it began
@@ -208,7 +215,7 @@ class ReadJob:
                         self._busy_since = clock()
                     self._in_flight += 1
                 try:
-                    pool.submit(self._read_one, position)
+                    pools.units.submit(self._read_one, position, pools.pieces)
                 except BaseException:
                     self._landed(None)
                     raise
@@ -225,11 +232,12 @@ class ReadJob:
     def _may_submit(self, n: int) -> bool:
         if self.stopped or self.error is not None:
             return True
-        return self.ends[n] <= self.allowed and self._in_flight < READ_THREADS
+        return self.ends[n] <= self.allowed and self._in_flight < UNITS_IN_FLIGHT
 
-    def _read_one(self, position: int) -> None:
+    def _read_one(self, position: int, pieces: PieceReader) -> None:
         assert self.how is not None
-        read = functools.partial(self.host_copies.read_unit, position, self.hosts[position], self.pin, self.how.read)
+        hosts = self.host_copies
+        read = functools.partial(hosts.read_unit, position, self.hosts[position], self.pin, self.how.read, pieces)
         try:
             unit = read_hooks.read(self, position, read)
         except BaseException as exc:
@@ -258,26 +266,47 @@ class ReadJob:
         read_hooks.changed(self)
 
 
+@dataclass(frozen=True)
+class ReadPools:
+    """The `Reader`'s threads: ``units`` read one unit each (`UNITS_IN_FLIGHT`), handing its pieces to
+    ``pieces`` (`READ_THREADS`)."""
+
+    units: ThreadPoolExecutor
+    pieces: PieceReader
+
+    @staticmethod
+    def start() -> ReadPools:
+        pieces = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="flextensor-read-piece")
+        units = ThreadPoolExecutor(UNITS_IN_FLIGHT, thread_name_prefix="flextensor-read")
+        return ReadPools(units, PieceReader(pieces, READ_THREADS))
+
+    def shutdown(self) -> None:
+        self.units.shutdown(wait=True)  # first: a unit in flight waits for its pieces
+        assert self.pieces.pool is not None
+        self.pieces.pool.shutdown(wait=True)
+
+
 class Reader:
     """Runs read jobs one after the other (a component's read back, then the read ahead of the next) on one
-    daemon thread, a read ahead paused for room must never keep the process from exiting, each job
-    reading up to `READ_THREADS` units at once on a pool of its own."""
+    daemon thread, a read ahead paused for room must never keep the process from exiting; every job reads
+    on the same `ReadPools`."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[ReadJob | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._pools: ReadPools | None = None
 
     def start(self, job: ReadJob) -> None:
         if self._thread is None:
-            self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="flextensor-read")
-            self._thread = threading.Thread(target=self._run, args=(self._pool,), name="flextensor-reader", daemon=True)
+            self._pools = ReadPools.start()
+            self._thread = threading.Thread(target=self._run, args=(self._pools,), name="flextensor-reader")
+            self._thread.daemon = True
             self._thread.start()
         self._queue.put(job)
 
-    def _run(self, pool: ThreadPoolExecutor) -> None:
+    def _run(self, pools: ReadPools) -> None:
         while (job := self._queue.get()) is not None:
-            job.run(pool)
+            job.run(pools)
 
     @staticmethod
     def give_up(job: ReadJob) -> None:
@@ -291,9 +320,9 @@ class Reader:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
-            assert self._pool is not None
-            self._pool.shutdown(wait=True)
-            self._thread = self._pool = None
+            assert self._pools is not None
+            self._pools.shutdown()
+            self._thread = self._pools = None
 
 
 class FillGate:

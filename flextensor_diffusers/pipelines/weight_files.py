@@ -6,8 +6,8 @@ load, and every byte equal, so nothing was edited since: sampled first, then all
 a component that moves out of RAM needs no cache file: its tensors become views of private, copy-on-write
 mappings of those files
 (`torch.from_file` with ``shared=False``), so an edit made while it waits lands in anonymous memory and
-never in the user's files. Reading it back is a few large ``preadv`` calls per unit, one unit per
-thread, followed by dropping those files' pages from the page cache.
+never in the user's files. Reading it back is a few large ``preadv`` calls per unit, in pieces that several
+threads read at once (`file_reads`), followed by dropping those files' pages from the page cache.
 
 Each file is stamped when offload is enabled (size, mtime, a hash of its header); a file that changed
 since is refused before anything is read from it. Nothing here ever writes into the model folder.
@@ -29,6 +29,7 @@ import torch
 
 from ..engine.cache_files import drop_cached_pages
 from ..engine.errors import FlexTensorError
+from ..engine.file_reads import SERIAL, FileSpan, PieceReader
 from ..engine.units import Unit
 
 logger = logging.getLogger(__name__)
@@ -53,8 +54,6 @@ MAX_HEADER_BYTES = 100_000_000
 #: Bytes compared at the start, middle and end of every tensor when offload is enabled: enough to catch
 #: an edit made after loading (a fused LoRA, a loaded state dict) without reading whole files.
 SAMPLE_BYTES = 4096
-#: Buffers per ``preadv`` call (the usual IOV_MAX).
-IOV_MAX = 1024
 
 
 class NotSafetensors(Exception):
@@ -484,22 +483,18 @@ class WeightSource:
 
     # ------------------------------------------------------------------------------------ reading
 
-    def read_into(self, position: int, buffer: torch.Tensor) -> None:
-        """Fill unit ``position``'s flat RAM ``buffer`` from the files: one ``preadv`` per run of
-        adjacent tensors, straight into their places (no staging copy), and the kept tensors from RAM."""
+    def read_into(self, position: int, buffer: torch.Tensor, reader: PieceReader = SERIAL) -> None:
+        """Fill unit ``position``'s flat RAM ``buffer`` from the files: large ``preadv`` reads of runs of adjacent
+        tensors straight into their places (no staging copy), in pieces on ``reader``'s threads, and the kept
+        tensors from RAM."""
         flat = memoryview(buffer.numpy())
-        fds: dict[Path, int] = {}
-        try:
-            for run in self._runs[position]:
-                if run.file not in fds:
-                    fds[run.file] = os.open(run.file, os.O_RDONLY)
-                    if hasattr(os, "posix_fadvise"):
-                        os.posix_fadvise(fds[run.file], 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                views = [flat[p.offset : p.offset + p.nbytes] for p in run.places if p.nbytes]
-                _read_exactly(fds[run.file], views, run.start, run.file)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+        spans = []
+        for run in self._runs[position]:
+            at = run.start
+            for place in run.places:
+                spans.append(FileSpan(run.file, at, flat[place.offset : place.offset + place.nbytes]))
+                at += place.nbytes
+        reader.read(spans, _ended_early)
         for (begin, end), kept in self._kept[position].items():
             buffer[begin:end].copy_(kept)
 
@@ -510,19 +505,8 @@ class WeightSource:
             drop_cached_pages(stamp.path)
 
 
-def _read_exactly(fd: int, views: list[memoryview], offset: int, path: Path) -> None:
-    """``preadv`` until every view is full (a read may return less than asked)."""
-    while views:
-        got = os.preadv(fd, views[:IOV_MAX], offset)
-        if got <= 0:
-            raise FlexTensorError(
-                f"the weight file {path} ended early: it changed since offload was enabled; "
-                "disable_flextensor_offload() and enable it again"
-            )
-        offset += got
-        while got:
-            if got >= len(views[0]):
-                got -= len(views.pop(0))
-            else:
-                views[0] = views[0][got:]
-                got = 0
+def _ended_early(path: Path) -> FlexTensorError:
+    return FlexTensorError(
+        f"the weight file {path} ended early: it changed since offload was enabled; "
+        "disable_flextensor_offload() and enable it again"
+    )
