@@ -243,6 +243,16 @@ def switches(pipe: Any) -> list[dict[str, Any]]:
     return list(tier["switches"]) if tier else []
 
 
+def switch_timelines(pipe: Any) -> list[dict[str, Any]]:
+    """Per switch so far, its component and every unit taken: when it was read, asked for and taken, in seconds
+    from the switch (`records.UnitArrival`): where the switch's wait went."""
+    state = getattr(pipe, "_flextensor", None)
+    tier = state.host_tier if state is not None else None
+    if tier is None:
+        return []
+    return [{"component": s.component, "units": s.timeline()} for s in tier.switches]
+
+
 def generate(pipe: Any, args: argparse.Namespace, steps: int, embeds: tuple, device: torch.device) -> dict[str, Any]:
     """One generation: per-step wall times (device synchronised at every step end), which expert ran each
     step, the steps that switched expert, and the host tier's switches during it; ``latents`` on the CPU. Every
@@ -266,6 +276,7 @@ def generate(pipe: Any, args: argparse.Namespace, steps: int, embeds: tuple, dev
         return kwargs
 
     before = len(switches(pipe))
+    timelines_before = len(switch_timelines(pipe))
     sync(device)
     start = time.perf_counter()
     try:
@@ -294,6 +305,7 @@ def generate(pipe: Any, args: argparse.Namespace, steps: int, embeds: tuple, dev
         "experts": experts,
         "switch_steps": [i for i in range(len(experts)) if i == 0 or experts[i] != experts[i - 1]],
         "switches": switches(pipe)[before:],
+        "switch_timelines": switch_timelines(pipe)[timelines_before:],
         "step_latents_sha256": step_hashes,
         "latents": latents.detach().cpu(),
     }

@@ -624,6 +624,10 @@ def test_the_next_component_is_read_while_the_one_before_runs(saved, tmp_path, m
     switches = [s for s in report["switches"] if s["component"] == "transformer"]
     assert len(switches) == 3 and all(s["read_ahead_bytes"] == s["nbytes"] and s["complete"] for s in switches)
     assert all(s["read_s"] == pytest.approx(1.5) and s["wait_s"] == 0 for s in switches), switches
+    assert all(s["waited_units"] == 0 and s["last_read_s"] <= 0 for s in switches), switches
+    for switch in (s for s in tier_of(pipe).switches if s.component == "transformer"):  # every unit read before
+        assert sorted(a["position"] for a in switch.timeline()) == list(range(5))
+        assert all(a["read_s"] <= 0 <= a["asked_s"] <= a["taken_s"] for a in switch.timeline()), switch.timeline()
     assert report["hidden_s"] == pytest.approx(3 * 1.5) and report["peak_host_ram_bytes"] <= host_budget
     assert not any(cache.iterdir())
     pipe.disable_flextensor_offload()
@@ -1036,6 +1040,12 @@ def test_a_slow_switch_warns_once_with_the_host_budget_that_would_hide_it(saved,
     switches = tier.report()["switches"]
     low = [s for s in switches if s["component"] == "transformer_2"]
     assert len(low) == 3 and all(s["wait_s"] == pytest.approx(2.5) == s["read_s"] for s in low), low
+    assert all(s["waited_units"] == 5 and s["last_read_s"] == pytest.approx(2.5) for s in low), low
+    for switch in (s for s in tier.switches if s.component == "transformer_2"):  # each unit read once asked for
+        timeline = switch.timeline()
+        assert sorted(a["position"] for a in timeline) == list(range(5))
+        assert all(a["asked_s"] <= a["read_s"] <= a["taken_s"] for a in timeline), timeline
+        assert [a["taken_s"] - a["asked_s"] for a in timeline] == pytest.approx([0.5] * 5), timeline
     assert all(s["wait_s"] == 0 for s in switches if s["component"] != "transformer_2"), switches
     warnings = [r.getMessage() for r in caplog.records if "would hide that" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].startswith("host tier: transformer_2 waited 2.5 s"), warnings

@@ -123,6 +123,7 @@ class ReadJob:
         self.taken_bytes = 0  # main thread: of those, what the host copies adopted (counted there)
         self.running = False  # the reader thread began it
         self.delivered: dict[int, Unit] = {}
+        self.delivered_at: dict[int, float] = {}  # when each position was delivered (`clock`)
         self.read_bytes = 0
         self.read_s = 0.0
         self.error: BaseException | None = None
@@ -259,6 +260,7 @@ class ReadJob:
                 drop = unit
             elif unit is not None:
                 self.delivered[unit.index + 1] = unit
+                self.delivered_at[unit.index + 1] = clock()
                 self.read_bytes += unit.nbytes
             self._cond.notify_all()
         if drop is not None:

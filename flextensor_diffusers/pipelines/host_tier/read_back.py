@@ -127,10 +127,10 @@ class ReadBack:
             return None
         return job
 
-    def _arrive(self, fill: Fill, position: int) -> None:
+    def _arrive(self, fill: Fill, position: int, asked: bool = True) -> None:
         """The gate, for a unit not taken yet: wait for the reader to deliver it and adopt its buffer; the
         last one ends the read back. A failed read gives the read back up (the component stays on disk as it
-        was) and raises."""
+        was) and raises. ``asked``: the component asked for it (not the switch away completing its read)."""
         with self._lock:
             gate = fill.gate
             if self._fill is not fill or gate is None or not gate.pending[position]:
@@ -149,6 +149,8 @@ class ReadBack:
             assert unit is not None, "a read back stopped while its component still needs it"
             fill.job.host_copies.take_unit(unit)
             fill.job.taken_bytes += unit.nbytes
+            read_at = fill.job.delivered_at.get(position)
+            fill.switch.note_taken(position, unit.nbytes, read_at, begin if asked else None)
             gate.took(position)
             if gate.left == 0:
                 self._end(fill)
@@ -181,7 +183,7 @@ class ReadBack:
         try:
             for position in fill.job.order:
                 if self._fill is fill and fill.gate.pending[position]:
-                    self._arrive(fill, position)
+                    self._arrive(fill, position, asked=False)
         except FlexTensorError as exc:
             logger.warning("host tier: %s", exc)
 

@@ -1,17 +1,37 @@
 """What the host tier records of its reads: a `Switch` per component brought in from disk (kept for the
-report and the forecasts) and a `Reading` per read under way (what RAM it may still take, what it has read)."""
+report and the forecasts), with an `UnitArrival` per unit taken (when its read ended, when the component asked
+for it: where a switch's wait went), and a `Reading` per read under way (what RAM it may still take, what it has
+read)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .. import disk_reads
 from ..disk_reads import ReadJob
 
 #: `Reading.kind` of the active component's read (it computes while its units arrive).
 READ_BACK = "read back"
 #: `Reading.kind` of the read of a component expected soon (paused when the budget holds no more of it).
 READ_AHEAD = "read ahead"
+
+
+@dataclass(frozen=True)
+class UnitArrival:
+    """One unit of a switch, in seconds from the switch's start: when the reader delivered it (negative: read
+    ahead), when the component asked for it (None: taken without being asked, as the switch away from it
+    completes the read) and when it was taken. A unit asked for before it was read kept the component waiting."""
+
+    position: int  # 0: the base, i + 1: unit i
+    nbytes: int
+    read_s: float | None
+    asked_s: float | None
+    taken_s: float
+
+    @property
+    def waited_s(self) -> float:
+        return 0.0 if self.asked_s is None else self.taken_s - self.asked_s
 
 
 @dataclass
@@ -26,9 +46,26 @@ class Switch:
     bring_in_s: float = 0.0  # of ``wait_s``, `bring_in`'s own: moving others out, starting the read
     complete: bool = False  # every unit arrived (False: still arriving, or given up)
     prefetched: bool = field(init=False)  # some of it was read ahead (a field: records are read with asdict)
+    began_at: float = field(default_factory=lambda: disk_reads.clock(), repr=False)
+    arrivals: list[UnitArrival] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.prefetched = self.read_ahead_bytes > 0
+
+    def note_taken(self, position: int, nbytes: int, read_at: float | None, asked_at: float | None) -> None:
+        """Unit ``position`` was taken now, read at ``read_at`` and asked for at ``asked_at`` (`disk_reads.clock`)."""
+        now = disk_reads.clock()
+
+        def since(at: float | None) -> float | None:
+            return None if at is None else round(at - self.began_at, 4)
+
+        self.arrivals.append(
+            UnitArrival(position, nbytes, since(read_at), since(asked_at), round(now - self.began_at, 4))
+        )
+
+    def timeline(self) -> list[dict[str, Any]]:
+        """Every unit taken so far, in the order taken (`UnitArrival`, as dicts)."""
+        return [asdict(a) for a in self.arrivals]
 
     @property
     def hidden_s(self) -> float:
@@ -51,6 +88,8 @@ class Switch:
             "bring_in_s": round(self.bring_in_s, 4),
             "gbps": self.gbps,
             "complete": self.complete,
+            "waited_units": sum(a.waited_s > 0.001 for a in self.arrivals),  # asked for before they were read
+            "last_read_s": max((a.read_s for a in self.arrivals if a.read_s is not None), default=None),
         }
 
 
