@@ -165,3 +165,15 @@ def test_experts_read_back_compressed_in_pieces_stay_bitwise(tmp_path, tiny_piec
     assert all(torch.equal(wan_latents(pipe), reference) for _ in range(3))
     assert len(tier_of(pipe).report()["switches"]) >= 3 and max(tiny_pieces) == 4
     pipe.disable_flextensor_offload()
+
+
+def test_the_payload_file_read_at_set_up_in_pieces_is_used_or_refused_as_whole_reads_are(
+    tmp_path, tiny_pieces, monkeypatch
+) -> None:
+    """A set-up that reads the payload file (`compressed_copies.PayloadArrival`) with every payload in pieces: the
+    whole scenario of `test_the_payload_cache_is_read_back_and_refused_when_the_weights_changed` holds as it does
+    with whole reads (written, read back bitwise, refused when stale, refused when cut short, written again)."""
+    from tests.test_compression import test_the_payload_cache_is_read_back_and_refused_when_the_weights_changed
+
+    test_the_payload_cache_is_read_back_and_refused_when_the_weights_changed(tmp_path, "cpu", monkeypatch)
+    assert max(tiny_pieces) >= 2  # the payloads were read in pieces

@@ -26,7 +26,7 @@ from .cache_files import drop_cached_pages
 from .codec import CodecMismatch, EncodedUnit, Segment, check_decodes, encode_unit, worth_compressing
 from .device_encoding import DeviceEncoder, EncodeJob
 from .errors import FlexTensorError, OffloadStateError, first_line
-from .file_reads import SERIAL, PieceReader
+from .file_reads import SERIAL, UNITS_IN_FLIGHT, PieceReader
 from .host_memory import host_buffer, page_locked, unpin_in_place
 from .payload_cache import BackgroundWrite, CacheRecord, PayloadCache, UnusableCache
 from .setup_threads import PACK_THREADS, on_threads
@@ -484,11 +484,13 @@ class PayloadArrival:
         check: Callable[[int, EncodedUnit], str | None] | None = None,
     ) -> None:
         self._cache, self._records, self._pin, self._check = cache, records, pin, check
-        self._pool = ThreadPoolExecutor(PACK_THREADS, thread_name_prefix="flextensor-arrive")
+        self._pieces = ThreadPoolExecutor(PACK_THREADS, thread_name_prefix="flextensor-arrive-piece")
+        self._reader = PieceReader(self._pieces, PACK_THREADS)
+        self._pool = ThreadPoolExecutor(UNITS_IN_FLIGHT, thread_name_prefix="flextensor-arrive")
         self._futures = {index: self._pool.submit(self._read, index) for index in sorted(records)}
 
     def _read(self, index: int) -> _CachedPayload:
-        encoded = self._records[index].encoded(self._cache.read_checked(index))
+        encoded = self._records[index].encoded(self._cache.read_checked(index, self._reader))
         mismatch = self._check(index, encoded) if self._check is not None else None
         payload, locked = page_locked(encoded.payload) if self._pin else (encoded.payload, False)
         return _CachedPayload(dataclasses.replace(encoded, payload=payload), locked, mismatch)
@@ -510,13 +512,17 @@ class PayloadArrival:
                 payloads[index] = future.result()
             except Exception as exc:  # a short or changed file (UnusableCache), or no memory: the file is not used
                 failure = failure or first_line(exc)
-        self._pool.shutdown(wait=False)
+        self._shutdown(wait=False)
         return payloads, failure
 
     def abandon(self) -> None:
         """Stop: reads not started are not made; those under way end and their buffers are dropped (unlocked)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._shutdown(wait=True)
         self._futures = {}
+
+    def _shutdown(self, wait: bool) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=True)  # first: a unit under way waits for its pieces
+        self._pieces.shutdown(wait=wait)
 
 
 @dataclasses.dataclass(frozen=True)

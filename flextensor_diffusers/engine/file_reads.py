@@ -28,6 +28,9 @@ MIN_PIECE_BYTES = 4 << 20
 PIECE_ALIGN = 1 << 20
 #: Buffers per ``preadv`` call (the usual IOV_MAX).
 IOV_MAX = 1024
+#: Units read at once: the next unit's pieces are queued while one unit is checked and page-locked, so the
+#: readers never idle; more would share the disk among units and delay the first.
+UNITS_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)

@@ -134,20 +134,6 @@ def crc32_of(payload: torch.Tensor) -> int:
     return zlib.crc32(memoryview(payload.numpy())) if payload.numel() else 0
 
 
-def _read_at(fd: int, position: int, record: CacheRecord, into: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``record``'s payload, read from ``position`` of the open file ``fd`` into ``into`` (its size), else into a
-    new host buffer (``pread`` keeps no shared file position, so threads can share ``fd``); None when the file
-    ends first."""
-    payload = into if into is not None else host_buffer(record.payload_nbytes)
-    view, done = memoryview(payload.numpy()), 0
-    while done < record.payload_nbytes:
-        n = os.preadv(fd, [view[done:]], position + done)  # one call moves at most ~2 GiB on Linux
-        if n == 0:
-            return None
-        done += n
-    return payload
-
-
 class UnusableCache(Exception):
     """A payload file that cannot be used, and why (`PayloadCache.read_checked`): the caller refuses it."""
 
@@ -198,20 +184,17 @@ class PayloadCache:
         self.data_start = align(_LENGTH_BYTES + length, FILE_ALIGNMENT)
         return dict(self.records)
 
-    def read_checked(self, index: int) -> torch.Tensor:
-        """Unit ``index``'s payload (from `open`'s records) in a new host buffer, checked against its CRC-32; raises
-        `UnusableCache` saying why when the file ends first or the bytes differ. Runs on any thread."""
+    def read_checked(self, index: int, reader: PieceReader = SERIAL) -> torch.Tensor:
+        """Unit ``index``'s payload (from `open`'s records) in a new host buffer, read in pieces on ``reader``'s
+        threads and checked against its CRC-32; raises `UnusableCache` saying why when the file ends first or the
+        bytes differ. Runs on any thread."""
         record = self.records[index]
+        payload = host_buffer(record.payload_nbytes)
+        span = FileSpan(self.path, self.data_start + record.offset, memoryview(payload.numpy()))
         try:
-            fd = os.open(self.path, os.O_RDONLY)
-            try:
-                payload = _read_at(fd, self.data_start + record.offset, record)
-            finally:
-                os.close(fd)
+            reader.read([span], lambda _path: UnusableCache("it is shorter than its header says"))
         except OSError as exc:
             raise UnusableCache(f"it cannot be read ({exc})") from exc
-        if payload is None:
-            raise UnusableCache("it is shorter than its header says")
         if crc32_of(payload) != record.crc32:
             raise UnusableCache("a payload's checksum differs from its record (the file was changed on disk)")
         return payload

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..engine import file_reads
 from ..engine.errors import FlexTensorError
 from ..engine.file_reads import PieceReader
 
@@ -42,9 +43,8 @@ if TYPE_CHECKING:
 #: Threads that read the pieces of the units in flight: a disk serves several large reads in flight faster
 #: than one.
 READ_THREADS = max(2, min(8, os.cpu_count() or 1))
-#: Units read at once: the next unit's pieces are queued while one unit is checked and page-locked, so the
-#: readers never idle; more would share the disk among units and delay the first.
-UNITS_IN_FLIGHT = 2
+#: Units read at once (`file_reads.UNITS_IN_FLIGHT`; a test may make it one).
+UNITS_IN_FLIGHT = file_reads.UNITS_IN_FLIGHT
 
 #: What `ReadJob.read_s` and the host tier's switch waits are measured with (seconds). A seam: tests put a fake
 #: clock here that only moves when their fake reads say so, so that those figures are fixed.
