@@ -8,8 +8,8 @@
 #   tiers        tiers_bench.py on the full Wan2.2 pipeline, configurations $TIERS_CONFIGS (default: the reference
 #                and the compressed 32 GiB tier, which verifies every load: issue 25's reproduction), no set-up
 #                block, the package's log lines timestamped          -> $OUT/tiers_h200.json, .log
-# Each step runs under its own time limit (seconds, env STEP_LIMIT_S, default 420) so that one hung step cannot
-# take the whole call; the code's commit is written to $OUT/code.txt.
+# Each step runs under its own time limit (seconds, env STEP_LIMIT_S, default 420; the tests' own TESTS_LIMIT_S
+# when set) so that one hung step cannot take the whole call; the code's commit is written to $OUT/code.txt.
 set -uo pipefail
 source benchmarks/device_setup.sh || exit 1
 limit=${STEP_LIMIT_S:-420}
@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv >>"$OUT/code.t
 for step in "$@"; do
   start=$(date +%s)
   case "$step" in
-    tests) timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf ${TESTS:-tests} \
+    tests) timeout "${TESTS_LIMIT_S:-$limit}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf ${TESTS:-tests} \
         >"$OUT/gpu_tests_h200.log" 2>&1 ;;
     engine17) timeout "$limit" python3 benchmarks/engine_bench.py --workloads 17f_480x272 --budgets 3 --reps 3 \
         --out "$OUT/engine17_h200.json" >"$OUT/engine17_h200.log" 2>&1 ;;
