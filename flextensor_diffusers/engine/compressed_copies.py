@@ -471,7 +471,8 @@ class CompressedCopies:
 
 
 class PayloadArrival:
-    """The payloads of the payload file, read on threads in unit order, each checked against its CRC-32, compared
+    """The payloads of the payload file, read on threads in unit order (each in pieces: `file_reads`, so that they
+    arrive in that order), each checked against its CRC-32, compared
     with its weights by ``check(index, encoded)`` when given (the first tensor that differs, None: none) and
     page-locked in place. A set-up that waits for them takes each in turn (`wait_for`: `CompressedCopies._keep_cached`);
     one that does not (`CompressedCopies.start_arrival`) takes them all once ``done`` (`take`)."""
@@ -486,7 +487,10 @@ class PayloadArrival:
         self._cache, self._records, self._pin, self._check = cache, records, pin, check
         self._pieces = ThreadPoolExecutor(PACK_THREADS, thread_name_prefix="flextensor-arrive-piece")
         self._reader = PieceReader(self._pieces, PACK_THREADS)
-        self._pool = ThreadPoolExecutor(UNITS_IN_FLIGHT, thread_name_prefix="flextensor-arrive")
+        # each payload read in pieces by all threads, so few at once; but a check on the CPU (a fresh encoding)
+        # is work for every thread
+        in_flight = UNITS_IN_FLIGHT if check is None else PACK_THREADS
+        self._pool = ThreadPoolExecutor(in_flight, thread_name_prefix="flextensor-arrive")
         self._futures = {index: self._pool.submit(self._read, index) for index in sorted(records)}
 
     def _read(self, index: int) -> _CachedPayload:

@@ -2,11 +2,11 @@
 
 A component read back from disk is needed unit by unit, in order, while it already computes. Read with one
 thread per unit and several units at once, the disk's rate is shared among those units and they all arrive
-together, the first one only after about as many unit read times as there are units in flight: on this
-project's 2-core machine, 8 units of 256 MiB read by 8 threads from a cold file all arrived at 0.9-1.4 s,
-against 0.12 s for the first and one more every ~0.12 s when all threads read each unit's pieces in turn, at
-the same total rate (benchmarks/results/README.md, "Units arrive in order"). On a switch the component waits
-for its first unit not read ahead, so that latency is the switch's.
+together, the first one only after about as many unit read times as there are units in flight. On this
+project's 2-core machine, 16 units of 256 MiB from a cold file, 8 threads: the first unit came at 1.22-1.67 s
+and all at 3.14-3.76 s with one thread per unit, at 0.24-0.38 s and 2.16-2.32 s with every thread reading each
+unit's pieces in turn (benchmarks/results/read_order_cpu_8threads.json). On a switch the component waits for its
+first unit not read ahead, so that latency is the switch's.
 
 So every read of a unit's bytes is a list of `FileSpan`, cut into pieces (`split_spans`) that a `PieceReader`
 runs: on a pool of threads shared by the units in flight (the first unit's pieces queued first, so units

@@ -30,8 +30,9 @@ class UnitArrival:
     taken_s: float
 
     @property
-    def waited_s(self) -> float:
-        return 0.0 if self.asked_s is None else self.taken_s - self.asked_s
+    def asked_before_read(self) -> bool:
+        """The component asked for it before the reader delivered it: it waited for the disk."""
+        return self.asked_s is not None and self.read_s is not None and self.read_s > self.asked_s
 
 
 @dataclass
@@ -88,7 +89,7 @@ class Switch:
             "bring_in_s": round(self.bring_in_s, 4),
             "gbps": self.gbps,
             "complete": self.complete,
-            "waited_units": sum(a.waited_s > 0.001 for a in self.arrivals),  # asked for before they were read
+            "waited_units": sum(a.asked_before_read for a in self.arrivals),
             "last_read_s": max((a.read_s for a in self.arrivals if a.read_s is not None), default=None),
         }
 
