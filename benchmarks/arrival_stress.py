@@ -9,7 +9,8 @@ decoded by planned loads), ``edit`` (a block is edited at a random forward, whil
 deleted), ``damaged`` (a payload byte flipped on disk: its checksum refuses the file), ``remove`` (the handle
 removed at a random forward, while the payloads may still arrive). Random sleeps are put into each payload's read
 and between forwards. Plans come from fixed, compute-bound figures (`tests.test_compression`), so loads decode on
-any machine. After removal every tensor must equal the native model's.
+any machine. After removal every tensor must equal the native model's. ``--unproven`` is the positive control: it
+takes every payload for proven without comparing it, so the stale rounds must fail.
 
     python benchmarks/arrival_stress.py --rounds 200 --seed 1 --out /tmp/arrival_stress.json
 """
@@ -31,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' helpers
 import flextensor_diffusers as ft
-from flextensor_diffusers.engine import compressed_copies
+from flextensor_diffusers.engine import compressed_copies, device_copies
 from tests.models import Stack
 from tests.test_compression import planned_from_fixed_figures
 
@@ -140,6 +141,7 @@ def main() -> None:
     parser.add_argument("--read-sleep", type=float, default=0.02, help="most seconds slept in each payload read")
     parser.add_argument("--forward-sleep", type=float, default=0.01, help="most seconds slept between forwards")
     parser.add_argument("--max-seconds", type=float, default=600.0)
+    parser.add_argument("--unproven", action="store_true", help="positive control: payloads proven unchecked")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     patch = pytest.MonkeyPatch()
@@ -152,6 +154,8 @@ def main() -> None:
         return real_read(self, index)
 
     patch.setattr(compressed_copies.PayloadArrival, "_read", slow_read)
+    if args.unproven:
+        patch.setattr(device_copies.DeviceCopies, "prove", lambda self, index, slot: self.host.compressed.prove(index))
     folder = Path(tempfile.mkdtemp(prefix="arrival_stress_"))
     start = time.perf_counter()
     rounds = []
