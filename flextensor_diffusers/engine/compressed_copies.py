@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from tqdm.auto import tqdm
@@ -31,6 +33,8 @@ from .host_memory import host_buffer, page_locked, unpin_in_place
 from .payload_cache import BackgroundWrite, CacheRecord, PayloadCache, UnusableCache
 from .setup_threads import PACK_THREADS, on_threads
 from .units import Unit
+
+logger = logging.getLogger(__name__)
 
 #: ``settled(index, kept)``: unit ``index`` is done with at set-up (its payload kept, or it is not worth
 #: compressing), told in unit order; what `RawHomes.settle` uses to move raw bytes out of RAM as encoding goes.
@@ -66,8 +70,9 @@ class CompressedCopies:
         #: The peak allocated device memory the device encoder may reach at set-up (None: no bound); the handle
         #: sets its GPU budget.
         self.budget_bytes: int | None = None
-        #: A set-up from the payload file that did not wait for it (`start_arrival`): its payloads being read.
-        self._arrival: PayloadArrival | None = None
+        #: A set-up that did not wait for its payloads: read from the payload file (`start_arrival`) or encoded on
+        #: host threads (`start_encoding`) while the model streams raw.
+        self._arrival: PayloadArrival | EncodingArrival | None = None
         #: Payloads kept from the payload file and not yet shown to decode to their unit's weights: no planned load
         #: decodes them until a first decoded load (an on-demand one) compared the result with the weights
         #: (`DeviceCopies.prove`).
@@ -236,32 +241,52 @@ class CompressedCopies:
         cache.mark_reading()
         return True
 
+    def start_encoding(self, cache: PayloadCache | None, pin: bool) -> EncodingArrival:
+        """Set-up without waiting for the encoder (``background_encoding``): each unit is encoded on host threads
+        once its raw copy is packed (the caller passes `EncodingArrival.packed` every packed copy) while the model
+        streams raw; the payloads are kept once all are made (`adopt_arrival`), each to be proven at its first
+        decoded load, and then written to ``cache``'s file."""
+        self.release()
+        self.file, self.pinned = cache, pin
+        self._arrival = EncodingArrival(self.units, pin)
+        if cache is not None:
+            cache.mark_encoding()
+        return self._arrival
+
     @property
     def arriving(self) -> bool:
-        """The payload file's copies are being read since set-up and not taken yet (`start_arrival`)."""
+        """Payloads are being read or made since set-up and not taken yet (`start_arrival`, `start_encoding`)."""
         return self._arrival is not None
 
     @property
     def arrived(self) -> bool:
-        """The payload file's copies, read since set-up, are all here (or one failed): `adopt_arrival` takes them."""
+        """The payloads read or made since set-up are all here (or one failed): `adopt_arrival` takes them."""
         return self._arrival is not None and self._arrival.done
 
     def adopt_arrival(self) -> bool:
-        """Keep the payloads read since set-up (the model inactive), every one unproven; True when kept. A read that
-        failed keeps none: the file is refused and deleted (the next set-up encodes again), the model streams raw."""
+        """Keep the payloads read or made since set-up (the model inactive), every one unproven; True when kept. A
+        read that failed keeps none: the file is refused and deleted (the next set-up encodes again), the model
+        streams raw; so does a failed encoding, with a warning. Payloads made here are then written to the file."""
         arrival, self._arrival = self._arrival, None
-        assert arrival is not None and self.file is not None
+        assert arrival is not None
         payloads, failure = arrival.take()
         if failure is not None:
-            self._forget_file(failure, then="this run streams raw, and the next set-up encodes again")
+            if arrival.in_file:
+                self._forget_file(failure, then="this run streams raw, and the next set-up encodes again")
+            else:
+                logger.warning("compressing the weights while the model ran failed (%s): it streams them raw", failure)
             return False
         for index in sorted(payloads):
             self.encoded[index] = payloads[index].encoded
             if payloads[index].locked:
                 self._registered.append(payloads[index].encoded.payload)
         self.unproven = set(payloads)
-        self._file_holds = True
-        self.file.mark_read()
+        if arrival.in_file:
+            assert self.file is not None
+            self._file_holds = True
+            self.file.mark_read()
+        elif self.file is not None:  # for the next run, or a spill (which waits for it)
+            self._writing = BackgroundWrite(self.file, self.encoded)
         return True
 
     def cancel_arrival(self, why: str | None) -> None:
@@ -270,8 +295,10 @@ class CompressedCopies:
         arrival, self._arrival = self._arrival, None
         if arrival is not None:
             arrival.abandon()
-            if why is not None and self.file is not None:
+            if why is not None and arrival.in_file and self.file is not None:
                 self.file.refuse(f"{why} came while it was being read", then="the model streams raw")
+            elif why is not None:
+                logger.warning("%s came while the weights were being compressed: the model streams them raw", why)
 
     @property
     def proven(self) -> frozenset[int]:
@@ -477,6 +504,9 @@ class PayloadArrival:
     page-locked in place. A set-up that waits for them takes each in turn (`wait_for`: `CompressedCopies._keep_cached`);
     one that does not (`CompressedCopies.start_arrival`) takes them all once ``done`` (`take`)."""
 
+    #: The payloads come from the payload file (which then holds them).
+    in_file = True
+
     def __init__(
         self,
         cache: PayloadCache,
@@ -527,6 +557,78 @@ class PayloadArrival:
     def _shutdown(self, wait: bool) -> None:
         self._pool.shutdown(wait=wait, cancel_futures=True)  # first: a unit under way waits for its pieces
         self._pieces.shutdown(wait=wait)
+
+
+class EncodingArrival:
+    """Payloads made on host threads from each unit's raw copy as it is packed (`CompressedCopies.start_encoding`),
+    while the model streams raw; kept like payloads read since set-up (`done`, `take`, `abandon`), unproven.
+
+    A unit packed again (edited in place before its tensors were adopted: `host_copies.ProgressivePacking`) is
+    encoded again, and its newest payload wins. Payloads to be page-locked are copied into buffers of their own
+    mapping first (`host_memory.host_buffer`), which alone may be locked in place."""
+
+    #: The payloads are new: the payload file does not hold them yet.
+    in_file = False
+
+    def __init__(self, units: list[Unit], pin: bool) -> None:
+        self._indices = {unit.index for unit in units}
+        self._pin = pin
+        self._lock = threading.Lock()
+        self._futures: dict[int, Future[_CachedPayload | None]] = {}
+        self._closed = False  # taken or abandoned: a unit packed again later is not encoded here
+        self._pool = ThreadPoolExecutor(PACK_THREADS, thread_name_prefix="flextensor-encode")
+
+    def packed(self, unit: Unit, buffer: torch.Tensor) -> None:
+        """``unit``'s raw copy was packed into ``buffer`` (on a packing thread, or at adoption): encode it. Once the
+        payloads are taken, a unit packed again (edited in place before its adoption) is not: its payload taken is
+        stale, and its first decoded load, which compares it with the weights, drops it."""
+        if unit.index not in self._indices:  # the base: never compressed
+            return
+        with self._lock:
+            if not self._closed:
+                self._futures[unit.index] = self._pool.submit(self._encode, unit, buffer)
+
+    def _encode(self, unit: Unit, buffer: torch.Tensor) -> _CachedPayload | None:
+        encoded = encode_unit(buffer, segments_of(unit))
+        if not worth_compressing(encoded):
+            return None
+        payload, locked = encoded.payload, False
+        if self._pin:
+            own = host_buffer(payload.numel())
+            own.copy_(payload)
+            payload, locked = page_locked(own)
+        return _CachedPayload(dataclasses.replace(encoded, payload=payload), locked, None)
+
+    @property
+    def done(self) -> bool:
+        with self._lock:
+            futures = dict(self._futures)
+        return futures.keys() == self._indices and all(future.done() for future in futures.values())
+
+    def take(self) -> tuple[dict[int, _CachedPayload], str | None]:
+        """The payloads made (units not worth compressing have none), and the first failure's line (None: none)."""
+        with self._lock:
+            self._closed = True
+            futures = dict(self._futures)
+        payloads: dict[int, _CachedPayload] = {}
+        failure = None
+        for index, future in sorted(futures.items()):
+            try:
+                made = future.result()
+            except Exception as exc:  # no memory, say: the model streams raw
+                failure = failure or first_line(exc)
+                continue
+            if made is not None:
+                payloads[index] = made
+        self._pool.shutdown(wait=False)
+        return payloads, failure
+
+    def abandon(self) -> None:
+        """Stop: encodings not started are not made; those under way end and their payloads are dropped."""
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._futures = {}
 
 
 @dataclasses.dataclass(frozen=True)

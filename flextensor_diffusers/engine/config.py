@@ -175,6 +175,12 @@ class OffloadConfig:
             packing thread is held twice (its own tensors and its packed copy). False packs every unit before
             set-up returns, each unit's tensors freed as it is copied: a pipeline's host tier passes it, since
             it holds host memory to a budget.
+        background_encoding: with compression, raw copies in RAM and progressive packing, a set-up that finds no
+            payload file to read returns as a raw one does: each unit is encoded on host threads once it is
+            packed, while the model streams raw, and once all are encoded they are kept at the next forward's start,
+            each proven byte for byte at its first decoded load before planned loads decode it (as payloads read
+            from the file are), and the file is written (``compression_cache``). False (the default) encodes every
+            unit before set-up returns, on the GPU where there is one.
         verify_loads: check on the device, before and after every unit call, that the bytes the unit computes
             with are its weights (`load_checks`): a wrong load raises instead of giving a wrong output, at the
             next forward, at ``handle.check_loads()``, or at the end of a pipeline's generation. Costs two reads
@@ -203,6 +209,7 @@ class OffloadConfig:
     cache_dir: str | Path | None = None
     active_after_setup: bool = True
     progressive_packing: bool = True
+    background_encoding: bool = False
     verify_loads: bool = False
 
     def __post_init__(self) -> None:
@@ -233,6 +240,13 @@ class OffloadConfig:
         if self.compression_cache and self.compression == "none":
             raise FlexTensorError(
                 "compression_cache=True caches compressed copies, and there are none: pass compression='lossless'"
+            )
+        if self.background_encoding and (
+            self.compression == "none" or self.raw_copies == "disk" or not self.progressive_packing
+        ):
+            raise FlexTensorError(
+                "background_encoding=True encodes while the model streams its raw copies, packed as it runs: it needs "
+                "compression='lossless', raw_copies='ram' and progressive_packing=True"
             )
         if self.compression != "none" and self.shared_host is not None:
             raise FlexTensorError("compression and shared_host cannot be combined yet: pass one of them")

@@ -247,6 +247,10 @@ class PayloadCache:
         """Set-up did not wait for the file: its payloads are being read while the model runs raw."""
         self.status = "being read while the model runs raw"
 
+    def mark_encoding(self) -> None:
+        """Set-up found no file and did not wait for the encoder: the file is written once every unit is encoded."""
+        self.status = "not written yet: the weights are being compressed while the model runs raw"
+
     def write(
         self, encoded: dict[int, EncodedUnit], strict: bool = False, cancel: threading.Event | None = None
     ) -> bool:

@@ -124,6 +124,13 @@ class SetUp:
                 h.host.start_progressive_packing(pin, self._packed)
                 self._finish(shared)
                 return
+        if h.config.background_encoding:  # no file to read: encode as units are packed, while the model runs raw
+            if h.config.compression_cache and self.payload_cache is None:
+                self.payload_cache = self._payload_cache()
+            h.host.tell_packed_also(h.host.compressed.start_encoding(self.payload_cache, pin).packed)
+            h.host.start_progressive_packing(pin, self._packed)
+            self._finish(shared)
+            return
         compressed_only = h.config.compressed_only
         homes = h.host.keep_raw_in(self._raw_home or self._raw_cache_file()) if compressed_only else None
         window = PACKING_WINDOW if compressed_only and h.cuda else None  # the CPU encoder asks for all at once

@@ -1,0 +1,150 @@
+"""Set-up without waiting for the encoder (``background_encoding=True``): with no payload file to read, set-up returns
+as a raw one does, each unit is encoded on host threads once it is packed while the model streams raw, and the
+payloads are kept at a forward's start once all are made, each proven byte for byte at its first decoded load
+before planned loads decode it; then the payload file is written for the next set-up."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import flextensor_diffusers as ft
+from flextensor_diffusers.engine import Phase, compressed_copies
+from tests.models import assert_same, snapshot
+from tests.test_compression import make, planned_from_fixed_figures
+from tests.test_payload_arrival import run_until_payloads_are_taken
+
+
+def offload_encoding(model: nn.Module, folder: Path, cache: bool = True) -> ft.OffloadHandle:
+    """Streamed with compression, encoded in the background, under room for two slots with staging."""
+    unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    return ft.offload(
+        model,
+        include_patterns=["blocks.*"],
+        gpu_budget=int(3.8 * unit),
+        device="cpu",
+        compression="lossless",
+        compression_cache=cache,
+        cache_dir=folder,
+        background_encoding=True,
+    )
+
+
+def test_set_up_returns_raw_and_the_payloads_made_meanwhile_decode_once_proven(tmp_path, monkeypatch) -> None:
+    """Set-up encodes nothing; forwards are bitwise while units are encoded (raw), while the payloads are proven
+    (discovery's decoded loads) and once planned loads decode them; the payload file is written, and the next
+    set-up reads it without waiting either. Removal restores every tensor."""
+    planned_from_fixed_figures(monkeypatch, compute_ms=10.0)
+    model, x = make(torch.bfloat16)
+    with torch.inference_mode():
+        reference = model(x)
+    before = snapshot(model)
+    handle = offload_encoding(model, tmp_path)
+    assert not handle.host.encoded and handle.setup_times.compress is None  # nothing encoded before returning
+    assert handle.payload_cache.describe().startswith("not written yet")
+    outs = run_until_payloads_are_taken(handle, model, x)
+    assert all(torch.equal(out, reference) for out in outs)
+    compressed = handle.host.compressed
+    assert compressed.encoded.keys() == {u.index for u in handle.units} and not compressed.unproven
+    assert handle.phase is Phase.STEADY and handle.plan.compressed and handle.device_copies.decoding
+    handle.remove()  # waits for the payload file's write
+    assert_same(before, model)
+    assert len(list(tmp_path.glob("*.payloads"))) == 1
+    again = offload_encoding(make(torch.bfloat16)[0], tmp_path)
+    assert again.payload_cache.describe().startswith("being read while the model runs raw")
+    again.remove()
+
+
+def test_without_the_payload_file_nothing_is_written_and_the_loads_still_decode(tmp_path, monkeypatch) -> None:
+    planned_from_fixed_figures(monkeypatch, compute_ms=10.0)
+    model, x = make(torch.bfloat16)
+    with torch.inference_mode():
+        reference = model(x)
+    handle = offload_encoding(model, tmp_path, cache=False)
+    assert handle.payload_cache is None
+    outs = run_until_payloads_are_taken(handle, model, x)
+    assert all(torch.equal(out, reference) for out in outs)
+    assert handle.device_copies.decoding and not handle.host.compressed.unproven
+    handle.remove()
+    assert not list(tmp_path.glob("*.payloads"))
+
+
+def test_a_payload_made_wrong_is_caught_at_its_first_decoded_load(tmp_path, monkeypatch, caplog) -> None:
+    """The positive control of the proof: one unit's payload decodes to other bytes (a flipped payload byte). Its
+    first decoded load finds it, every payload not proven yet is dropped, that block is loaded raw again, and the
+    file is not kept: every output is the model's own."""
+    planned_from_fixed_figures(monkeypatch, compute_ms=10.0)
+    real = compressed_copies.EncodingArrival._encode
+
+    def flipped_for_block_2(self, unit, buffer):
+        made = real(self, unit, buffer)
+        if unit.name == "blocks.2" and made is not None:
+            made.encoded.payload[made.encoded.payload.numel() // 2] ^= 0x20
+        return made
+
+    monkeypatch.setattr(compressed_copies.EncodingArrival, "_encode", flipped_for_block_2)
+    model, x = make(torch.bfloat16)
+    with torch.inference_mode():
+        reference = model(x)
+    handle = offload_encoding(model, tmp_path)
+    outs = run_until_payloads_are_taken(handle, model, x)
+    assert all(torch.equal(out, reference) for out in outs)
+    assert "its copy of 'blocks.2' does not decode to the weights" in caplog.text
+    assert 2 not in handle.host.encoded and not handle.host.compressed.unproven
+    handle.remove()
+    assert not list(tmp_path.glob("*.payloads"))  # not kept for the next run: it encodes again
+
+
+def test_an_edit_while_units_are_encoded_keeps_none_of_their_payloads(tmp_path, caplog) -> None:
+    model, x = make(torch.bfloat16)
+    handle = offload_encoding(model, tmp_path)
+    with handle.editing(), torch.no_grad():
+        model.blocks[2].ff[0].weight.mul_(0.5)
+    twin, _ = make(torch.bfloat16)
+    with torch.no_grad():
+        twin.blocks[2].ff[0].weight.mul_(0.5)
+    with torch.inference_mode():
+        expected = twin(x)
+        assert all(torch.equal(model(x), expected) for _ in range(4))
+    assert not handle.host.encoded and not handle.host.compressed.arriving
+    assert "came while the weights were being compressed" in caplog.text
+    handle.remove()
+
+
+def test_a_failed_encoding_keeps_the_model_raw_with_a_warning(tmp_path, monkeypatch, caplog) -> None:
+    def fails(*args: object, **kwargs: object) -> object:
+        raise MemoryError("no memory for the payload")
+
+    monkeypatch.setattr(compressed_copies, "encode_unit", fails)
+    model, x = make(torch.bfloat16)
+    with torch.inference_mode():
+        reference = model(x)
+    with caplog.at_level(logging.WARNING):
+        handle = offload_encoding(model, tmp_path)
+        outs = run_until_payloads_are_taken(handle, model, x)
+    assert all(torch.equal(out, reference) for out in outs)
+    assert not handle.host.encoded and "compressing the weights while the model ran failed" in caplog.text
+    handle.remove()
+
+
+def test_removal_while_units_are_encoded_restores_every_tensor(tmp_path) -> None:
+    model, _ = make(torch.bfloat16)
+    before = snapshot(model)
+    handle = offload_encoding(model, tmp_path)
+    handle.remove()
+    assert_same(before, model)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"compression": "none"}, {"raw_copies": "disk"}, {"progressive_packing": False}],
+    ids=["no-compression", "raw-on-disk", "packed-at-set-up"],
+)
+def test_background_encoding_without_what_it_needs_is_refused_naming_it(options: dict) -> None:
+    config = {"compression": "lossless", **options}
+    with pytest.raises(ft.FlexTensorError, match=r"background_encoding=True .* needs compression='lossless'"):
+        ft.OffloadConfig(include_patterns=["blocks.*"], background_encoding=True, **config)
