@@ -1,16 +1,18 @@
-"""Stress the set-up that does not wait for the payload file (`setup.may_read_payloads_later`) on the CPU: random
-timings and faults around the payloads' arrival, looking for an output that is not bitwise equal to native.
+"""Stress the set-up that does not wait for its payloads (`setup.may_read_payloads_later`, and with
+``--background-encoding`` the one that encodes while the model runs) on the CPU: random timings and faults around
+the payloads' arrival, looking for an output that is not bitwise equal to native.
 
 Every round offloads the same block stack (`tests.models.Stack`, bf16) with compression and its payload file, and
 runs a few forwards, each compared bitwise with the native model's (the same edits made to both). A round's
-scenario is drawn from its seed: ``clean`` (the payloads arrive, are proven at their first decoded load, then
+scenario is drawn from its seed: ``clean`` (the payloads arrive, read from the file or, with
+``--background-encoding`` and no file, encoded as units are packed; are proven at their first decoded load, then
 decoded by planned loads), ``edit`` (a block is edited at a random forward, while the payloads arrive or after),
 ``stale`` (a weight changed where the file's key does not sample it: found at the first decoded load, the file
 deleted), ``damaged`` (a payload byte flipped on disk: its checksum refuses the file), ``remove`` (the handle
 removed at a random forward, while the payloads may still arrive). Random sleeps are put into each payload's read
-and between forwards. Plans come from fixed, compute-bound figures (`tests.test_compression`), so loads decode on
-any machine. After removal every tensor must equal the native model's. ``--unproven`` is the positive control: it
-takes every payload for proven without comparing it, so the stale rounds must fail.
+or encoding and between forwards. Plans come from fixed, compute-bound figures (`tests.test_compression`), so
+loads decode on any machine. After removal every tensor must equal the native model's. ``--unproven`` is the
+positive control: it takes every payload for proven without comparing it, so the stale rounds must fail.
 
     python benchmarks/arrival_stress.py --rounds 200 --seed 1 --out /tmp/arrival_stress.json
 """
@@ -46,7 +48,7 @@ def make() -> tuple[Stack, torch.Tensor]:
     return model, torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
 
 
-def offload(model: Stack, folder: Path) -> ft.OffloadHandle:
+def offload(model: Stack, folder: Path, background: bool) -> ft.OffloadHandle:
     unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
     return ft.offload(
         model,
@@ -56,6 +58,7 @@ def offload(model: Stack, folder: Path) -> ft.OffloadHandle:
         compression="lossless",
         compression_cache=True,
         cache_dir=folder,
+        background_encoding=background,
     )
 
 
@@ -83,7 +86,7 @@ def edit(model: Stack, handle: ft.OffloadHandle | None, block: int) -> None:
         weight.mul_(0.5)
 
 
-def one_round(seed: int, folder: Path, most_sleep: float) -> dict[str, Any]:
+def one_round(seed: int, folder: Path, most_sleep: float, background: bool) -> dict[str, Any]:
     rng = random.Random(seed)
     scenario = rng.choice(SCENARIOS)
     model, x = make()
@@ -97,7 +100,7 @@ def one_round(seed: int, folder: Path, most_sleep: float) -> dict[str, Any]:
     had_file = bool(list(folder.glob("*.payloads")))
     forwards = rng.randrange(3, 14)
     at = rng.randrange(0, forwards)  # the forward before which an edit or the removal comes
-    handle = offload(model, folder)
+    handle = offload(model, folder, background)
     arriving_at_set_up = handle.host.compressed.arriving
     failures: list[str] = []
     proven_decodes = False
@@ -125,6 +128,7 @@ def one_round(seed: int, folder: Path, most_sleep: float) -> dict[str, Any]:
     return {
         "seed": seed,
         "scenario": scenario,
+        "encoded_in_background": background and not had_file,
         "had_file": had_file,
         "damaged": damaged,
         "arriving_at_set_up": arriving_at_set_up,
@@ -142,18 +146,27 @@ def main() -> None:
     parser.add_argument("--forward-sleep", type=float, default=0.01, help="most seconds slept between forwards")
     parser.add_argument("--max-seconds", type=float, default=600.0)
     parser.add_argument("--unproven", action="store_true", help="positive control: payloads proven unchecked")
+    parser.add_argument(
+        "--background-encoding", action="store_true", help="a round with no payload file encodes while it runs"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     patch = pytest.MonkeyPatch()
     planned_from_fixed_figures(patch, compute_ms=10.0)
     sleeps = random.Random(args.seed)
     real_read = compressed_copies.PayloadArrival._read
+    real_encode = compressed_copies.EncodingArrival._encode
 
     def slow_read(self: Any, index: int) -> Any:
         time.sleep(sleeps.uniform(0, args.read_sleep))
         return real_read(self, index)
 
+    def slow_encode(self: Any, unit: Any, buffer: Any) -> Any:
+        time.sleep(sleeps.uniform(0, args.read_sleep))
+        return real_encode(self, unit, buffer)
+
     patch.setattr(compressed_copies.PayloadArrival, "_read", slow_read)
+    patch.setattr(compressed_copies.EncodingArrival, "_encode", slow_encode)
     if args.unproven:
         patch.setattr(device_copies.DeviceCopies, "prove", lambda self, index, slot: self.host.compressed.prove(index))
     folder = Path(tempfile.mkdtemp(prefix="arrival_stress_"))
@@ -162,7 +175,7 @@ def main() -> None:
     for n in range(args.rounds):
         if time.perf_counter() - start > args.max_seconds:
             break
-        rounds.append(one_round(args.seed * 100_000 + n, folder, args.forward_sleep))
+        rounds.append(one_round(args.seed * 100_000 + n, folder, args.forward_sleep, args.background_encoding))
         if rounds[-1]["failures"]:
             print(f"round {n} ({rounds[-1]['scenario']}): {rounds[-1]['failures']}")
     failed = [r for r in rounds if r["failures"]]
@@ -173,6 +186,7 @@ def main() -> None:
         "failed": len(failed),
         "by_scenario": dict(by_scenario),
         "arriving_at_set_up": sum(r["arriving_at_set_up"] for r in rounds),
+        "encoded_in_background": sum(r["encoded_in_background"] for r in rounds),
         "decoded": sum(r["decoded"] for r in rounds),
         "wall_s": round(time.perf_counter() - start, 1),
         "failures": failed,
