@@ -43,9 +43,12 @@ and the trimmed offload report (``report``).
 child process with ``peers.set_up``: ours raw (``raw_s``), FlexTensor 0.5.0 (``flextensor_s``; "not installed"
 when it cannot be imported), ours ``compression="lossless", compression_cache=True`` with an empty cache folder
 (``compressed_first_s``, which writes the payload file) and again with the file there (``compressed_cached_s``),
-and ``time_to_first_step_*_s``: wall time from the start of set-up to the end of the first forward (synchronised),
-making its inputs included. Ours raw returns from set-up while its units are still packed (progressive packing),
-so its ``setup_s`` is the call alone and its ``time_to_first_step_s`` counts the packing in full.
+then with ``background_encoding=True`` and no file (``compressed_first_background_s``: set-up returns while the
+blocks are encoded on host threads), and ``time_to_first_step_*_s``: wall time from the start of set-up to the end
+of the first forward (synchronised), making its inputs included. Ours raw returns from set-up while its units are
+still packed (progressive packing), so its ``setup_s`` is the call alone and its ``time_to_first_step_s`` counts the
+packing in full. ``forward_s``: the forwards after the first (raw: four; compressed: until planned loads decode,
+then one more), to compare the raw forwards of a compressed set-up with raw's own.
 
 **Disk plan.** The GPU machine has ~64 GB of free disk and one expert is 28.6 GB: ``transformer`` is saved once,
 ``transformer_2`` is a folder with its own ``config.json`` whose weight files are symlinks to ``transformer``'s
@@ -173,8 +176,8 @@ EXPECTED_S = {
     "host32_compressed_unverified": 200,
 }
 #: Set-up runs on the block stack, in order, and the `peers.set_up` method of each. The two compressed runs share
-#: one cache folder, empty before the first: the first writes the payload file, the second reads it. The first run
-#: with ``background_encoding`` has a cache folder of its own, empty: it finds no file and encodes while it runs.
+#: one cache folder, empty before the first: the first writes the payload file, the second reads it. The folder is
+#: emptied again before the run with ``background_encoding``: it finds no file and encodes while it runs.
 SETUP_RUNS = {
     "raw": "flextensor_diffusers",
     "flextensor": "flextensor",
@@ -454,17 +457,39 @@ def compressed_steady(handle: Any, runner: Any, x: tuple, device: torch.device, 
     """After the first forward of a compressed set-up: forwards until one runs in steady state with planned loads
     that decode (`forwards_until_compressed_steady`, at most 60 s), and when that was, from the start of set-up."""
 
+    times: list[float] = []
+
     def forward() -> None:
+        begin = time.perf_counter()
         with torch.inference_mode():
             runner(*x)
         sync(device)
+        times.append(round(time.perf_counter() - begin, 4))
 
     ran = forwards_until_compressed_steady(handle, forward, limit_s=60.0)
+    steady_from = time.perf_counter() - start
+    forward()  # one in steady state with planned loads that decode (or after the limit)
     return {
-        "compressed_steady_from_s": round(time.perf_counter() - start, 4) if ran is not None else None,
+        "compressed_steady_from_s": round(steady_from, 4) if ran is not None else None,
         "forwards_until_compressed_steady": None if ran is None else 1 + ran,  # the first forward counted
         "payloads_unproven": len(handle.host.compressed.unproven),
+        # the forwards after the first: raw ones while payloads arrive or are made (the first 40), the steady one last
+        "forward_s": times if len(times) <= 41 else times[:40] + times[-1:],
+        "forwards_after_the_first": len(times),
     }
+
+
+def raw_forwards(runner: Any, x: tuple, device: torch.device, count: int = 4) -> list[float]:
+    """``count`` more forwards after the first of a raw set-up, timed: what the forwards of a compressed set-up
+    that streams raw meanwhile are compared with."""
+    times = []
+    for _ in range(count):
+        begin = time.perf_counter()
+        with torch.inference_mode():
+            runner(*x)
+        sync(device)
+        times.append(round(time.perf_counter() - begin, 4))
+    return times
 
 
 def child_setup(args: argparse.Namespace) -> dict[str, Any]:
@@ -504,6 +529,8 @@ def child_setup(args: argparse.Namespace) -> dict[str, Any]:
         )
         if method != "flextensor" and keep.config.compression != "none":
             out.update(compressed_steady(keep, runner, x, device, start))
+        elif method == "flextensor_diffusers":
+            out["forward_s"] = raw_forwards(runner, x, device)
         if method != "flextensor":
             stats = keep.stats()
             out.update(setup_ms=stats.setup_ms, payload_cache=stats.payload_cache)
@@ -856,11 +883,9 @@ def setup_phase(args: argparse.Namespace, result: dict[str, Any], deadline: floa
             elif left < args.phase_min_s:
                 runs[run] = {"run": run, "complete": False, "error": not_run(left)}
             else:
-                scratch = cache
                 if run == "compressed_first_background":  # no payload file to find: it encodes as it runs
-                    scratch = args.workdir / "setup_cache_background"
-                    empty(scratch)
-                argv = ["--child", "setup", "--setup-run", run, "--scratch", str(scratch), *child_argv(args)]
+                    empty(cache)  # (the cached run is done with it; the disk holds one payload file at a time)
+                argv = ["--child", "setup", "--setup-run", run, "--scratch", str(cache), *child_argv(args)]
                 data, error = run_child(
                     argv, args.workdir / "scratch" / f"setup_{run}.json", deadline, args.setup_timeout
                 )
