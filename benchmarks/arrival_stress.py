@@ -37,6 +37,7 @@ import flextensor_diffusers as ft
 from flextensor_diffusers.engine import compressed_copies, device_copies
 from tests.models import Stack
 from tests.test_compression import planned_from_fixed_figures
+from tests.test_payload_arrival import offload_cached
 
 SCENARIOS = ("clean", "edit", "stale", "damaged", "remove")
 
@@ -46,20 +47,6 @@ def make() -> tuple[Stack, torch.Tensor]:
     torch.manual_seed(0)
     model = Stack(dim=256, depth=5, dtype=torch.bfloat16).eval().requires_grad_(False)
     return model, torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
-
-
-def offload(model: Stack, folder: Path, background: bool) -> ft.OffloadHandle:
-    unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
-    return ft.offload(
-        model,
-        include_patterns=["blocks.*"],
-        gpu_budget=int(3.8 * unit),
-        device="cpu",
-        compression="lossless",
-        compression_cache=True,
-        cache_dir=folder,
-        background_encoding=background,
-    )
 
 
 def flip_a_payload_byte(folder: Path, rng: random.Random) -> bool:
@@ -100,7 +87,7 @@ def one_round(seed: int, folder: Path, most_sleep: float, background: bool) -> d
     had_file = bool(list(folder.glob("*.payloads")))
     forwards = rng.randrange(3, 14)
     at = rng.randrange(0, forwards)  # the forward before which an edit or the removal comes
-    handle = offload(model, folder, background)
+    handle = offload_cached(model, folder, background_encoding=background)
     arriving_at_set_up = handle.host.compressed.arriving
     failures: list[str] = []
     proven_decodes = False

@@ -16,22 +16,12 @@ import flextensor_diffusers as ft
 from flextensor_diffusers.engine import Phase, compressed_copies
 from tests.models import assert_same, snapshot
 from tests.test_compression import make, planned_from_fixed_figures
-from tests.test_payload_arrival import run_until_payloads_are_taken
+from tests.test_payload_arrival import offload_cached, run_until_payloads_are_taken
 
 
 def offload_encoding(model: nn.Module, folder: Path, cache: bool = True) -> ft.OffloadHandle:
-    """Streamed with compression, encoded in the background, under room for two slots with staging."""
-    unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
-    return ft.offload(
-        model,
-        include_patterns=["blocks.*"],
-        gpu_budget=int(3.8 * unit),
-        device="cpu",
-        compression="lossless",
-        compression_cache=cache,
-        cache_dir=folder,
-        background_encoding=True,
-    )
+    """Streamed with compression, encoded in the background (the payload file in ``folder`` when ``cache``)."""
+    return offload_cached(model, folder, compression_cache=cache, background_encoding=True)
 
 
 def test_set_up_returns_raw_and_the_payloads_made_meanwhile_decode_once_proven(tmp_path, monkeypatch) -> None:

@@ -16,18 +16,13 @@ from tests.models import assert_same, snapshot
 from tests.test_compression import make, planned_from_fixed_figures
 
 
-def offload_cached(model: nn.Module, folder: Path) -> ft.OffloadHandle:
-    """Streamed with compression and the payload file in ``folder``, under room for two slots with staging (the
-    plan decodes on the fixed figures)."""
+def offload_cached(model: nn.Module, folder: Path, **options: object) -> ft.OffloadHandle:
+    """Streamed with compression and the payload file in ``folder`` (``options`` change or add `OffloadConfig`
+    fields), under room for two slots with staging (the plan decodes on the fixed figures)."""
     unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    config = dict(compression="lossless", compression_cache=True, cache_dir=folder)
     return ft.offload(
-        model,
-        include_patterns=["blocks.*"],
-        gpu_budget=int(3.8 * unit),
-        device="cpu",
-        compression="lossless",
-        compression_cache=True,
-        cache_dir=folder,
+        model, include_patterns=["blocks.*"], gpu_budget=int(3.8 * unit), device="cpu", **{**config, **options}
     )
 
 
