@@ -138,3 +138,52 @@ def test_background_encoding_without_what_it_needs_is_refused_naming_it(options:
     config = {"compression": "lossless", **options}
     with pytest.raises(ft.FlexTensorError, match=r"background_encoding=True .* needs compression='lossless'"):
         ft.OffloadConfig(include_patterns=["blocks.*"], background_encoding=True, **config)
+
+
+@pytest.mark.parametrize("option", ["background_encoding", "progressive_packing"])
+def test_a_pipeline_host_budget_with_an_option_that_holds_raw_copies_is_refused_naming_the_fix(option: str) -> None:
+    """A host budget holds the pipeline's host memory to it: an option that keeps more in RAM is refused before
+    anything is packed, naming what to drop, and the pipeline is left as it was."""
+    from flextensor_diffusers.recipes.models import build_pipeline
+
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    before = snapshot(pipe.transformer)
+    with pytest.raises(ft.FlexTensorError) as raised:
+        pipe.enable_flextensor_offload(
+            budget="1GiB", device="cpu", compression="lossless", host_budget="1GiB", **{option: True}
+        )
+    message = str(raised.value)
+    assert f"{option}=True cannot hold host memory to a host budget" in message and "\n" not in message
+    assert f"drop {option}, or pass host_budget=None" in message
+    assert ft.pipeline_offload(pipe) is None
+    assert_same(before, pipe.transformer)
+
+
+def test_a_pipeline_encodes_while_it_generates_bitwise_and_writes_its_payload_files(tmp_path, monkeypatch) -> None:
+    """The tiny Wan2.2 pipeline, compression encoded in the background and no payload files yet: enable returns
+    with nothing encoded, generations stay bitwise while the experts' blocks are encoded and once each payload is
+    proven, and the files are written for the next enable, which reads them."""
+    import time
+
+    from flextensor_diffusers.recipes.models import build_pipeline
+    from tests.models import wan_latents
+
+    planned_from_fixed_figures(monkeypatch, compute_ms=10.0)
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    reference = wan_latents(pipe)
+    options = dict(budget=340_000, device="cpu", compression="lossless", compression_cache=True, cache_dir=tmp_path)
+    pipe.enable_flextensor_offload(**options, background_encoding=True)
+    transformer = ft.pipeline_offload(pipe).handles["transformer"]
+    assert not transformer.host.encoded and transformer.payload_cache.describe().startswith("not written yet")
+    for _ in range(4):
+        assert torch.equal(wan_latents(pipe), reference)
+        time.sleep(0.05)
+    compressed = transformer.host.compressed
+    assert compressed.encoded and not compressed.unproven and not compressed.arriving
+    pipe.disable_flextensor_offload()  # waits for the files written in the background
+    assert torch.equal(wan_latents(pipe), reference)
+    pipe.enable_flextensor_offload(**options, background_encoding=True)
+    transformer = ft.pipeline_offload(pipe).handles["transformer"]
+    assert transformer.payload_cache.describe().startswith("being read while the model runs raw")
+    assert torch.equal(wan_latents(pipe), reference)
+    pipe.disable_flextensor_offload()

@@ -331,11 +331,16 @@ def enable(
     if tier_bytes is not None:
         config = _compressed_only_under_a_host_budget(request.config, auto=is_auto(host_budget))
         # packed before set-up returns: progressive packing holds a few units twice, beyond the budget's reckoning
-        if config.get("progressive_packing"):
-            raise FlexTensorError(
-                "progressive_packing=True cannot hold host memory to a host budget (it keeps a few units twice "
-                "until they are used): drop progressive_packing, or pass host_budget=None (--host-budget none)"
-            )
+        why_not = {
+            "progressive_packing": "it keeps a few units twice until they are used",
+            "background_encoding": "it keeps the raw copies in RAM beside the compressed ones",
+        }
+        for option, why in why_not.items():
+            if config.get(option):
+                raise FlexTensorError(
+                    f"{option}=True cannot hold host memory to a host budget ({why}): drop {option}, or pass "
+                    "host_budget=None (--host-budget none)"
+                )
         config = _verified_under_a_compressed_tier({**config, "progressive_packing": False}, request.device)
         request = dataclasses.replace(request, config=config)
         tier = _host_tier(request, tier_bytes)
