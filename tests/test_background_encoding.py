@@ -187,3 +187,17 @@ def test_a_pipeline_encodes_while_it_generates_bitwise_and_writes_its_payload_fi
     assert transformer.payload_cache.describe().startswith("being read while the model runs raw")
     assert torch.equal(wan_latents(pipe), reference)
     pipe.disable_flextensor_offload()
+
+
+def test_the_recipe_starts_at_once_and_compresses_while_it_runs(tmp_path) -> None:
+    """``--background-encoding`` in the Wan2.2 recipe: the run completes (its video written) and the report says
+    the payload file is being written or was, from the blocks compressed while the first generations ran."""
+    from flextensor_diffusers.recipes import wan22_t2v
+
+    argv = ["--random-weights", "tiny", "--device", "cpu", "-q", "--budget", "340000", "--compression", "lossless"]
+    argv += ["--compression-cache", "--background-encoding", "--host-budget", "none"]
+    argv += ["--cache-dir", str(tmp_path / "cache"), "--profile-dir", str(tmp_path / "p")]
+    info = wan22_t2v.main([*argv, "--output", str(tmp_path / "x.mp4")])
+    transformer = info["offload_report"]["components"]["transformer"]
+    assert info["compression"] == "lossless" and (tmp_path / "x.mp4").stat().st_size > 0
+    assert transformer["payload_cache"].startswith(("not written yet", "writing", "written: ")), transformer

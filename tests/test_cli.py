@@ -132,6 +132,15 @@ HERE = str(Path(__file__).parent)
             ["--host-budget", "8GiB", "--gpus", "2"],
             "error: --host-budget cannot be combined with --gpus 2 yet (the ranks share one host copy",
         ),
+        (
+            ["--background-encoding"],
+            "error: --background-encoding compresses while the raw copies stream: add --compression lossless",
+        ),
+        (
+            ["--background-encoding", "--compression", "lossless", "--host-budget", "8GiB"],
+            "error: --background-encoding keeps the raw copies in RAM beside the compressed ones, which "
+            "--host-budget would not hold to: drop one of them",
+        ),
         (["--compile", "full"], "error: --compile full compiles each denoiser whole, which offloading cannot stream"),
         (["--output", f"{__file__}/x.mp4"], f"error: --output {__file__}/x.mp4: {__file__} is not a writable folder"),
         (["--output", HERE], f"error: --output {HERE} is a folder: pass --output {HERE}/NAME.mp4"),

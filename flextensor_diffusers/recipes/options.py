@@ -66,6 +66,7 @@ class RecipeOptions:
     compression: str = "none"
     raw_copies: str | None = None  # None: the offload's choice ("disk" under a host budget with compression)
     compression_cache: bool = False
+    background_encoding: bool = False
     verify_loads: bool | None = None  # None: the offload's choice (on under a host tier with compression on a GPU)
     profile_dir: Path | None = Path("profiles")
     device: str | None = None
@@ -226,6 +227,13 @@ def add_memory(parser: argparse.ArgumentParser) -> None:
         "next time instead of encoding (each is checked against the weights)",
     )
     parser.add_argument(
+        "--background-encoding",
+        action="store_true",
+        help="with --compression lossless and no compressed copies to read (--compression-cache): start at once "
+        "and compress the blocks on host threads while the first generations stream them raw, instead of "
+        "compressing every block on the GPU first (not with a sized --host-budget)",
+    )
+    parser.add_argument(
         "--verify-loads",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -327,6 +335,17 @@ def common_values(ns: argparse.Namespace, recipe: str, defaults: dict[str, SizeD
         raise OptionsError(
             "--compression-cache caches compressed copies, and there are none: add --compression lossless"
         )
+    if getattr(ns, "background_encoding", False):
+        if ns.compression == "none" or ns.raw_copies == "disk":
+            raise OptionsError(
+                "--background-encoding compresses while the raw copies stream: add --compression lossless "
+                "and drop --raw-copies disk"
+            )
+        if sized:
+            raise OptionsError(
+                "--background-encoding keeps the raw copies in RAM beside the compressed ones, which --host-budget "
+                "would not hold to: drop one of them"
+            )
     for flag in OUTPUT_SUFFIXES:  # kept as typed until checked: a trailing "/" says the user named a folder
         if getattr(ns, flag[2:], None) is not None:
             values[flag[2:]] = check_output(flag, getattr(ns, flag[2:]))
