@@ -13,10 +13,15 @@ import torch
 from torch import nn
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.engine import Phase, compressed_copies
+from flextensor_diffusers.engine import compressed_copies
 from tests.models import assert_same, snapshot
 from tests.test_compression import make, planned_from_fixed_figures
-from tests.test_payload_arrival import offload_cached, run_until_payloads_are_taken
+from tests.test_payload_arrival import (
+    assert_an_edit_now_reaches_the_outputs,
+    assert_raw_then_every_payload_proven_and_decoded,
+    offload_cached,
+    run_until_payloads_are_taken,
+)
 
 
 def offload_encoding(model: nn.Module, folder: Path, cache: bool = True) -> ft.OffloadHandle:
@@ -34,13 +39,8 @@ def test_set_up_returns_raw_and_the_payloads_made_meanwhile_decode_once_proven(t
         reference = model(x)
     before = snapshot(model)
     handle = offload_encoding(model, tmp_path)
-    assert not handle.host.encoded and handle.setup_times.compress is None  # nothing encoded before returning
     assert handle.payload_cache.describe().startswith("not written yet")
-    outs = run_until_payloads_are_taken(handle, model, x)
-    assert all(torch.equal(out, reference) for out in outs)
-    compressed = handle.host.compressed
-    assert compressed.encoded.keys() == {u.index for u in handle.units} and not compressed.unproven
-    assert handle.phase is Phase.STEADY and handle.plan.compressed and handle.device_copies.decoding
+    assert_raw_then_every_payload_proven_and_decoded(handle, model, x, reference)
     handle.remove()  # waits for the payload file's write
     assert_same(before, model)
     assert len(list(tmp_path.glob("*.payloads"))) == 1
@@ -92,14 +92,7 @@ def test_a_payload_made_wrong_is_caught_at_its_first_decoded_load(tmp_path, monk
 def test_an_edit_while_units_are_encoded_keeps_none_of_their_payloads(tmp_path, caplog) -> None:
     model, x = make(torch.bfloat16)
     handle = offload_encoding(model, tmp_path)
-    with handle.editing(), torch.no_grad():
-        model.blocks[2].ff[0].weight.mul_(0.5)
-    twin, _ = make(torch.bfloat16)
-    with torch.no_grad():
-        twin.blocks[2].ff[0].weight.mul_(0.5)
-    with torch.inference_mode():
-        expected = twin(x)
-        assert all(torch.equal(model(x), expected) for _ in range(4))
+    assert_an_edit_now_reaches_the_outputs(handle, model, x)
     assert not handle.host.encoded and not handle.host.compressed.arriving
     assert "came while the weights were being compressed" in caplog.text
     handle.remove()

@@ -51,6 +51,20 @@ def run_until_payloads_are_taken(handle: ft.OffloadHandle, model: nn.Module, x: 
     return outs
 
 
+def assert_raw_then_every_payload_proven_and_decoded(
+    handle: ft.OffloadHandle, model: nn.Module, x: torch.Tensor, reference: torch.Tensor
+) -> None:
+    """A set-up that did not wait for its payloads (nothing encoded nor checked when it returned): every forward is
+    bitwise equal to the native ``reference`` while the payloads arrive (raw), while they are proven and once
+    planned loads decode them, and in the end every unit's payload is kept, proven, and decoded by the plan."""
+    assert not handle.host.encoded and handle.setup_times.compress is None
+    outs = run_until_payloads_are_taken(handle, model, x)
+    assert all(torch.equal(out, reference) for out in outs)
+    compressed = handle.host.compressed
+    assert compressed.encoded.keys() == {u.index for u in handle.units} and not compressed.unproven
+    assert handle.phase is Phase.STEADY and handle.plan.compressed and handle.device_copies.decoding
+
+
 def test_a_set_up_from_the_payload_file_runs_raw_at_once_and_decodes_once_each_payload_is_proven(
     tmp_path, monkeypatch
 ) -> None:
@@ -64,13 +78,8 @@ def test_a_set_up_from_the_payload_file_runs_raw_at_once_and_decodes_once_each_p
         reference = model(x)
     before = snapshot(model)
     handle = offload_cached(model, tmp_path)
-    assert not handle.host.encoded and handle.setup_times.compress is None  # nothing encoded nor checked
     assert handle.payload_cache.describe().startswith("being read while the model runs raw")
-    outs = run_until_payloads_are_taken(handle, model, x)
-    assert all(torch.equal(out, reference) for out in outs)
-    compressed = handle.host.compressed
-    assert compressed.encoded.keys() == {u.index for u in handle.units} and not compressed.unproven
-    assert handle.phase is Phase.STEADY and handle.plan.compressed and handle.device_copies.decoding
+    assert_raw_then_every_payload_proven_and_decoded(handle, model, x, reference)
     assert handle.payload_cache.describe().startswith("read: ")
     handle.remove()
     assert_same(before, model)
@@ -122,10 +131,8 @@ def test_a_damaged_payload_file_is_not_used_and_deleted(tmp_path, caplog) -> Non
     assert path.exists()
 
 
-def test_an_edit_while_the_payloads_arrive_keeps_none_of_them(tmp_path) -> None:
-    write_the_file(tmp_path)
-    model, x = make(torch.bfloat16)
-    handle = offload_cached(model, tmp_path)
+def assert_an_edit_now_reaches_the_outputs(handle: ft.OffloadHandle, model: nn.Module, x: torch.Tensor) -> None:
+    """Halve one block's weight through ``handle.editing()``: four forwards equal a native twin's edited alike."""
     with handle.editing(), torch.no_grad():
         model.blocks[2].ff[0].weight.mul_(0.5)
     twin, _ = make(torch.bfloat16)
@@ -134,6 +141,13 @@ def test_an_edit_while_the_payloads_arrive_keeps_none_of_them(tmp_path) -> None:
     with torch.inference_mode():
         expected = twin(x)
         assert all(torch.equal(model(x), expected) for _ in range(4))
+
+
+def test_an_edit_while_the_payloads_arrive_keeps_none_of_them(tmp_path) -> None:
+    write_the_file(tmp_path)
+    model, x = make(torch.bfloat16)
+    handle = offload_cached(model, tmp_path)
+    assert_an_edit_now_reaches_the_outputs(handle, model, x)
     assert not handle.host.encoded and handle.payload_cache.describe().startswith("refused: an edit")
     handle.remove()
 
