@@ -193,9 +193,11 @@ def offload_compressed_on_the_device(model: nn.Module, **kwargs: object):
     tells a user to."""
     import flextensor_diffusers as ft
 
-    try:
-        return ft.offload(model, **kwargs)
-    except ft.BudgetError as exc:
-        if "compressing the weights" not in str(exc) or exc.required_bytes is None:
-            raise
-        return ft.offload(model, **{**kwargs, "gpu_budget": exc.required_bytes})
+    for _ in range(3):  # the need measured under a named budget may come out a few KB higher (verify_loads' counters)
+        try:
+            return ft.offload(model, **kwargs)
+        except ft.BudgetError as exc:
+            if "compressing the weights" not in str(exc) or exc.required_bytes is None:
+                raise
+            kwargs = {**kwargs, "gpu_budget": exc.required_bytes + 64 * 1024}
+    return ft.offload(model, **kwargs)

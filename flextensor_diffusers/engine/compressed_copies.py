@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from tqdm.auto import tqdm
 
-from .cache_files import drop_cached_pages
+from .cache_files import drop_cached_pages_later
 from .codec import CodecMismatch, EncodedUnit, Segment, check_decodes, encode_unit, worth_compressing
 from .device_encoding import DeviceEncoder, EncodeJob
 from .errors import FlexTensorError, OffloadStateError, first_line
@@ -482,7 +482,7 @@ class CompressedCopies:
             self._registered.append(payload)
         self.waiting.discard(index)
         if not self.waiting and self.file is not None:
-            drop_cached_pages(self.file.path)
+            drop_cached_pages_later(self.file.path)
 
     def untake(self, indices: list[int]) -> None:
         """Point the payloads of ``indices`` (taken back) at the file again, which still holds them: a read

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from .binding import Binding
-from .cache_files import drop_cached_pages, map_cache_file, write_cache_file
+from .cache_files import drop_cached_pages_later, map_cache_file, write_cache_file
 from .codec import EncodedUnit
 from .compressed_copies import CompressedCopies
 from .errors import FlexTensorError, OffloadStateError, first_line
@@ -681,7 +681,7 @@ class HostCopies:
         self._taken.add(position)
         if len(self._taken) == len(self.positions):
             if self._held_bytes is None:
-                drop_cached_pages(self.spilled_to)
+                drop_cached_pages_later(self.spilled_to)
             self.spilled_to, self._held_bytes, self._taken = None, None, set()
 
     def untake_units(self, hosts: list[object]) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..engine.cache_files import drop_cached_pages
+from ..engine.cache_files import drop_cached_pages_later
 from ..engine.errors import FlexTensorError
 from ..engine.file_reads import SERIAL, FileSpan, PieceReader
 from ..engine.units import Unit
@@ -502,7 +502,7 @@ class WeightSource:
         """Drop the files' pages from the page cache once read into RAM: a second copy there would only
         crowd out other memory (they are clean; pages still mapped somewhere stay)."""
         for stamp in self.stamps:
-            drop_cached_pages(stamp.path)
+            drop_cached_pages_later(stamp.path)
 
 
 def _ended_early(path: Path) -> FlexTensorError:
