@@ -460,11 +460,7 @@ def compressed_steady(handle: Any, runner: Any, x: tuple, device: torch.device, 
     times: list[float] = []
 
     def forward() -> None:
-        begin = time.perf_counter()
-        with torch.inference_mode():
-            runner(*x)
-        sync(device)
-        times.append(round(time.perf_counter() - begin, 4))
+        times.append(timed_forward(runner, x, device))
 
     ran = forwards_until_compressed_steady(handle, forward, limit_s=60.0)
     steady_from = time.perf_counter() - start
@@ -479,17 +475,19 @@ def compressed_steady(handle: Any, runner: Any, x: tuple, device: torch.device, 
     }
 
 
+def timed_forward(runner: Any, x: tuple, device: torch.device) -> float:
+    """One forward of ``runner``, device synchronised: its wall time in seconds."""
+    begin = time.perf_counter()
+    with torch.inference_mode():
+        runner(*x)
+    sync(device)
+    return round(time.perf_counter() - begin, 4)
+
+
 def raw_forwards(runner: Any, x: tuple, device: torch.device, count: int = 4) -> list[float]:
     """``count`` more forwards after the first of a raw set-up, timed: what the forwards of a compressed set-up
     that streams raw meanwhile are compared with."""
-    times = []
-    for _ in range(count):
-        begin = time.perf_counter()
-        with torch.inference_mode():
-            runner(*x)
-        sync(device)
-        times.append(round(time.perf_counter() - begin, 4))
-    return times
+    return [timed_forward(runner, x, device) for _ in range(count)]
 
 
 def child_setup(args: argparse.Namespace) -> dict[str, Any]:

@@ -538,14 +538,9 @@ class PayloadArrival:
         return all(future.done() for future in self._futures.values())
 
     def take(self) -> tuple[dict[int, _CachedPayload], str | None]:
-        """The payloads read, and the first failure's line (None: none failed)."""
-        payloads: dict[int, _CachedPayload] = {}
-        failure = None
-        for index, future in self._futures.items():
-            try:
-                payloads[index] = future.result()
-            except Exception as exc:  # a short or changed file (UnusableCache), or no memory: the file is not used
-                failure = failure or first_line(exc)
+        """The payloads read, and the first failure's line (None: none failed): a short or changed file
+        (`UnusableCache`), or no memory; then the file is not used."""
+        payloads, failure = _results(self._futures)
         self._shutdown(wait=False)
         return payloads, failure
 
@@ -610,16 +605,7 @@ class EncodingArrival:
         with self._lock:
             self._closed = True
             futures = dict(self._futures)
-        payloads: dict[int, _CachedPayload] = {}
-        failure = None
-        for index, future in sorted(futures.items()):
-            try:
-                made = future.result()
-            except Exception as exc:  # no memory, say: the model streams raw
-                failure = failure or first_line(exc)
-                continue
-            if made is not None:
-                payloads[index] = made
+        payloads, failure = _results(futures)
         self._pool.shutdown(wait=False)
         return payloads, failure
 
@@ -629,6 +615,22 @@ class EncodingArrival:
             self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._futures = {}
+
+
+def _results(futures: dict[int, Future[_CachedPayload | None]]) -> tuple[dict[int, _CachedPayload], str | None]:
+    """Every future's payload by unit index, in index order (None results, units not worth compressing, left out),
+    and the first failure's line (None: none failed)."""
+    payloads: dict[int, _CachedPayload] = {}
+    failure = None
+    for index, future in sorted(futures.items()):
+        try:
+            made = future.result()
+        except Exception as exc:
+            failure = failure or first_line(exc)
+            continue
+        if made is not None:
+            payloads[index] = made
+    return payloads, failure
 
 
 @dataclasses.dataclass(frozen=True)
