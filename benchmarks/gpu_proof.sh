@@ -5,6 +5,8 @@
 #   engine17     engine_bench.py, 17 frames, 3 budgets        -> $OUT/engine17_h200.json, .log
 #   engine       engine_bench.py, 81 and 17 frames, 3 budgets -> $OUT/engine_h200.json, .log
 #   compile17    compile_bench.py, 17 frames                  -> $OUT/compile17_h200.json, .log
+#   fingerprint  fingerprint_bench.py: one verify_loads check's time and memory, before and now
+#                                                             -> $OUT/fingerprint_h200.json, .log
 #   tiers        tiers_bench.py on the full Wan2.2 pipeline, configurations $TIERS_CONFIGS (default: the reference
 #                and the compressed 32 GiB tier, which verifies every load: issue 25's reproduction), no set-up
 #                block, the package's log lines timestamped          -> $OUT/tiers_h200.json, .log
@@ -26,6 +28,8 @@ for step in "$@"; do
         --out "$OUT/engine_h200.json" >"$OUT/engine_h200.log" 2>&1 ;;
     compile17) timeout "$limit" python3 benchmarks/compile_bench.py --workloads 17f_480x272 \
         --out "$OUT/compile17_h200.json" >"$OUT/compile17_h200.log" 2>&1 ;;
+    fingerprint) timeout "$limit" python3 benchmarks/fingerprint_bench.py --out "$OUT/fingerprint_h200.json" \
+        >"$OUT/fingerprint_h200.log" 2>&1 ;;
     tiers) TIERS_BENCH_LOG=INFO timeout "$limit" python3 benchmarks/tiers_bench.py --no-setup \
         --configs "${TIERS_CONFIGS:-ram_raw,host32_compressed}" --time-limit $((limit - 15)) \
         --out "$OUT/tiers_h200.json" >"$OUT/tiers_h200.log" 2>&1 ;;

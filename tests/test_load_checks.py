@@ -75,9 +75,44 @@ def test_a_fingerprint_sums_tensor_bytes_only_and_sees_a_changed_byte() -> None:
     shifted = torch.empty(flat.numel() + 1, dtype=torch.uint8)[1:]  # a stand-in's view off a word boundary
     shifted.copy_(flat)
     assert torch.equal(host_fingerprint(shifted, runs), fingerprint(flat, runs))
-    runs = [ByteRun(1, 4, torch.uint8, ((1, 2), (2, 4))), ByteRun(4, 8, torch.int32, ((4, 8),))]
-    odd = fingerprint(torch.arange(10, dtype=torch.uint8), runs)
-    assert odd[0].item() == 1 + 2 + 3 and odd.dtype == torch.int64
+
+
+def test_a_run_is_summed_as_64_bit_words_with_its_ends_off_the_steps_as_bytes() -> None:
+    """The sum is exact modulo 2**64 (it wraps), words sit on the layout's 8-byte steps wherever the run starts,
+    and a run's sum is its tensors' sums when they meet on a step."""
+    data = torch.randint(0, 256, (64,), dtype=torch.uint8)
+    data[8:24] = 0xFF  # two words of -1: the sum wraps below zero
+    run = ByteRun(3, 61, ((3, 24), (24, 61)))
+
+    def by_hand(lo: int, hi: int) -> int:
+        first, last = -(-lo // 8) * 8, hi // 8 * 8
+        words = data[first:last].view(torch.int64).tolist()
+        total = sum(words) + sum(data[lo:first].tolist()) + sum(data[last:hi].tolist())
+        return (total + 2**63) % 2**64 - 2**63
+
+    assert fingerprint(data, [run]).tolist() == [by_hand(3, 61)]
+    assert host_fingerprint(data, [run]).tolist() == [by_hand(3, 24) + by_hand(24, 61)]
+    shifted = torch.empty(data.numel() + 3, dtype=torch.uint8)[3:]  # a stand-in's bytes off a word boundary
+    shifted.copy_(data)
+    assert torch.equal(host_fingerprint(shifted, [run]), fingerprint(data, [run]))
+    assert fingerprint(data, [ByteRun(9, 13, ((9, 13),))]).tolist() == [sum(data[9:13].tolist())]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_check_on_the_device_makes_no_copy_of_the_unit() -> None:
+    """Summing into a type wider than the words makes PyTorch convert the whole input first on CUDA: a copy twice
+    the unit's size per check (calls I and J paid it in time and in resident units). The check's new memory stays
+    a few words."""
+    flat = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda")
+    runs = [ByteRun(0, 1000, ((0, 1000),)), ByteRun(1024, flat.numel() - 5, ((1024, flat.numel() - 5),))]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    sums = fingerprint(flat, runs)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < 1 << 20
+    assert torch.equal(sums.cpu(), host_fingerprint(flat.cpu(), runs))
 
 
 @pytest.mark.parametrize("compression", ["none", "lossless"])

@@ -9,12 +9,16 @@ GPU can, and this is how it finds them (one run of the compressed host tier on t
 nothing in its log said why: see benchmarks/results/README.md, issue 25).
 
 **What is compared.** A unit's *fingerprint*: for each run of its tensors' bytes (tensors that follow each
-other without a gap form one run), the sum of its 32-bit words (16- or 8-bit where a tensor's ends are not on a
-32-bit boundary) as a 64-bit integer. Integer sums are exact in any order, so a fingerprint taken on the device
-equals one taken on the host bit for bit. Bytes between tensors (alignment padding, which a decode leaves as
-it found it) are not part of it. The host side is taken from the unit's host copy, the weights' truth, tensor by
-tensor: as each unit is packed at set-up, on the packing thread (`note_packed`), and again from its host copy
-after an edit (a stand-in of the weight files gives the tensors without gathering the unit).
+other without a gap, at a boundary on an 8-byte step of the unit's layout, form one run), the sum of its 64-bit
+words, plus its few bytes before the first and after the last 8-byte step of the layout, modulo 2**64. Integer
+sums with wrap-around are exact in any order, so a fingerprint taken on the device equals one taken on the host
+bit for bit, and one run's sum is the sum of its tensors' (their shared ends are on the steps). The words are
+summed in their own type: a sum into a wider type than its input makes PyTorch convert the whole input first,
+a copy twice the unit's size per check (what calls I and J measured: the plans' forwards 3-3.5 % slower, with
+fewer units resident). Bytes between tensors (alignment padding, which a decode leaves as it found it) are not
+part of it. The host side is taken from the unit's host copy, the weights' truth, tensor by tensor: as each unit
+is packed at set-up, on the packing thread (`note_packed`), and again from its host copy after an edit (a
+stand-in of the weight files gives the tensors without gathering the unit).
 
 **When.** Right before each unit call, once the unit's tensors view the device buffer they compute with
 (resident copy or slot, whichever load filled it), and right after the call, before the slot is handed on
@@ -25,8 +29,8 @@ them (waiting when asked) and raises one line naming the first unit that compute
 had been loaded. A pipeline calls it at the end of every generation, before the output is returned; a
 standalone handle at the start of the next forward and in ``handle.check_loads()``.
 
-**Cost.** Two reads of every unit's bytes per call on the device (memory bandwidth, no copy), a few small
-tensors per call, and one host pass over each unit's bytes as it is packed (and after each edit).
+**Cost.** Two reads of every unit's bytes per call on the device (memory bandwidth, no copy, no new memory),
+a few small tensors per call, and one host pass over each unit's bytes as it is packed (and after each edit).
 """
 
 from __future__ import annotations
@@ -40,64 +44,63 @@ import torch
 from .errors import FlexTensorError
 from .units import Unit
 
-#: The word a run of bytes is summed in: the largest of these sizes dividing the ends of every tensor in it.
-_WORDS = ((4, torch.int32), (2, torch.int16), (1, torch.uint8))
+#: The step of the unit's layout on which its words start: a run's sum is its 64-bit words', taken in their own
+#: type (no conversion, see the module's docstring), plus its bytes off the steps at either end.
+WORD = 8
 
 
 @dataclass(frozen=True)
 class ByteRun:
     """Bytes ``[start, stop)`` of a unit's flat buffer, all of them tensor bytes (the tensors' ``spans``, which
-    follow each other without a gap), summed as ``word``s: a size dividing every span's ends, so that the run's
-    sum is the sum of its spans' sums."""
+    follow each other without a gap, meeting on a `WORD` step), so that the run's sum is its spans' sums."""
 
     start: int
     stop: int
-    word: torch.dtype
     spans: tuple[tuple[int, int], ...]
 
 
 def tensor_runs(unit: Unit) -> list[ByteRun]:
-    """The unit's tensor bytes as runs: tensors that follow each other with no gap share one."""
+    """The unit's tensor bytes as runs: tensors that follow each other with no gap, at a `WORD` step, share one."""
     spans = sorted((p.offset, p.offset + p.nbytes) for p in unit.tensors if p.nbytes)
     grouped: list[list[tuple[int, int]]] = []
     for span in spans:
-        if grouped and span[0] == grouped[-1][-1][1]:
+        if grouped and span[0] == grouped[-1][-1][1] and span[0] % WORD == 0:
             grouped[-1].append(span)
         else:
             grouped.append([span])
-    runs = []
-    for group in grouped:
-        ends = [end for span in group for end in span]
-        word = next(word for size, word in _WORDS if all(end % size == 0 for end in ends))
-        runs.append(ByteRun(group[0][0], group[-1][1], word, tuple(group)))
-    return runs
+    return [ByteRun(group[0][0], group[-1][1], tuple(group)) for group in grouped]
+
+
+def span_sum(data: torch.Tensor, start: int) -> torch.Tensor:
+    """The sum (int64, modulo 2**64) of ``data``, the uint8 bytes at ``[start, start + len)`` of a unit's layout:
+    its 64-bit words on the layout's `WORD` steps, and each byte before the first step and after the last."""
+    stop = start + data.numel()
+    body_start, body_stop = min(-(-start // WORD) * WORD, stop), max(stop // WORD * WORD, start)
+    if body_stop <= body_start:
+        return data.sum(dtype=torch.int64)
+    head, body, tail = data.split([body_start - start, body_stop - body_start, stop - body_stop])
+    if body.storage_offset() % WORD:  # a view of a weight file, off a word boundary: words need one
+        body = body.clone()
+    total = body.view(torch.int64).sum()
+    if head.numel() or tail.numel():
+        total = total + head.sum(dtype=torch.int64) + tail.sum(dtype=torch.int64)
+    return total
 
 
 def fingerprint(flat: torch.Tensor, runs: list[ByteRun]) -> torch.Tensor:
-    """One int64 per run: the sum of its words in ``flat`` (a uint8 buffer laid out like the unit's), on
-    ``flat``'s device. Enqueued on the current stream; no synchronisation."""
+    """One int64 per run: `span_sum` of its bytes in ``flat`` (a uint8 buffer laid out like the unit's), on
+    ``flat``'s device. Enqueued on the current stream; no synchronisation, no memory the size of the unit."""
     if not runs:
         return torch.zeros(0, dtype=torch.int64, device=flat.device)
-    return torch.stack([flat[r.start : r.stop].view(r.word).sum(dtype=torch.int64) for r in runs])
+    return torch.stack([span_sum(flat[r.start : r.stop], r.start) for r in runs])
 
 
 def host_fingerprint(host: object, runs: list[ByteRun]) -> torch.Tensor:
     """`fingerprint` of a unit's host copy, tensor by tensor: ``host`` is its flat buffer or a stand-in for it
     (which gives bytes only when sliced at a tensor's range, e.g. views of the weight files), so nothing of the
     unit is gathered into new memory."""
-    sums = [
-        torch.stack([_words(host[a:b], r.word).sum(dtype=torch.int64) for a, b in r.spans]).sum()  # type: ignore[index]
-        for r in runs
-    ]
+    sums = [torch.stack([span_sum(host[a:b], a) for a, b in r.spans]).sum() for r in runs]  # type: ignore[index]
     return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
-
-
-def _words(data: torch.Tensor, word: torch.dtype) -> torch.Tensor:
-    """``data`` (uint8) as ``word``s; copied first when its place in its storage is not on a word boundary (a view
-    of a weight file, whose tensors need not start on one)."""
-    if data.storage_offset() % word.itemsize:
-        data = data.clone()
-    return data.view(word)
 
 
 class CheckPoint(Enum):
