@@ -410,12 +410,13 @@ class CompressedCopies:
         self.unproven = set()
         self._file_holds = False
 
-    def _unregister(self, payloads: list[torch.Tensor]) -> None:
+    def _unregister(self, payloads: list[torch.Tensor], copies_done: bool = False) -> None:
         """Unlock those of ``payloads`` that are locked in place, once no copy issued before reads them (the
-        others were page-locked as copies, or not at all: nothing to undo)."""
+        device is synchronised first unless the caller knows those copies are done, ``copies_done``; the others
+        were page-locked as copies, or not at all: nothing to undo)."""
         ids = {id(p) for p in payloads}
         locked = [p for p in self._registered if id(p) in ids]
-        if locked and self.cuda:
+        if locked and self.cuda and not copies_done:
             torch.cuda.synchronize(self.device)
         for payload in locked:
             unpin_in_place(payload)
@@ -448,21 +449,35 @@ class CompressedCopies:
             self._writing = None
 
     def spill(self) -> None:
-        """Move every payload out of RAM into the payload file: written first when it does not hold them (a
-        full disk raises with the payloads still in RAM), then each payload becomes a view of the file's
-        mapping and its RAM is freed. The model must be inactive."""
+        """Move every payload still in RAM out into the payload file: written first when it does not hold them
+        (a full disk raises with the payloads still in RAM; those let go before are read back first, to be
+        written), then each payload becomes a view of the file's mapping and its RAM is freed. The model must be
+        inactive."""
         if self.file is None:
             raise OffloadStateError("compressed copies can wait on disk only with a payload file (set-up sets it)")
-        if self.waiting or not self.encoded:
+        if len(self.waiting) == len(self.encoded):
             return
         self._finish_write()
         if not self.file_current:
+            for index in sorted(self.waiting):  # let go from a file an edit made stale since: needed to write it
+                self.take(index, *self.read_payload(index, self.pinned))
             self.file.own_for_writing()
             self._file_holds = self.file.write(self.encoded, strict=True)
         views = self.file.map()
         self._unregister(list(self._registered))
         self.encoded = {i: dataclasses.replace(e, payload=views[i]) for i, e in self.encoded.items()}
         self.waiting = set(self.encoded)
+
+    def let_go(self, index: int) -> None:
+        """Unit ``index``'s payload, in RAM, goes back to the payload file, which holds it (`file_current`): it
+        becomes a view of the file's mapping and its RAM is freed, while the model may be active (a component's
+        RAM handed over during its last forward, see `pipelines.host_tier.hand_over`). The caller waited for
+        every copy that read it; the next load of the unit has to take it back first (`read_payload`, `take`)."""
+        assert self.file is not None and self.file_current and index not in self.waiting
+        payload = self.encoded[index].payload
+        self._unregister([payload], copies_done=True)
+        self.encoded[index] = dataclasses.replace(self.encoded[index], payload=self.file.map()[index])
+        self.waiting = self.waiting | {index}  # a new set: readers on other threads iterate the old one
 
     def read_payload(self, index: int, pin: bool, reader: PieceReader = SERIAL) -> tuple[torch.Tensor, bool]:
         """Unit ``index``'s waiting payload in a new RAM buffer (page-locked when ``pin``: in place where CUDA

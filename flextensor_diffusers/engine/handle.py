@@ -55,9 +55,13 @@ from .schedule import SteadySchedule, TransferTotals
 from .setup import SetUp, SetupTimes, assemble
 from .shared_host import SharedHostMemory
 from .stats import OffloadStats, collect_stats
-from .units import UnitLayout, find_units, plan_layout
+from .units import Unit, UnitLayout, find_units, plan_layout
 
 logger = logging.getLogger(__name__)
+
+#: Told that a unit made its last call of a forward, with an event that completes once that call is done on the
+#: device (None on the CPU, where it is done already): see `OffloadHandle.on_forward`.
+UnitDone = Callable[[Unit, "torch.cuda.Event | None"], None]
 
 #: Every module that is part of an offloaded model, so that offloading it again is refused.
 _OFFLOADED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -143,6 +147,13 @@ class OffloadHandle:
         self.defer_budget_errors = False
         #: Called with this handle before it takes device memory (a pipeline releases the others).
         self.on_activate: Callable[[OffloadHandle], None] | None = None
+        #: Called with this handle as each forward begins, and whether it follows a plan; what it returns for one
+        #: that does, when not None, is told of each unit whose last call of that forward is done (`UnitDone`): a
+        #: pipeline's host tier hands the RAM of a component's compressed copies over to the next component during
+        #: its last forward before a switch.
+        self.on_forward: Callable[[OffloadHandle, bool], UnitDone | None] | None = None
+        self._unit_done: UnitDone | None = None  # this forward's, from ``on_forward``
+        self._last_calls: dict[int, int] = {}  # unit index -> its last position in this forward's plan
         self.counters = {"discovery": 0, "profiling": 0, "steady": 0, "desyncs": 0, "plans": 0, "activations": 0}
         self.measured_forwards = 0
         self._depth = 0  # nesting of entry calls (AutoencoderKL.forward calls encode and decode)
@@ -287,6 +298,21 @@ class OffloadHandle:
         signature = workload_signature(args, kwargs)
         self.planning.enter_workload(signature if entry == "forward" else f"{entry}:{signature}")
         self.phases.current.start()
+        self._ask_unit_done()
+
+    def _ask_unit_done(self) -> None:
+        """A forward begins: tell ``on_forward``, which may ask, for a forward on plan, to be told of each unit done
+        (`UnitDone`). Such a forward issues no load for the next one (the component is expected to switch out
+        after it)."""
+        self._unit_done = None
+        if self.on_forward is None:
+            return
+        on_plan = self.phase is Phase.STEADY and self.schedule.primed
+        unit_done = self.on_forward(self, on_plan)
+        if unit_done is not None and on_plan:
+            self._unit_done = unit_done
+            self._last_calls = {index: pos for pos, index in enumerate(self.schedule.order)}
+            self.schedule.last_forward = True
 
     def _take_arrived_payloads(self) -> None:
         """Set-up did not wait for the payload file (`setup.may_read_payloads_later`) and its copies have all
@@ -303,6 +329,14 @@ class OffloadHandle:
             self.load_checks.end_of_forward()
         if self._depth == 0:
             self.phases.current.end()
+            self._end_unit_done()
+
+    def _end_unit_done(self) -> None:
+        """The forward whose units were told done is over: the next one (if the component runs again after all)
+        primes its loads anew."""
+        if self._unit_done is not None:
+            self._unit_done = None
+            self.schedule.end_last_forward()
 
     def fail_workload(self, exc: BaseException) -> BaseException | None:
         """The workload raised: forget its partial records and resynchronise at the next one. A device
@@ -310,6 +344,7 @@ class OffloadHandle:
         copy then): that is said, with the fix."""
         measuring = self.phase in (Phase.DISCOVERY, Phase.PROFILING)
         self._depth, self._open_unit = 0, None
+        self._end_unit_done()
         self.profiler.abandon()
         self.phases.current.fail()
         logger.debug("a forward of %s raised; resynchronising at the next one", type(self.model).__name__)
@@ -361,8 +396,21 @@ class OffloadHandle:
             if self.load_checks is not None:  # before the slot is handed on
                 self._check_load(index, before=False)
             self.phases.current.after_unit(index, self._pos - 1, self._depth > 0)
+            if self._unit_done is not None and self._last_calls.get(index) == self._pos - 1:
+                self._tell_unit_done(index)
 
         return exit_
+
+    def _tell_unit_done(self, index: int) -> None:
+        """Unit ``index`` made its last call of this forward: tell ``on_forward``'s listener, with an event on the
+        compute stream that completes once the call (and so every load it computed with) is done."""
+        if self.phase is not Phase.STEADY:  # left the plan: its positions no longer say which call is the last
+            return
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        self._unit_done(self.units[index], event)  # type: ignore[misc]
 
     def unit_failed(self, exc: BaseException) -> None:
         self._open_unit = None

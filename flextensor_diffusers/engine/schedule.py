@@ -66,6 +66,9 @@ class SteadySchedule:
         self.plan: Plan | None = None
         self.order: list[int] = []
         self.primed = False
+        #: This forward is the component's last before a switch: loads for the next forward are not issued.
+        self.last_forward = False
+        self._next_forward_loads: set[int] = set()  # positions whose load is the next forward's (the plan's)
         self._ready: list[torch.cuda.Event] = []
         self._free: list[torch.cuda.Event] = []
         self._arrived: list[torch.cuda.Event] = []
@@ -75,6 +78,9 @@ class SteadySchedule:
     def follow(self, plan: Plan, order: list[int]) -> None:
         """Start following ``plan`` over freshly laid-out device buffers (not primed yet)."""
         self.plan, self.order, self.primed = plan, order, False
+        self._next_forward_loads = {
+            pos for pos, load in enumerate(plan.loads) if load is not None and load[1] not in order[pos + 1 :]
+        }
         if self.cuda:
             # New slots may reuse memory that kernels still queued on the compute stream read.
             compute = torch.cuda.current_stream(self.device)
@@ -124,8 +130,12 @@ class SteadySchedule:
         if slot is not None and self.cuda:
             self._free[slot].record(torch.cuda.current_stream(self.device))
         load = plan.loads[pos]
-        if load is not None:
+        if load is not None and not (self.last_forward and pos in self._next_forward_loads):
             self.issue(*load)
+
+    def end_last_forward(self) -> None:
+        """The last forward is over, its loads for the next forward not issued: a next forward primes them."""
+        self.last_forward, self.primed = False, False
 
     def issue(self, slot: int, index: int) -> None:
         """Load ``index`` into ``slot`` on the copy stream once the slot's last reader has finished

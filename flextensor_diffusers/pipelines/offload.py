@@ -26,6 +26,7 @@ from ..engine.boundaries import refuse_whole_model_compile
 from ..engine.cache_files import RawCacheFile
 from ..engine.config import cache_folder, is_auto, parse_bytes, resolve_budget, resolve_device
 from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
+from ..engine.handle import UnitDone
 from ..engine.planner import CUDA_ALLOCATION_GRANULE, smallest_budget
 from ..engine.units import UnitLayout, find_units, plan_layout
 from .host_budget import (
@@ -38,6 +39,7 @@ from .host_budget import (
     least_compressed_bytes,
 )
 from .host_tier import HostTier, format_host_tier, kept_in_ram_bytes, offload_order, pipeline_folder
+from .host_tier.hand_over import LastForwardForecast
 from .patterns import patterns_for
 from .raw_home import WeightFilesHome
 from .weight_files import component_folders
@@ -85,6 +87,17 @@ class PipelineOffload:
     moved: dict[str, torch.device] = field(default_factory=dict)  # components not handled, moved whole
     switches: int = 0
     host_tier: HostTier | None = None
+    last_forward: LastForwardForecast | None = None  # with a host tier, for a pipeline with two experts
+
+    def forward_begins(self, handle: OffloadHandle, on_plan: bool) -> UnitDone | None:
+        """Each forward of a component: the host tier hands its RAM over when the forward is expected to be its
+        last before the other expert's (`LastForwardForecast`; every forward is counted)."""
+        if self.last_forward is None:
+            return None
+        name = next(n for n, h in self.handles.items() if h is handle)
+        if not self.last_forward.is_last(name) or not on_plan or self.host_tier is None:
+            return None
+        return self.host_tier.hand_over(handle)
 
     def activate(self, handle: OffloadHandle) -> None:
         """Called before ``handle`` takes device memory: every other component gives its memory back."""
@@ -345,6 +358,8 @@ def enable(
         request = dataclasses.replace(request, config=config)
         tier = _host_tier(request, tier_bytes)
     state = PipelineOffload(pipeline=pipeline, device=request.device, budget_bytes=request.budget_bytes, host_tier=tier)
+    if tier is not None and LastForwardForecast.applies_to(pipeline):
+        state.last_forward = LastForwardForecast(pipeline)
     try:
         for name in request.chosen:
             _offload_component(state, request, name)
@@ -562,6 +577,8 @@ def _offload_component(state: PipelineOffload, request: OffloadRequest, name: st
     except BudgetError as exc:
         raise BudgetError(f"component {name!r}: {exc}", required_bytes=exc.required_bytes) from exc
     handle.on_activate = state.activate
+    if state.last_forward is not None:
+        handle.on_forward = state.forward_begins
     handle.defer_budget_errors = True  # reported for all components at once, by check_budget
     state.handles[name] = handle
     if tier is not None:

@@ -142,7 +142,7 @@ class Placement:
 
     def _movable(self, name: str, keep: set[str]) -> bool:
         handle = self.handles[name]
-        return name not in keep and not handle.host.waiting_on_disk and not handle.active
+        return name not in keep and handle.host.holds_movable_bytes and not handle.active
 
     def _move_out(self, name: str) -> None:
         """To its weight files when they still hold its bytes (nothing written), else to a cache file; a

@@ -62,6 +62,17 @@ class ReadAheads:
         self._reader.give_up(self._jobs.pop(name))
         logger.debug("host tier: the read ahead of %s was given up", name)
 
+    def top_up(self, active: str) -> None:
+        """RAM was freed while ``active`` runs (`hand_over`): the first read ahead expected goes on into it (none
+        moves out here: this runs on the hand-over's thread)."""
+        chain = self._order.expected_chain(active, self._placement.handles)
+        wanted = [name for name in chain if self._may_read_ahead(name)]
+        if list(self._jobs) != wanted[: len(self._jobs)]:
+            return  # out of order: `after` sorts it out at the switch
+        for name in wanted:
+            if not self._read_into_room(name, active):
+                return
+
     def after(self, active: str) -> None:
         """Read the components expected after ``active`` that wait on disk, unedited since, in the order
         expected, as far as the budget allows next to ``active``: the first one all of it when it fits (others
@@ -112,6 +123,9 @@ class ReadAheads:
             format_bytes(packed),
         )
         return True
+
+    def may_read_ahead(self, name: str) -> bool:
+        return self._may_read_ahead(name)
 
     def _may_read_ahead(self, name: str) -> bool:
         """``name`` waits on disk, not active, unedited since it moved out, and its files unchanged."""

@@ -10,6 +10,7 @@ from typing import Any
 
 from ...engine import format_bytes
 from .forecast import SwitchForecast
+from .hand_over import HandOverRecord
 from .placement import Placement
 from .records import Reading, Switch
 
@@ -18,12 +19,16 @@ WEIGHTS_FILES, CACHE_FILE, PAYLOAD_FILE = "weights files", "cache file", "compre
 
 
 def tier_report(
-    placement: Placement, switches: list[Switch], readings: list[Reading], forecasts: list[SwitchForecast]
+    placement: Placement,
+    switches: list[Switch],
+    readings: list[Reading],
+    forecasts: list[SwitchForecast],
+    hand_overs: list[HandOverRecord],
 ) -> dict[str, Any]:
     """Budget and where it went (the process's own memory at enable, the reserve, the host copies' share),
     RAM, per component its bytes, where it is, where it waits and its reads; per switch the read, the wait,
     what was read ahead and the read's bandwidth; disk read bandwidth; the reads under way; the forecast of
-    each switch that reads from disk."""
+    each switch that reads from disk; and the RAM handed over during components' last forwards."""
     budget = placement.budget
     read_s = sum(s.read_s for s in switches)
     nbytes = sum(s.nbytes for s in switches)
@@ -45,6 +50,7 @@ def tier_report(
         "switches": [s.as_dict() for s in switches],
         "reading": [r.as_dict() for r in readings],
         "forecasts": [f.as_dict() for f in forecasts],
+        "hand_overs": [h.as_dict() for h in hand_overs],
         "cache_folder": str(placement.folder),
         "components": components,
     }

@@ -15,6 +15,7 @@ from ..disk_reads import Reader
 from ..host_budget import HostOverhead
 from ..weight_files import WeightSource
 from .forecast import SlowSwitchWarning, SwitchForecast, forecast_switches
+from .hand_over import HandOver, HandOverRecord
 from .order import ComponentOrder
 from .placement import Placement, TierBudget
 from .read_ahead import ReadAheads
@@ -24,6 +25,7 @@ from .report import tier_report
 
 if TYPE_CHECKING:
     from ...engine import OffloadHandle
+    from ...engine.handle import UnitDone
 
 
 class HostTier:
@@ -65,6 +67,8 @@ class HostTier:
         self._aheads = ReadAheads(self._placement, self._reader, self._seen, pin)
         slow = SlowSwitchWarning(budget, self.forecasts)
         self._read_back = ReadBack(self._lock, self._placement, self._reader, self._aheads, slow, pin)
+        self._hand_over: HandOver | None = None
+        self.hand_overs: list[HandOverRecord] = []
 
     @property
     def weights_budget(self) -> int:
@@ -130,6 +134,7 @@ class HostTier:
         gate). Then the read aheads of the components expected next start or go on (`ReadAheads.after`)."""
         started = disk_reads.clock()
         with self._lock:
+            self._finish_hand_over()
             name = self._placement.name_of(handle)
             self._placement.mark_active(name)
             self._seen.note(name)
@@ -146,11 +151,46 @@ class HostTier:
                 switch.bring_in_s = disk_reads.clock() - started
                 switch.wait_s += switch.bring_in_s
 
+    def hand_over(self, handle: OffloadHandle) -> UnitDone | None:
+        """``handle``'s forward beginning now is expected to be its last before a switch (`hand_over`): when it
+        is compressed only, its payload file holds its payloads, nothing of it is arriving and the component
+        expected next waits on disk, its payloads leave RAM one by one as the forward is done with them and the
+        read ahead of the next one goes on into that room. What the engine tells of each unit done; None: no
+        hand-over."""
+        with self._lock:
+            name = self._placement.name_of(handle)
+            current = self._hand_over
+            if current is not None and current.component == name:
+                return None if current.found_wrong else current.unit_done  # its gate still takes units back
+            host = handle.host
+            if not host.compressed_only or host.host_gate is not None or not host.compressed.file_current:
+                return None
+            chain = self._seen.expected_chain(name, self._placement.handles)
+            if not chain or not self._aheads.may_read_ahead(chain[0]):
+                return None
+            self._finish_hand_over()
+            current = HandOver(
+                name, handle, self._lock, self.pin, lambda: self._room_freed(name), self._aheads.give_up_all
+            )
+            self._hand_over = current
+            self.hand_overs.append(current.record)
+            return current.unit_done
+
+    def _room_freed(self, active: str) -> None:
+        """A payload of ``active`` was handed over: the read ahead of the next component goes on into its room."""
+        self._aheads.top_up(active)
+        self._placement.note_peak()
+
+    def _finish_hand_over(self) -> None:
+        if self._hand_over is not None:
+            self._hand_over.finish()
+            self._hand_over = None
+
     def report(self) -> dict[str, Any]:
         """What `report.tier_report` tells, the switch under way counted up to now."""
         with self._lock:
             self._read_back.note_read_time()
-            return tier_report(self._placement, self.switches, self._readings(), self.forecasts())
+            return tier_report(self._placement, self.switches, self._readings(), self.forecasts(), self.hand_overs)
 
     def forecasts(self) -> list[SwitchForecast]:
         """A `SwitchForecast` per switch seen so far whose two components do not fit in RAM together (so the
@@ -163,6 +203,7 @@ class HostTier:
         disk as it was), and check the weight files of components waiting in them, which removal reads their
         weights back from (`Placement.check_files_for_removal`)."""
         with self._lock:
+            self._finish_hand_over()
             self._read_back.give_up()  # first: a read ahead queued behind it is then skipped at once
             self._aheads.give_up_all()
             self._placement.check_files_for_removal()
@@ -171,6 +212,7 @@ class HostTier:
         """Join the reader threads and delete the cache files (called once every handle is removed);
         the weight files' pages the removal read are dropped from the page cache."""
         with self._lock:
+            self._finish_hand_over()
             self._read_back.give_up()
             self._aheads.give_up_all()
             self._reader.close()

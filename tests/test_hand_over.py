@@ -1,0 +1,104 @@
+"""Under a host budget, an expert hands its RAM over during its last forward before a switch: its compressed
+copies go back to their payload file as each unit is done, and the next expert's read ahead takes the room
+(`pipelines.host_tier.hand_over`). Outputs stay bitwise; a wrong forecast only costs reads."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import flextensor_diffusers as ft
+from flextensor_diffusers.pipelines.host_tier.hand_over import LastForwardForecast
+from tests.models import set_host_overhead, wan_latents
+from tests.test_compressed_tier import EXPERTS, enable_one_expert_in_ram, saved  # noqa: F401 (a fixture)
+from tests.test_host_tier import load
+
+
+@pytest.fixture(autouse=True)
+def host_copies_only(monkeypatch):
+    """Host budgets here are planned in the host copies' bytes (see tests.test_host_tier)."""
+    set_host_overhead(monkeypatch, own=0, reserve=0)
+
+
+def wan_like(guidance: bool) -> SimpleNamespace:
+    """What the forecast reads of a Wan2.2 pipeline: boundary 875 of 1000, four steps, two for each expert."""
+    return SimpleNamespace(
+        config=SimpleNamespace(boundary_ratio=0.875),
+        scheduler=SimpleNamespace(
+            timesteps=torch.tensor([999, 900, 800, 700]), config=SimpleNamespace(num_train_timesteps=1000)
+        ),
+        do_classifier_free_guidance=guidance,
+        transformer_2=object(),
+        _current_timestep=None,
+    )
+
+
+@pytest.mark.parametrize("guidance", [True, False])
+def test_the_last_forward_is_the_last_one_of_the_experts_last_step(guidance: bool) -> None:
+    pipe = wan_like(guidance)
+    assert LastForwardForecast.applies_to(pipe)
+    forecast = LastForwardForecast(pipe)
+    said = []
+    for t in pipe.scheduler.timesteps:
+        pipe._current_timestep = t
+        name = "transformer" if t >= 875 else "transformer_2"
+        said += [(name, int(t), forecast.is_last(name)) for _ in range(2 if guidance else 1)]
+    last = [(name, t) for name, t, is_last in said if is_last]
+    assert last == [("transformer", 900), ("transformer_2", 700)]
+    assert sum(is_last for *_, is_last in said) == 2
+    assert not LastForwardForecast.applies_to(SimpleNamespace(config=SimpleNamespace(boundary_ratio=None)))
+
+
+def test_an_expert_hands_its_ram_over_during_its_last_forward_bitwise(saved, tmp_path) -> None:  # noqa: F811
+    """One expert's compressed copies fit in RAM at a time: during each expert's last forward its payloads leave
+    RAM unit by unit and the other expert is read ahead into the room, so the switches to the low-noise expert find
+    it read ahead in full (the high-noise one shares the room with the text encoder, which runs before it). Three
+    generations bitwise, the budget held, nothing taken back."""
+    folder, reference = saved
+    pipe = load(folder)
+    host_budget = enable_one_expert_in_ram(pipe, tmp_path / "cache")
+    outs = [wan_latents(pipe) for _ in range(3)]
+    assert all(torch.equal(o, reference) for o in outs)
+    tier = ft.pipeline_offload(pipe).host_tier.report()
+    assert tier["peak_host_ram_bytes"] <= host_budget
+    handed = tier["hand_overs"]
+    assert {h["component"] for h in handed} == set(EXPERTS)
+    assert all(h["let_go_units"] > 0 and h["taken_back_units"] == 0 for h in handed)
+    second = [s for s in tier["switches"] if s["component"] == "transformer_2"][1:]  # after a hand-over
+    assert second and all(s["read_ahead_bytes"] == s["nbytes"] for s in second)
+    pipe.disable_flextensor_offload()
+    assert torch.equal(wan_latents(pipe), reference)
+
+
+def test_without_the_hand_over_the_switches_find_less_read_ahead(saved, tmp_path, monkeypatch) -> None:  # noqa: F811
+    """The same run with no forecast: the budget leaves the next expert no room until the switch."""
+    monkeypatch.setattr(LastForwardForecast, "is_last", lambda self, name: False)
+    folder, reference = saved
+    pipe = load(folder)
+    enable_one_expert_in_ram(pipe, tmp_path / "cache")
+    assert all(torch.equal(wan_latents(pipe), reference) for _ in range(2))
+    tier = ft.pipeline_offload(pipe).host_tier.report()
+    assert not tier["hand_overs"]
+    second = [s for s in tier["switches"] if s["component"] == "transformer_2"][1:]
+    assert second and all(s["read_ahead_bytes"] < s["nbytes"] for s in second)
+    pipe.disable_flextensor_offload()
+
+
+def test_a_wrong_forecast_takes_the_units_back_and_stays_bitwise(saved, tmp_path, monkeypatch, caplog) -> None:  # noqa: F811
+    """A forecast that calls every forward the last: each next forward of the same expert takes the units let go
+    back from the payload file (checked against its checksum) before loading them, with one warning; bitwise."""
+    monkeypatch.setattr(LastForwardForecast, "is_last", lambda self, name: True)
+    folder, reference = saved
+    pipe = load(folder)
+    host_budget = enable_one_expert_in_ram(pipe, tmp_path / "cache")
+    with caplog.at_level(logging.WARNING, logger="flextensor_diffusers"):
+        assert all(torch.equal(wan_latents(pipe), reference) for _ in range(2))
+    tier = ft.pipeline_offload(pipe).host_tier.report()
+    assert tier["peak_host_ram_bytes"] <= host_budget
+    assert any(h["taken_back_units"] > 0 for h in tier["hand_overs"])
+    assert "ran again after the forward expected to be its last" in caplog.text
+    pipe.disable_flextensor_offload()
+    assert torch.equal(wan_latents(pipe), reference)
