@@ -339,6 +339,8 @@ def test_on_cuda_the_experts_take_turns_on_disk_compressed_bitwise(saved, tmp_pa
     tier = ft.pipeline_offload(pipe).host_tier.report()
     assert set(EXPERTS) & set(tier["on_disk"]) and len(tier["disk_reads_s"]) >= 3
     assert tier["peak_host_ram_bytes"] <= host_budget
+    handed = tier["hand_overs"]  # each payload let go once the device is done with it (tests.test_hand_over)
+    assert handed and all(h["let_go_units"] > 0 and h["taken_back_units"] == 0 for h in handed)
     pipe.disable_flextensor_offload()
     assert_same(before, pipe.transformer)
     caplog.clear()
