@@ -3,7 +3,8 @@
 For every switch of every configuration's generations it prints: the bytes read ahead and read after the switch,
 the rate of the reads after it (from the switch to the last unit read), how many units the component asked for
 before they were read and the time it spent waiting for them, the first unit it waited for, and the step's
-exposed time beside the tier's own ``wait_s`` and ``bring_in_s``.
+exposed time beside the tier's own ``wait_s`` and ``bring_in_s``; then the RAM each expert handed over during its
+last forwards (`host_tier.hand_over`).
 
 Usage: ``python benchmarks/switch_timeline.py benchmarks/results/tiers_h200.json [--json OUT]``.
 """
@@ -67,6 +68,15 @@ def main() -> None:
                     f"(last at {r['last_read_s']:.2f} s); waited for {r['waited_units']} units, {r['waited_s']:.2f} s"
                     + (f", first unit {first['position']} asked at {first['asked_s']:.2f} s" if first else "")
                     + f"; tier wait {r['tier_wait_s']} s, bring-in {r['bring_in_s']} s"
+                )
+        handed = ((row.get("report") or {}).get("host_tier") or {}).get("hand_overs") or []
+        if handed:
+            out[f"{row['config']}/hand_overs"] = handed
+            print(f"{row['config']}: RAM handed over during last forwards (both generations)")
+            for h in handed:
+                print(
+                    f"  {h['component']}: {h['let_go_bytes'] / 1e9:.2f} GB let go ({h['let_go_units']} units), "
+                    f"{h['taken_back_units']} taken back"
                 )
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=1))
