@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -88,12 +88,7 @@ class HandOverRecord:
     taken_back_units: int = 0
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "component": self.component,
-            "let_go_bytes": self.let_go_bytes,
-            "let_go_units": self.let_go_units,
-            "taken_back_units": self.taken_back_units,
-        }
+        return asdict(self)
 
 
 class HandOver:
