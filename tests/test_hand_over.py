@@ -5,13 +5,15 @@ copies go back to their payload file as each unit is done, and the next expert's
 from __future__ import annotations
 
 import logging
+import random
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.pipelines.host_tier.hand_over import LastForwardForecast
+from flextensor_diffusers.pipelines.host_tier.hand_over import HandOver, LastForwardForecast
 from tests.models import set_host_overhead, wan_latents
 from tests.test_compressed_tier import EXPERTS, enable_one_expert_in_ram, saved  # noqa: F401 (a fixture)
 from tests.test_host_tier import load
@@ -100,5 +102,37 @@ def test_a_wrong_forecast_takes_the_units_back_and_stays_bitwise(saved, tmp_path
     assert tier["peak_host_ram_bytes"] <= host_budget
     assert any(h["taken_back_units"] > 0 for h in tier["hand_overs"])
     assert "ran again after the forward expected to be its last" in caplog.text
+    pipe.disable_flextensor_offload()
+    assert torch.equal(wan_latents(pipe), reference)
+
+
+class SlowEvent:
+    """Stands in for the CUDA event of a unit's last call: done after a random few milliseconds, so that payloads
+    are let go on the hand-over's thread while the model goes on (as on a GPU), at random points of the run."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    def synchronize(self) -> None:
+        time.sleep(self._rng.uniform(0, 0.004))
+
+
+@pytest.mark.parametrize("always_last", [False, True])
+def test_payloads_let_go_on_the_thread_at_random_times_stay_bitwise(saved, tmp_path, monkeypatch, always_last):  # noqa: F811
+    """The thread's path, events completing at random times: a unit may be let go before, during or after the
+    switch away (then the move out takes it), or claimed by the gate first; with a forecast that is always wrong
+    too. Bitwise, within the budget."""
+    rng = random.Random(3)
+    real = HandOver.unit_done
+    monkeypatch.setattr(HandOver, "unit_done", lambda self, unit, event: real(self, unit, SlowEvent(rng)))
+    if always_last:
+        monkeypatch.setattr(LastForwardForecast, "is_last", lambda self, name: True)
+    folder, reference = saved
+    pipe = load(folder)
+    host_budget = enable_one_expert_in_ram(pipe, tmp_path / "cache")
+    assert all(torch.equal(wan_latents(pipe), reference) for _ in range(3))
+    tier = ft.pipeline_offload(pipe).host_tier.report()
+    assert tier["peak_host_ram_bytes"] <= host_budget
+    assert sum(h["let_go_units"] for h in tier["hand_overs"]) > 0
     pipe.disable_flextensor_offload()
     assert torch.equal(wan_latents(pipe), reference)
