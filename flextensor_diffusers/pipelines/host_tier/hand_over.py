@@ -41,11 +41,18 @@ class LastForwardForecast:
     once, or twice with classifier-free guidance (``do_classifier_free_guidance``: the conditional forward, then
     the unconditional one). So a forward is the expert's last when its step is the last of the expert's run in
     ``scheduler.timesteps`` and it is the step's last forward. A pipeline without that rule gets no forecast
-    (None: nothing is handed over)."""
+    (nothing is handed over).
+
+    Nothing here synchronises the device: the timesteps (on the GPU) are read once per generation, when the
+    scheduler's tensor of them is a new one, and the step is counted from the pipeline's ``_current_timestep``, a
+    new tensor at each step and the same one for both forwards of a step."""
 
     def __init__(self, pipeline: Any) -> None:
         self.pipeline = pipeline
-        self._step: tuple[str, float] | None = None  # the expert and timestep of the forwards counted
+        self._timesteps: object = None  # the scheduler's tensor the steps below were read from
+        self._steps: list[float] = []
+        self._step_index = -1
+        self._step_timestep: object = None  # the pipeline's ``_current_timestep`` of the forwards counted
         self._forwards = 0  # forwards so far at that step
 
     @staticmethod
@@ -62,16 +69,20 @@ class LastForwardForecast:
         trained = getattr(getattr(scheduler, "config", None), "num_train_timesteps", None)
         if timestep is None or timesteps is None or trained is None or name not in ("transformer", "transformer_2"):
             return False
-        now = float(timestep)
-        step = (name, now)
-        self._forwards = self._forwards + 1 if step == self._step else 1
-        self._step = step
+        if timesteps is not self._timesteps:  # a new generation's schedule: one copy to the host
+            self._timesteps, self._steps = timesteps, [float(t) for t in timesteps.tolist()]
+            self._step_index, self._step_timestep = -1, None
+        if timestep is not self._step_timestep:
+            self._step_index, self._step_timestep, self._forwards = self._step_index + 1, timestep, 0
+        self._forwards += 1
+        if self._step_index >= len(self._steps):
+            return False
         boundary = pipeline.config.boundary_ratio * trained
         expert_of = {True: "transformer", False: "transformer_2"}
-        steps = [float(t) for t in timesteps]
-        if now not in steps or expert_of[now >= boundary] != name:
+        now = self._steps[self._step_index]
+        if expert_of[now >= boundary] != name:
             return False
-        after = steps[steps.index(now) + 1 :]
+        after = self._steps[self._step_index + 1 :]
         last_step = not after or expert_of[after[0] >= boundary] != name
         per_step = 2 if getattr(pipeline, "do_classifier_free_guidance", False) else 1
         return last_step and self._forwards == per_step
