@@ -110,8 +110,8 @@ class HandOver:
     the event, then, under the host tier's ``lock``, lets the payload go (`HostCopies.let_go_payload`) and calls
     ``on_room``. Meanwhile the handle's loads ask `gate` first: a unit let go is taken back from the file at once
     (the forecast was wrong: ``on_wrong`` first stops the reads into the room, so the budget holds, and nothing
-    more is let go until the switch), one still waiting for its event stays in RAM. `finish` ends it (at the switch, or
-    any call that needs the component's state settled)."""
+    more is let go until the switch), one still waiting for its event stays in RAM. `finish` ends it (at the
+    switch, or any call that needs the component's state settled)."""
 
     def __init__(
         self,

@@ -63,8 +63,8 @@ class ReadAheads:
         logger.debug("host tier: the read ahead of %s was given up", name)
 
     def top_up(self, active: str) -> None:
-        """RAM was freed while ``active`` runs (`hand_over`): the first read ahead expected goes on into it (none
-        moves out here: this runs on the hand-over's thread)."""
+        """RAM was freed while ``active`` runs (`hand_over`): the read aheads expected go on into it, in order, as
+        `after` lets them (none moves out here: this runs on the hand-over's thread)."""
         chain = self._order.expected_chain(active, self._placement.handles)
         wanted = [name for name in chain if self._may_read_ahead(name)]
         if list(self._jobs) != wanted[: len(self._jobs)]:

@@ -152,7 +152,7 @@ class HostTier:
                 switch.wait_s += switch.bring_in_s
 
     def hand_over(self, handle: OffloadHandle) -> UnitDone | None:
-        """``handle``'s forward beginning now is expected to be its last before a switch (`hand_over`): when it
+        """``handle``'s forward beginning now is expected to be its last before a switch (see `hand_over`): when it
         is compressed only, its payload file holds its payloads, nothing of it is arriving and the component
         expected next waits on disk, its payloads leave RAM one by one as the forward is done with them and the
         read ahead of the next one goes on into that room. What the engine tells of each unit done; None: no
