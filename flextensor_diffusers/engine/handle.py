@@ -153,7 +153,6 @@ class OffloadHandle:
         #: its last forward before a switch.
         self.on_forward: Callable[[OffloadHandle, bool], UnitDone | None] | None = None
         self._unit_done: UnitDone | None = None  # this forward's, from ``on_forward``
-        self._last_calls: dict[int, int] = {}  # unit index -> its last position in this forward's plan
         self.counters = {"discovery": 0, "profiling": 0, "steady": 0, "desyncs": 0, "plans": 0, "activations": 0}
         self.measured_forwards = 0
         self._depth = 0  # nesting of entry calls (AutoencoderKL.forward calls encode and decode)
@@ -311,7 +310,6 @@ class OffloadHandle:
         unit_done = self.on_forward(self, on_plan)
         if unit_done is not None and on_plan:
             self._unit_done = unit_done
-            self._last_calls = {index: pos for pos, index in enumerate(self.schedule.order)}
             self.schedule.last_forward = True
 
     def _take_arrived_payloads(self) -> None:
@@ -396,7 +394,7 @@ class OffloadHandle:
             if self.load_checks is not None:  # before the slot is handed on
                 self._check_load(index, before=False)
             self.phases.current.after_unit(index, self._pos - 1, self._depth > 0)
-            if self._unit_done is not None and self._last_calls.get(index) == self._pos - 1:
+            if self._unit_done is not None and self.schedule.last_calls.get(index) == self._pos - 1:
                 self._tell_unit_done(index)
 
         return exit_

@@ -455,8 +455,8 @@ class HostCopies:
     def let_go_payload(self, unit: Unit) -> bool:
         """Compressed only: ``unit``'s payload leaves RAM for the payload file while the model is active, when
         the file holds it (`CompressedCopies.let_go`; the caller waited for the copies that read it); its next
-        read passes `host_gate` (the caller's), which takes it back. False when it stays (not compressed, not in
-        RAM, or the file does not hold it)."""
+        read passes `host_gate` (the caller's), which takes it back (`read_unit`, `take_unit`). False when it stays
+        (not compressed, not in RAM, or the file does not hold it)."""
         compressed = self.compressed
         if not self.compressed_only or unit.index not in compressed.encoded or unit.index in compressed.waiting:
             return False
@@ -464,11 +464,6 @@ class HostCopies:
             return False
         compressed.let_go(unit.index)
         return True
-
-    def take_back_payload(self, unit: Unit, pin: bool) -> None:
-        """Compressed only: read ``unit``'s payload, let go before, back from the payload file into RAM, now (on
-        the calling thread)."""
-        self.compressed.take(unit.index, *self.compressed.read_payload(unit.index, pin))
 
     @property
     def holds_movable_bytes(self) -> bool:

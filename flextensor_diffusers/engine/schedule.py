@@ -69,6 +69,7 @@ class SteadySchedule:
         #: This forward is the component's last before a switch: loads for the next forward are not issued.
         self.last_forward = False
         self._next_forward_loads: set[int] = set()  # positions whose load is the next forward's (the plan's)
+        self.last_calls: dict[int, int] = {}  # unit index -> the position of its last call in a forward
         self._ready: list[torch.cuda.Event] = []
         self._free: list[torch.cuda.Event] = []
         self._arrived: list[torch.cuda.Event] = []
@@ -81,6 +82,7 @@ class SteadySchedule:
         self._next_forward_loads = {
             pos for pos, load in enumerate(plan.loads) if load is not None and load[1] not in order[pos + 1 :]
         }
+        self.last_calls = {index: pos for pos, index in enumerate(order)}
         if self.cuda:
             # New slots may reuse memory that kernels still queued on the compute stream read.
             compute = torch.cuda.current_stream(self.device)

@@ -189,7 +189,8 @@ class HandOver:
                     "handed over are read back from disk as they are needed (slower, same results)",
                     self.component,
                 )
-            self._handle.host.take_back_payload(unit, self._pin)
+            host_copies = self._handle.host
+            host_copies.take_unit(host_copies.read_unit(unit.index + 1, None, self._pin))
             self._gone.discard(unit.index)
             self.record.taken_back_units += 1
 

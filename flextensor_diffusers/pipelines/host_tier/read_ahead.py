@@ -66,7 +66,7 @@ class ReadAheads:
         """RAM was freed while ``active`` runs (`hand_over`): the read aheads expected go on into it, in order, as
         `after` lets them (none moves out here: this runs on the hand-over's thread)."""
         chain = self._order.expected_chain(active, self._placement.handles)
-        wanted = [name for name in chain if self._may_read_ahead(name)]
+        wanted = [name for name in chain if self.may_read_ahead(name)]
         if list(self._jobs) != wanted[: len(self._jobs)]:
             return  # out of order: `after` sorts it out at the switch
         for name in wanted:
@@ -80,7 +80,7 @@ class ReadAheads:
         then the next generation's first expert). Read aheads kept from before are topped up; a new one is
         only queued behind them when they are the chain's first components in order."""
         chain = self._order.expected_chain(active, self._placement.handles)
-        wanted = [name for name in chain if self._may_read_ahead(name)]
+        wanted = [name for name in chain if self.may_read_ahead(name)]
         if list(self._jobs) != wanted[: len(self._jobs)]:
             self.give_up_all()  # out of order: a paused one would hold a later one up
         for position, name in enumerate(wanted):
@@ -125,9 +125,6 @@ class ReadAheads:
         return True
 
     def may_read_ahead(self, name: str) -> bool:
-        return self._may_read_ahead(name)
-
-    def _may_read_ahead(self, name: str) -> bool:
         """``name`` waits on disk, not active, unedited since it moved out, and its files unchanged."""
         handle = self._placement.handles[name]
         host_copies = handle.host
