@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from torch import nn
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import Phase, compressed_copies, planning
 from flextensor_diffusers.engine.codec import DEVICE_SLICE_BYTES, CodecMismatch, encode_unit
+from flextensor_diffusers.engine.compressed_copies import CompressedCopies
 from flextensor_diffusers.engine.planner import Call, WorkloadProfile, plan_residency, simulate
 from flextensor_diffusers.recipes.models import build_pipeline
 from tests.models import (
@@ -236,8 +238,25 @@ def test_the_planner_loads_raw_what_decodes_slower_than_it_copies() -> None:
     assert plan.predicted_ms == pytest.approx(4 * 7 + 4 * 10 + 1, abs=2)
 
 
-def test_the_recipe_streams_compressed(tmp_path) -> None:
+def payload_reads_end_where_they_begin(monkeypatch) -> None:
+    """The payload file's reads, begun once packing ends (`CompressedCopies.begin_arrival`), are waited for there:
+    the next forward takes them whatever the machine's pace (a component called twice in a row would otherwise race
+    its own reads)."""
+    real = CompressedCopies.begin_arrival
+
+    def begin_and_wait(copies: CompressedCopies) -> None:
+        real(copies)
+        if copies._arrival is not None:
+            while not copies.arrived:
+                time.sleep(0.001)
+
+    monkeypatch.setattr(CompressedCopies, "begin_arrival", begin_and_wait)
+
+
+def test_the_recipe_streams_compressed(tmp_path, monkeypatch) -> None:
     from flextensor_diffusers.recipes import wan22_t2v
+
+    payload_reads_end_where_they_begin(monkeypatch)
 
     argv = ["--random-weights", "tiny", "--device", "cpu", "-q", "--budget", "340000", "--compression", "lossless"]
     argv += ["--compression-cache", "--cache-dir", str(tmp_path / "cache"), "--profile-dir", str(tmp_path / "p")]

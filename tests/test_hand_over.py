@@ -93,6 +93,21 @@ def record_room_at_switches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, 
     return seen
 
 
+def count_payload_file_mappings(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How many times each payload file is mapped from now on (`PayloadCache.map`, which units let go become views
+    of): filled in as the test runs."""
+    mapped: dict[str, int] = {}
+    real = torch.from_file
+
+    def counted(path: str, *args: object, **kwargs: object) -> torch.Tensor:
+        if path.endswith(".payloads"):
+            mapped[path] = mapped.get(path, 0) + 1
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "from_file", counted)
+    return mapped
+
+
 def test_an_expert_hands_its_ram_over_during_its_last_forward_bitwise(saved, tmp_path, monkeypatch) -> None:  # noqa: F811
     """One expert's compressed copies fit in RAM at a time: during each expert's last forward its payloads leave
     RAM unit by unit and the other expert is read ahead into the room, so the switches to the low-noise expert find
@@ -102,6 +117,7 @@ def test_an_expert_hands_its_ram_over_during_its_last_forward_bitwise(saved, tmp
     pipe = load(folder)
     host_budget = enable_one_expert_in_ram(pipe, tmp_path / "cache")
     room = record_room_at_switches(monkeypatch)
+    mapped = count_payload_file_mappings(monkeypatch)
     outs = [wan_latents(pipe) for _ in range(3)]
     assert all(torch.equal(o, reference) for o in outs)
     tier = ft.pipeline_offload(pipe).host_tier.report()
@@ -109,6 +125,7 @@ def test_an_expert_hands_its_ram_over_during_its_last_forward_bitwise(saved, tmp
     handed = tier["hand_overs"]
     assert {h["component"] for h in handed} == set(EXPERTS)
     assert all(h["let_go_units"] > 0 and h["taken_back_units"] == 0 for h in handed)
+    assert sum(h["let_go_units"] for h in handed) > len(mapped) and set(mapped.values()) == {1}  # one map a file
     second = [(allowed, size) for name, allowed, size in room if name == "transformer_2"][1:]  # after a hand-over
     assert second and all(allowed == size for allowed, size in second)
     pipe.disable_flextensor_offload()

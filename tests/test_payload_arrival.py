@@ -12,6 +12,7 @@ from torch import nn
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import Phase
+from flextensor_diffusers.engine.payload_cache import PayloadCache
 from tests.models import assert_same, snapshot
 from tests.test_compression import make, planned_from_fixed_figures
 
@@ -84,6 +85,44 @@ def test_a_set_up_from_the_payload_file_runs_raw_at_once_and_decodes_once_each_p
     handle.remove()
     assert_same(before, model)
     assert list(tmp_path.glob("*.payloads"))  # kept for the next run
+
+
+def test_the_payload_file_is_read_only_once_the_raw_copies_are_packed(tmp_path, monkeypatch) -> None:
+    """Set-up checks the file's header and reads no payload: the reads begin when progressive packing ends (the
+    first forward adopts the last unit), so that they share nothing with set-up and packing; then each payload is
+    read once, and an edit after the reads began keeps none of them."""
+    write_the_file(tmp_path)
+    reads: list[int] = []
+    real = PayloadCache.read_checked
+
+    def counted(cache: PayloadCache, index: int, *args: object) -> torch.Tensor:
+        reads.append(index)
+        return real(cache, index, *args)
+
+    monkeypatch.setattr(PayloadCache, "read_checked", counted)
+    model, x = make(torch.bfloat16)
+    with torch.inference_mode():
+        reference = model(x)
+    handle = offload_cached(model, tmp_path)
+    time.sleep(0.3)  # room for threads, had any been started
+    assert reads == [] and handle.host._progressive is not None and handle.host.compressed.arriving
+    with torch.inference_mode():
+        assert torch.equal(model(x), reference)
+    assert handle.host._progressive is None  # packing over: the reads have begun
+    outs = run_until_payloads_are_taken(handle, model, x)
+    assert all(torch.equal(out, reference) for out in outs)
+    assert sorted(reads) == sorted(u.index for u in handle.units) == sorted(handle.host.compressed.encoded)
+    handle.remove()
+
+    reads.clear()
+    model, x = make(torch.bfloat16)
+    handle = offload_cached(model, tmp_path)
+    with torch.inference_mode():
+        model(x)  # packing over: the reads begin
+    assert handle.host.compressed.arriving
+    assert_an_edit_now_reaches_the_outputs(handle, model, x)
+    assert reads and not handle.host.encoded and handle.payload_cache.describe().startswith("refused: an edit")
+    handle.remove()
 
 
 def test_a_stale_payload_file_is_caught_at_the_first_decoded_load_and_deleted(tmp_path, monkeypatch, caplog) -> None:

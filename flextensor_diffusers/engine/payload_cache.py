@@ -142,6 +142,14 @@ class UnusableCache(Exception):
 _users: dict[Path, int] = {}
 
 
+@dataclass(frozen=True)
+class _Mapping:
+    """`PayloadCache.map`'s views of one mapping, and the file they map (inode, size, modification time)."""
+
+    identity: tuple[int, int, int]
+    views: dict[int, torch.Tensor]
+
+
 class PayloadCache:
     """One model's payload file in ``folder``, named by `weights_key`.
 
@@ -162,6 +170,7 @@ class PayloadCache:
         #: its payloads start.
         self.records: dict[int, CacheRecord] = {}
         self.data_start = 0
+        self._mapping: _Mapping | None = None  # `map`'s views, kept while the file and its records stay the same
 
     def open(self) -> dict[int, CacheRecord]:
         """The file's records by unit index, its header checked (format and key); empty when there is no usable
@@ -182,6 +191,7 @@ class PayloadCache:
             return {}
         self.records = {r.index: r for r in records}
         self.data_start = align(_LENGTH_BYTES + length, FILE_ALIGNMENT)
+        self._mapping = None
         return dict(self.records)
 
     def read_checked(self, index: int, reader: PieceReader = SERIAL) -> torch.Tensor:
@@ -213,6 +223,7 @@ class PayloadCache:
     def close(self) -> None:
         """The model is gone: it no longer uses its file; a file of its own (edited weights) is deleted."""
         wait_for_writes(self.path)
+        self._mapping = None
         _users[self.path] = _users.get(self.path, 1) - 1
         if _users[self.path] <= 0:
             del _users[self.path]
@@ -299,22 +310,29 @@ class PayloadCache:
             raise
         self.records = {r.index: r for r in records}
         self.data_start = data_start
+        self._mapping = None
         self.status = f"{self.status}; written again" if self.status.startswith("refused") else "written"
         return True
 
     def map(self) -> dict[int, torch.Tensor]:
         """Each payload as a view of a read-only private mapping of the file: what stands in for the payloads
         while they wait on disk (file pages, not anonymous memory). Raises when the file is shorter than its
-        records say."""
-        size = self.path.stat().st_size
+        records say. One mapping serves every call while the file (its inode, size and time) and the records
+        stay the same: a component handed over unit by unit asks once per unit."""
+        stat = self.path.stat()
+        identity = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        if self._mapping is not None and self._mapping.identity == identity:
+            return self._mapping.views
         end = max((self.data_start + r.offset + r.payload_nbytes for r in self.records.values()), default=0)
-        if size < end:
+        if stat.st_size < end:
             raise self._truncated()
-        mapped = torch.from_file(str(self.path), shared=False, size=max(size, 1), dtype=torch.uint8)
-        return {
+        mapped = torch.from_file(str(self.path), shared=False, size=max(stat.st_size, 1), dtype=torch.uint8)
+        views = {
             i: mapped[self.data_start + r.offset : self.data_start + r.offset + r.payload_nbytes]
             for i, r in self.records.items()
         }
+        self._mapping = _Mapping(identity, views)
+        return views
 
     def _truncated(self) -> FlexTensorError:
         return FlexTensorError(f"the compressed weights file {self.path} was truncated: enable offload again")

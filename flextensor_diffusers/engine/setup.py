@@ -71,8 +71,8 @@ def packs_progressively(config: OffloadConfig) -> bool:
 
 
 def may_read_payloads_later(config: OffloadConfig) -> bool:
-    """Whether set-up may leave the payload file to be read while the model already runs raw
-    (`CompressedCopies.start_arrival`), packing progressively as without compression: with the payload file
+    """Whether set-up may leave the payload file to be read while the model already runs raw, once progressive
+    packing (as without compression) is over (`CompressedCopies.start_arrival`): with the payload file
     (``compression_cache``), raw copies in RAM (a raw load is then always possible), progressive packing asked and no
     shared weights. Set-up still encodes, and waits, when the file is missing or refused."""
     return (
@@ -121,7 +121,7 @@ class SetUp:
         if may_read_payloads_later(h.config):
             self.payload_cache = self._payload_cache()  # named before packing moves tensors
             if h.host.compressed.start_arrival(self.payload_cache, pin):
-                h.host.start_progressive_packing(pin, self._packed)
+                h.host.start_progressive_packing(pin, self._packed_then_read_payloads)
                 self._finish(shared)
                 return
         if h.config.background_encoding:  # no file to read: encode as units are packed, while the model runs raw
@@ -167,6 +167,11 @@ class SetUp:
     def _packed(self, seconds: float) -> None:
         """Progressive packing is over (the last unit adopted): the time it took, for the report."""
         self.handle.setup_times.pack = 1e3 * seconds
+
+    def _packed_then_read_payloads(self, seconds: float) -> None:
+        """Progressive packing is over: the payload file's reads begin now (`CompressedCopies.begin_arrival`)."""
+        self._packed(seconds)
+        self.handle.host.compressed.begin_arrival()
 
     def undo(self) -> None:
         """Undo what set-up added besides packing: boundaries, state-dict hooks, shared files, the raw file, the
