@@ -5,7 +5,7 @@ the payloads' arrival, looking for an output that is not bitwise equal to native
 Every round offloads the same block stack (`tests.models.Stack`, bf16) with compression and its payload file, and
 runs a few forwards, each compared bitwise with the native model's (the same edits made to both). A round's
 scenario is drawn from its seed: ``clean`` (the payloads arrive, read from the file or, with
-``--background-encoding`` and no file, encoded as units are packed; are proven at their first decoded load, then
+``--background-encoding`` and no file, encoded between forwards; are proven at their first decoded load, then
 decoded by planned loads), ``edit`` (a block is edited at a random forward, while the payloads arrive or after),
 ``stale`` (a weight changed where the file's key does not sample it: found at the first decoded load, the file
 deleted), ``damaged`` (a payload byte flipped on disk: its checksum refuses the file), ``remove`` (the handle
@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' helpers
 import flextensor_diffusers as ft
-from flextensor_diffusers.engine import compressed_copies, device_copies
+from flextensor_diffusers.engine import arrivals, device_copies
 from tests.models import Stack
 from tests.test_compression import planned_from_fixed_figures
 from tests.test_payload_arrival import offload_cached
@@ -141,19 +141,19 @@ def main() -> None:
     patch = pytest.MonkeyPatch()
     planned_from_fixed_figures(patch, compute_ms=10.0)
     sleeps = random.Random(args.seed)
-    real_read = compressed_copies.PayloadArrival._read
-    real_encode = compressed_copies.EncodingArrival._encode
+    real_read = arrivals.PayloadArrival._read
+    real_encode = arrivals.EncodingBetweenForwards._on_host
 
     def slow_read(self: Any, index: int) -> Any:
         time.sleep(sleeps.uniform(0, args.read_sleep))
         return real_read(self, index)
 
-    def slow_encode(self: Any, unit: Any, buffer: Any) -> Any:
-        time.sleep(sleeps.uniform(0, args.read_sleep))
-        return real_encode(self, unit, buffer)
+    def slow_encode(batch: Any) -> Any:
+        time.sleep(sleeps.uniform(0, args.read_sleep) * len(batch))
+        return real_encode(batch)
 
-    patch.setattr(compressed_copies.PayloadArrival, "_read", slow_read)
-    patch.setattr(compressed_copies.EncodingArrival, "_encode", slow_encode)
+    patch.setattr(arrivals.PayloadArrival, "_read", slow_read)
+    patch.setattr(arrivals.EncodingBetweenForwards, "_on_host", staticmethod(slow_encode))
     if args.unproven:
         patch.setattr(device_copies.DeviceCopies, "prove", lambda self, index, slot: self.host.compressed.prove(index))
     folder = Path(tempfile.mkdtemp(prefix="arrival_stress_"))

@@ -132,7 +132,7 @@ def set_up(method: str, model: torch.nn.Module, device: torch.device, budget: in
             # the payloads' file in ``scratch``: the first run writes it, a later one reads it back
             compression_cache=method.endswith(("_cached", "_background")),
             cache_dir=scratch,
-            # with no file to read, encode on host threads while the model streams raw (set-up does not wait)
+            # with no file to read, encode between the forwards while the model streams raw (set-up does not wait)
             background_encoding=method.endswith("_background"),
         )
         return ft.offload(model, config)

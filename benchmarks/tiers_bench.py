@@ -43,12 +43,13 @@ and the trimmed offload report (``report``).
 child process with ``peers.set_up``: ours raw (``raw_s``), FlexTensor 0.5.0 (``flextensor_s``; "not installed"
 when it cannot be imported), ours ``compression="lossless", compression_cache=True`` with an empty cache folder
 (``compressed_first_s``, which writes the payload file) and again with the file there (``compressed_cached_s``),
-then with ``background_encoding=True`` and no file (``compressed_first_background_s``: set-up returns while the
-blocks are encoded on host threads), and ``time_to_first_step_*_s``: wall time from the start of set-up to the end
-of the first forward (synchronised), making its inputs included. Ours raw returns from set-up while its units are
-still packed (progressive packing), so its ``setup_s`` is the call alone and its ``time_to_first_step_s`` counts the
-packing in full. ``forward_s``: the forwards after the first (raw: four; compressed: until planned loads decode,
-then one more), to compare the raw forwards of a compressed set-up with raw's own.
+then with ``background_encoding=True`` and no file (``compressed_first_background_s``: set-up returns and the
+blocks are encoded on the GPU between the raw forwards), and ``time_to_first_step_*_s``: wall time from the start
+of set-up to the end of the first forward (synchronised), making its inputs included. Ours raw returns from set-up
+while its units are still packed (progressive packing), so its ``setup_s`` is the call alone and its
+``time_to_first_step_s`` counts the packing in full. ``forward_s``: the forwards after the first (raw: four;
+compressed: until planned loads decode, then one more), to compare the raw forwards of a compressed set-up with
+raw's own.
 
 **Disk plan.** The GPU machine has ~64 GB of free disk and one expert is 28.6 GB: ``transformer`` is saved once,
 ``transformer_2`` is a folder with its own ``config.json`` whose weight files are symlinks to ``transformer``'s

@@ -1,11 +1,13 @@
 """Set-up without waiting for the encoder (``background_encoding=True``): with no payload file to read, set-up returns
-as a raw one does, each unit is encoded on host threads once it is packed while the model streams raw, and the
-payloads are kept at a forward's start once all are made, each proven byte for byte at its first decoded load
-before planned loads decode it; then the payload file is written for the next set-up."""
+as a raw one does, the units are encoded between the model's forwards (each gap for about as long as the forward
+before it took) while it streams raw, and the payloads are kept at a forward's start once all are made, each proven
+byte for byte at its first decoded load before planned loads decode it; then the payload file is written for the
+next set-up."""
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,8 @@ import torch
 from torch import nn
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.engine import compressed_copies
+from flextensor_diffusers.engine import arrivals
+from flextensor_diffusers.engine.device_encoding import EncodeJob
 from tests.models import assert_same, snapshot
 from tests.test_compression import make, planned_from_fixed_figures
 from tests.test_payload_arrival import (
@@ -68,15 +71,15 @@ def test_a_payload_made_wrong_is_caught_at_its_first_decoded_load(tmp_path, monk
     first decoded load finds it, every payload not proven yet is dropped, that block is loaded raw again, and the
     file is not kept: every output is the model's own."""
     planned_from_fixed_figures(monkeypatch, compute_ms=10.0)
-    real = compressed_copies.EncodingArrival._encode
+    real = arrivals.EncodingBetweenForwards._on_host
 
-    def flipped_for_block_2(self, unit, buffer):
-        made = real(self, unit, buffer)
-        if unit.name == "blocks.2" and made is not None:
-            made.encoded.payload[made.encoded.payload.numel() // 2] ^= 0x20
+    def flipped_for_block_2(batch):
+        made = real(batch)
+        if 2 in made:
+            made[2].encoded.payload[made[2].encoded.payload.numel() // 2] ^= 0x20
         return made
 
-    monkeypatch.setattr(compressed_copies.EncodingArrival, "_encode", flipped_for_block_2)
+    monkeypatch.setattr(arrivals.EncodingBetweenForwards, "_on_host", staticmethod(flipped_for_block_2))
     model, x = make(torch.bfloat16)
     with torch.inference_mode():
         reference = model(x)
@@ -87,6 +90,38 @@ def test_a_payload_made_wrong_is_caught_at_its_first_decoded_load(tmp_path, monk
     assert 2 not in handle.host.encoded and not handle.host.compressed.unproven
     handle.remove()
     assert not list(tmp_path.glob("*.payloads"))  # not kept for the next run: it encodes again
+
+
+def test_units_are_encoded_only_between_forwards_one_at_first_then_for_as_long_as_a_forward(
+    tmp_path, monkeypatch
+) -> None:
+    """Nothing is encoded at set-up nor during a forward; the first gap encodes one unit, and the next ones as many
+    as the forward before took the time of (made slow here: forwards 0.15 s, units 0.04 s: two or three a gap, as
+    the encoder's own time on a busy machine adds to the units')."""
+    encoding_during_a_forward: list[bool] = []
+    real = arrivals.EncodingBetweenForwards._on_host
+
+    def slow(batch: list[EncodeJob]) -> dict:
+        time.sleep(0.04 * len(batch))
+        return real(batch)
+
+    monkeypatch.setattr(arrivals.EncodingBetweenForwards, "_on_host", staticmethod(slow))
+    model, x = make(torch.bfloat16)
+    with torch.inference_mode():
+        reference = model(x)
+    handle = offload_encoding(model, tmp_path, cache=False)
+    encoding = handle.host.compressed._arrival
+    model.blocks[0].register_forward_pre_hook(lambda *_: time.sleep(0.15))
+    model.blocks[0].register_forward_pre_hook(lambda *_: encoding_during_a_forward.append(encoding.encoded_units))
+    assert encoding.encoded_units == 0
+    counts = []
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(model(x), reference)
+            counts.append(encoding.encoded_units)
+    assert encoding_during_a_forward == [0, *counts[:-1]]  # each forward began where the gap before ended
+    assert counts[0] == 1 and 1 + 2 <= counts[1] <= 1 + 3 and counts[2] == 5  # of five units
+    handle.remove()
 
 
 def test_an_edit_while_units_are_encoded_keeps_none_of_their_payloads(tmp_path, caplog) -> None:
@@ -102,7 +137,7 @@ def test_a_failed_encoding_keeps_the_model_raw_with_a_warning(tmp_path, monkeypa
     def fails(*args: object, **kwargs: object) -> object:
         raise MemoryError("no memory for the payload")
 
-    monkeypatch.setattr(compressed_copies, "encode_unit", fails)
+    monkeypatch.setattr(arrivals, "encode_unit", fails)
     model, x = make(torch.bfloat16)
     with torch.inference_mode():
         reference = model(x)
@@ -194,3 +229,43 @@ def test_the_recipe_starts_at_once_and_compresses_while_it_runs(tmp_path) -> Non
     transformer = info["offload_report"]["components"]["transformer"]
     assert info["compression"] == "lossless" and (tmp_path / "x.mp4").stat().st_size > 0
     assert transformer["payload_cache"].startswith(("not written yet", "writing", "written: ")), transformer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_units_are_encoded_between_forwards_within_the_budget_bitwise() -> None:
+    """The CUDA path: a budget under what the device encoder needs for one unit is refused at set-up, naming the
+    budget it needs, the model left as it was; under that budget set-up encodes nothing, the forwards are bitwise
+    while units are encoded on the device between them and once planned loads decode, and the process's peak of
+    allocated device memory stays within the budget throughout."""
+    from tests.models import Stack
+
+    torch.manual_seed(0)
+    model = Stack(dim=1024, depth=24, dtype=torch.bfloat16).eval().requires_grad_(False)  # more than the budget holds
+    x = torch.randint(0, 50, (4, 64), device="cuda")
+    with torch.inference_mode():
+        reference = model.to("cuda")(x).cpu()
+    model.to("cpu")
+    before = snapshot(model)
+    unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    options = dict(include_patterns=["blocks.*"], device="cuda", compression="lossless", background_encoding=True)
+    with pytest.raises(ft.BudgetError, match="between forwards") as refused:
+        ft.offload(model, gpu_budget=2 * unit, **options)
+    assert_same(before, model)
+    budget = refused.value.required_bytes + 4 * unit
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    handle = ft.offload(model, gpu_budget=budget, **options)
+    try:
+        assert not handle.host.encoded
+        with torch.inference_mode():
+            outs = [model(x).cpu() for _ in range(40)]  # about a unit a gap, then discovery and profiling
+        assert all(torch.equal(out, reference) for out in outs)
+        compressed = handle.host.compressed
+        assert compressed.encoded and not compressed.unproven and not compressed.arriving
+        assert handle.plan is not None and handle.plan.compressed
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() <= budget
+    finally:
+        handle.remove()
+    assert_same(before, model)

@@ -513,6 +513,14 @@ def encode_unit(
     return dataclasses.replace(encoded, payload=_download(encoded.payload, pin))
 
 
+def device_encoding_need(unit_bytes: int, slice_bytes: int = DEVICE_SLICE_BYTES) -> int:
+    """The device memory `encode_unit` allocates for a unit of ``unit_bytes`` on a CUDA device, at most (every
+    byte counted as coded): the unit's bytes plus the larger of a slice's temporaries with the coded slices so far,
+    and the payload with the check's decode (see `encode_unit`; a unit smaller than a slice is one slice)."""
+    one_slice = min(slice_bytes, unit_bytes)
+    return unit_bytes + int(max(3.6 * one_slice + 0.7 * unit_bytes, 1.7 * unit_bytes))
+
+
 def _coding_device(device: torch.device | str | None) -> torch.device:
     """The device ``encode_unit`` codes on, a CUDA one with its index: ``flat`` may already lie there, and a
     tensor's device always has an index, so ``cuda`` alone would never compare equal to it."""

@@ -17,21 +17,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from tqdm.auto import tqdm
 
+from .arrivals import EncodingBetweenForwards, PayloadArrival
 from .cache_files import drop_cached_pages_later
 from .codec import CodecMismatch, EncodedUnit, Segment, check_decodes, encode_unit, worth_compressing
 from .device_encoding import DeviceEncoder, EncodeJob
 from .errors import FlexTensorError, OffloadStateError, first_line
-from .file_reads import SERIAL, UNITS_IN_FLIGHT, PieceReader
+from .file_reads import SERIAL, PieceReader
 from .host_memory import host_buffer, page_locked, unpin_in_place
 from .payload_cache import BackgroundWrite, CacheRecord, PayloadCache, UnusableCache
-from .setup_threads import PACK_THREADS, on_threads
+from .setup_threads import on_threads
 from .units import Unit
 
 logger = logging.getLogger(__name__)
@@ -70,9 +69,9 @@ class CompressedCopies:
         #: The peak allocated device memory the device encoder may reach at set-up (None: no bound); the handle
         #: sets its GPU budget.
         self.budget_bytes: int | None = None
-        #: A set-up that did not wait for its payloads: read from the payload file (`start_arrival`) or encoded on
-        #: host threads (`start_encoding`) while the model streams raw.
-        self._arrival: PayloadArrival | EncodingArrival | None = None
+        #: A set-up that did not wait for its payloads (`arrivals`): read from the payload file (`start_arrival`) or
+        #: encoded between forwards (`start_encoding`) while the model streams raw.
+        self._arrival: PayloadArrival | EncodingBetweenForwards | None = None
         #: Payloads kept from the payload file and not yet shown to decode to their unit's weights: no planned load
         #: decodes them until a first decoded load (an on-demand one) compared the result with the weights
         #: (`DeviceCopies.prove`).
@@ -250,17 +249,28 @@ class CompressedCopies:
         if isinstance(self._arrival, PayloadArrival):
             self._arrival.begin()
 
-    def start_encoding(self, cache: PayloadCache | None, pin: bool) -> EncodingArrival:
-        """Set-up without waiting for the encoder (``background_encoding``): each unit is encoded on host threads
-        once its raw copy is packed (the caller passes `EncodingArrival.packed` every packed copy) while the model
-        streams raw; the payloads are kept once all are made (`adopt_arrival`), each to be proven at its first
-        decoded load, and then written to ``cache``'s file."""
+    def start_encoding(self, cache: PayloadCache | None, pin: bool) -> None:
+        """Set-up without waiting for the encoder (``background_encoding``): the units are encoded between the
+        model's forwards (`encode_between_forwards`) while it streams raw, on its device within ``budget_bytes``;
+        the payloads are kept once all are made (`adopt_arrival`), each to be proven at its first decoded load,
+        and then written to ``cache``'s file."""
         self.release()
         self.file, self.pinned = cache, pin
-        self._arrival = EncodingArrival(self.units, pin)
+        jobs = [EncodeJob(unit.index, functools.partial(self._host_of, unit), segments_of(unit)) for unit in self.units]
+        self._arrival = EncodingBetweenForwards(jobs, self.device, pin, self.budget_bytes)
         if cache is not None:
             cache.mark_encoding()
-        return self._arrival
+
+    @property
+    def encoding_between_forwards(self) -> bool:
+        """Units are left to encode between the model's forwards (`start_encoding`)."""
+        return isinstance(self._arrival, EncodingBetweenForwards) and not self._arrival.done
+
+    def encode_between_forwards(self, seconds: float) -> None:
+        """After a forward, the model's device memory given back: encode the next units for about ``seconds``
+        (`EncodingBetweenForwards.encode_for`)."""
+        assert isinstance(self._arrival, EncodingBetweenForwards)
+        self._arrival.encode_for(seconds)
 
     @property
     def arriving(self) -> bool:
@@ -519,163 +529,6 @@ class CompressedCopies:
         for index in indices:
             self.encoded[index] = dataclasses.replace(self.encoded[index], payload=views[index])
             self.waiting.add(index)
-
-
-class PayloadArrival:
-    """The payloads of the payload file, read on threads in unit order (each in pieces: `file_reads`, so that they
-    arrive in that order), each checked against its CRC-32, compared
-    with its weights by ``check(index, encoded)`` when given (the first tensor that differs, None: none) and
-    page-locked in place. A set-up that waits for them takes each in turn (`wait_for`: `CompressedCopies._keep_cached`);
-    one that does not (`CompressedCopies.start_arrival`) takes them all once ``done`` (`take`)."""
-
-    #: The payloads come from the payload file (which then holds them).
-    in_file = True
-
-    def __init__(
-        self,
-        cache: PayloadCache,
-        records: dict[int, CacheRecord],
-        pin: bool,
-        check: Callable[[int, EncodedUnit], str | None] | None = None,
-    ) -> None:
-        self._cache, self._records, self._pin, self._check = cache, records, pin, check
-        self._pieces = ThreadPoolExecutor(PACK_THREADS, thread_name_prefix="flextensor-arrive-piece")
-        self._reader = PieceReader(self._pieces, PACK_THREADS)
-        # each payload read in pieces by all threads, so few at once; but a check on the CPU (a fresh encoding)
-        # is work for every thread
-        in_flight = UNITS_IN_FLIGHT if check is None else PACK_THREADS
-        self._pool = ThreadPoolExecutor(in_flight, thread_name_prefix="flextensor-arrive")
-        self._futures: dict[int, Future[_CachedPayload]] | None = None  # None: not begun
-
-    def begin(self) -> PayloadArrival:
-        """Start the reads (no thread runs before: a set-up that does not wait for them begins them once the raw
-        copies are packed, `CompressedCopies.begin_arrival`); a second call does nothing."""
-        if self._futures is None:
-            self._futures = {index: self._pool.submit(self._read, index) for index in sorted(self._records)}
-        return self
-
-    def _read(self, index: int) -> _CachedPayload:
-        encoded = self._records[index].encoded(self._cache.read_checked(index, self._reader))
-        mismatch = self._check(index, encoded) if self._check is not None else None
-        payload, locked = page_locked(encoded.payload) if self._pin else (encoded.payload, False)
-        return _CachedPayload(dataclasses.replace(encoded, payload=payload), locked, mismatch)
-
-    def wait_for(self, index: int) -> _CachedPayload:
-        """Unit ``index``'s payload once read (the reads begun); raises its read's failure (`UnusableCache`: a short
-        or changed file)."""
-        assert self._futures is not None, "the reads were not begun"
-        return self._futures[index].result()
-
-    @property
-    def done(self) -> bool:
-        """The reads were begun and all ended (read, or failed)."""
-        return self._futures is not None and all(future.done() for future in self._futures.values())
-
-    def take(self) -> tuple[dict[int, _CachedPayload], str | None]:
-        """The payloads read, and the first failure's line (None: none failed): a short or changed file
-        (`UnusableCache`), or no memory; then the file is not used."""
-        assert self._futures is not None, "the reads were not begun"
-        payloads, failure = _results(self._futures)
-        self._shutdown(wait=False)
-        return payloads, failure
-
-    def abandon(self) -> None:
-        """Stop: reads not started are not made; those under way end and their buffers are dropped (unlocked)."""
-        self._shutdown(wait=True)
-        self._futures = {}
-
-    def _shutdown(self, wait: bool) -> None:
-        self._pool.shutdown(wait=wait, cancel_futures=True)  # first: a unit under way waits for its pieces
-        self._pieces.shutdown(wait=wait)
-
-
-class EncodingArrival:
-    """Payloads made on host threads from each unit's raw copy as it is packed (`CompressedCopies.start_encoding`),
-    while the model streams raw; kept like payloads read since set-up (`done`, `take`, `abandon`), unproven.
-
-    A unit packed again (edited in place before its tensors were adopted: `host_copies.ProgressivePacking`) is
-    encoded again, and its newest payload wins. Payloads to be page-locked are copied into buffers of their own
-    mapping first (`host_memory.host_buffer`), which alone may be locked in place."""
-
-    #: The payloads are new: the payload file does not hold them yet.
-    in_file = False
-
-    def __init__(self, units: list[Unit], pin: bool) -> None:
-        self._indices = {unit.index for unit in units}
-        self._pin = pin
-        self._lock = threading.Lock()
-        self._futures: dict[int, Future[_CachedPayload | None]] = {}
-        self._closed = False  # taken or abandoned: a unit packed again later is not encoded here
-        self._pool = ThreadPoolExecutor(PACK_THREADS, thread_name_prefix="flextensor-encode")
-
-    def packed(self, unit: Unit, buffer: torch.Tensor) -> None:
-        """``unit``'s raw copy was packed into ``buffer`` (on a packing thread, or at adoption): encode it. Once the
-        payloads are taken, a unit packed again (edited in place before its adoption) is not: its payload taken is
-        stale, and its first decoded load, which compares it with the weights, drops it."""
-        if unit.index not in self._indices:  # the base: never compressed
-            return
-        with self._lock:
-            if not self._closed:
-                self._futures[unit.index] = self._pool.submit(self._encode, unit, buffer)
-
-    def _encode(self, unit: Unit, buffer: torch.Tensor) -> _CachedPayload | None:
-        encoded = encode_unit(buffer, segments_of(unit))
-        if not worth_compressing(encoded):
-            return None
-        payload, locked = encoded.payload, False
-        if self._pin:
-            own = host_buffer(payload.numel())
-            own.copy_(payload)
-            payload, locked = page_locked(own)
-        return _CachedPayload(dataclasses.replace(encoded, payload=payload), locked, None)
-
-    @property
-    def done(self) -> bool:
-        with self._lock:
-            futures = dict(self._futures)
-        return futures.keys() == self._indices and all(future.done() for future in futures.values())
-
-    def take(self) -> tuple[dict[int, _CachedPayload], str | None]:
-        """The payloads made (units not worth compressing have none), and the first failure's line (None: none)."""
-        with self._lock:
-            self._closed = True
-            futures = dict(self._futures)
-        payloads, failure = _results(futures)
-        self._pool.shutdown(wait=False)
-        return payloads, failure
-
-    def abandon(self) -> None:
-        """Stop: encodings not started are not made; those under way end and their payloads are dropped."""
-        with self._lock:
-            self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._futures = {}
-
-
-def _results(futures: dict[int, Future[_CachedPayload | None]]) -> tuple[dict[int, _CachedPayload], str | None]:
-    """Every future's payload by unit index, in index order (None results, units not worth compressing, left out),
-    and the first failure's line (None: none failed)."""
-    payloads: dict[int, _CachedPayload] = {}
-    failure = None
-    for index, future in sorted(futures.items()):
-        try:
-            made = future.result()
-        except Exception as exc:
-            failure = failure or first_line(exc)
-            continue
-        if made is not None:
-            payloads[index] = made
-    return payloads, failure
-
-
-@dataclasses.dataclass(frozen=True)
-class _CachedPayload:
-    """One payload read from the payload file (`PayloadArrival`): as an `EncodedUnit`, whether it is page-locked in
-    place, and the first tensor its check found different (None: none, or not checked there)."""
-
-    encoded: EncodedUnit
-    locked: bool
-    mismatch: str | None
 
 
 class _InOrder:

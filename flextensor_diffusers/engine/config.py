@@ -176,8 +176,9 @@ class OffloadConfig:
             set-up returns, each unit's tensors freed as it is copied: a pipeline's host tier passes it, since
             it holds host memory to a budget.
         background_encoding: with compression, raw copies in RAM and progressive packing, a set-up that finds no
-            payload file to read returns as a raw one does: each unit is encoded on host threads once it is
-            packed, while the model streams raw, and once all are encoded they are kept at the next forward's start,
+            payload file to read returns as a raw one does: the units are encoded between the model's forwards
+            (on its device, each gap for about as long as the forward before it took: `arrivals`), while it
+            streams raw, and once all are encoded they are kept at the next forward's start,
             each proven byte for byte at its first decoded load before planned loads decode it (as payloads read
             from the file are), and the file is written (``compression_cache``). False (the default) encodes every
             unit before set-up returns, on the GPU where there is one.

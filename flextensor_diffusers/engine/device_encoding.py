@@ -19,8 +19,9 @@ unit is encoded alone (its device memory all freed before the next one crosses),
 time needs, and the next units cross early only where that and three more units fit in ``budget_bytes``
 (`_room_to_overlap`); otherwise one at a time, at the cost of uploads and copies back that do not overlap the
 coding. The peak is read, never reset (the caller may be measuring its own). At set-up a need over the budget is
-refused, naming the budget it takes and ``compression='none'``; after an edit it only warns (``refuse=False``):
-refusing then would leave the edit half done.
+refused, naming the budget it takes and ``compression='none'``; after set-up (an edit, or encoding between
+forwards) it only warns (``refuse=False``): refusing then would leave the edit half done, or stop a model that
+runs.
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ class DeviceEncoder:
         need += int(need * ALLOCATION_SLACK)
         if need > self.budget_bytes and not self.refuse:
             logger.warning(
-                "compressing the weights again after an edit needs %s of device memory, over the budget of %s",
+                "compressing the weights after set-up needs %s of device memory, over the budget of %s",
                 format_bytes(need),
                 format_bytes(self.budget_bytes),
             )

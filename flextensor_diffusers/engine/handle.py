@@ -156,6 +156,7 @@ class OffloadHandle:
         self.counters = {"discovery": 0, "profiling": 0, "steady": 0, "desyncs": 0, "plans": 0, "activations": 0}
         self.measured_forwards = 0
         self._depth = 0  # nesting of entry calls (AutoencoderKL.forward calls encode and decode)
+        self._workload_started = 0.0  # when the outermost entry call began (perf_counter)
         self._pos = 0  # unit calls so far in the current workload call
         self._open_unit: int | None = None  # the unit being called now (units never nest)
         self.clock = Clock(self.device)
@@ -276,6 +277,7 @@ class OffloadHandle:
         self._depth += 1
         if self._depth > 1:  # inside another entry call of this model: one workload
             return
+        self._workload_started = time.perf_counter()
         if self.phase is Phase.OVER_BUDGET and not self.defer_budget_errors:
             self._depth = 0
             raise self.planning.shortfall_error()
@@ -328,6 +330,16 @@ class OffloadHandle:
         if self._depth == 0:
             self.phases.current.end()
             self._end_unit_done()
+            if self.host.compressed.encoding_between_forwards:
+                self._encode_between_forwards()
+
+    def _encode_between_forwards(self) -> None:
+        """``background_encoding``: the workload is over; encode the next units for as long as it took (so the raw
+        forwards meanwhile run at least half as fast), its device memory given back first on CUDA, since the
+        device encoder may take the whole budget (the next forward takes it back: `activate`)."""
+        if self.cuda:
+            self.release()
+        self.host.compressed.encode_between_forwards(time.perf_counter() - self._workload_started)
 
     def _end_unit_done(self) -> None:
         """The forward whose units were told done is over: the next one (if the component runs again after all)

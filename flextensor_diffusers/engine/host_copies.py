@@ -316,20 +316,8 @@ class HostCopies:
         self._payloads_taken: list[int] = []  # units whose payloads were taken back during a payload spill
         self._progressive: ProgressivePacking | None = None  # packing still under way after set-up
         #: Told of each unit's bytes as they are packed, on the thread that packed them (``verify_loads``
-        #: fingerprints them while they are at hand: compressed only, they leave RAM soon after; the background
-        #: encoder encodes them); None: nobody. `tell_packed_also` adds a listener.
+        #: fingerprints them while they are at hand: compressed only, they leave RAM soon after); None: nobody.
         self.on_packed: Callable[[Unit, torch.Tensor], None] | None = None
-
-    def tell_packed_also(self, listener: Callable[[Unit, torch.Tensor], None]) -> None:
-        """``listener`` is told of each unit's packed bytes too (after whoever `on_packed` told before)."""
-        before = self.on_packed
-
-        def both(unit: Unit, buffer: torch.Tensor) -> None:
-            if before is not None:
-                before(unit, buffer)
-            listener(unit, buffer)
-
-        self.on_packed = both
 
     @property
     def positions(self) -> list[Unit]:

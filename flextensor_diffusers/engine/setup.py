@@ -124,10 +124,11 @@ class SetUp:
                 h.host.start_progressive_packing(pin, self._packed_then_read_payloads)
                 self._finish(shared)
                 return
-        if h.config.background_encoding:  # no file to read: encode as units are packed, while the model runs raw
+        if h.config.background_encoding:  # no file to read: encode between forwards, while the model runs raw
             if h.config.compression_cache and self.payload_cache is None:
                 self.payload_cache = self._payload_cache()
-            h.host.tell_packed_also(h.host.compressed.start_encoding(self.payload_cache, pin).packed)
+            h.host.compressed.budget_bytes = h.budget_bytes  # the device encoder's bound
+            h.host.compressed.start_encoding(self.payload_cache, pin)
             h.host.start_progressive_packing(pin, self._packed)
             self._finish(shared)
             return

@@ -230,8 +230,8 @@ def add_memory(parser: argparse.ArgumentParser) -> None:
         "--background-encoding",
         action="store_true",
         help="with --compression lossless and no compressed copies to read (--compression-cache): start at once "
-        "and compress the blocks on host threads while the first generations stream them raw, instead of "
-        "compressing every block on the GPU first (not with a sized --host-budget)",
+        "and compress the blocks on the GPU between the forwards of the first generations, which stream them raw "
+        "meanwhile, instead of compressing every block first (not with a sized --host-budget)",
     )
     parser.add_argument(
         "--verify-loads",

@@ -1,0 +1,235 @@
+"""Compressed copies that arrive after set-up, while the model already streams raw.
+
+A set-up that does not wait for its payloads (`setup.may_read_payloads_later`, ``background_encoding``) leaves
+them to an *arrival*, which `CompressedCopies` keeps once all are here (`CompressedCopies.adopt_arrival`), each
+unproven until its first decoded load compares it with the weights:
+
+- `PayloadArrival`: the payload file, read on threads once progressive packing is over;
+- `EncodingBetweenForwards` (``background_encoding``, no file to read): the units encoded on the model's own
+  thread after its forwards, on its device, each gap for about as long as the forward before it took.
+
+Both answer ``done``, ``take`` (the payloads, and the first failure's line) and ``abandon``; ``in_file`` says
+whether the payload file already holds what arrives.
+
+Why between forwards, and not on host threads beside them as before: on the H200 (call L,
+benchmarks/results/README.md) eight host threads encoding the 40-block Wan2.2 stack beside its raw forwards
+slowed those from 0.5 s to about 2 s each for over a minute, and had not finished by then. A forward that streams
+raw is bound by the copies from page-locked host memory, and the encoder's passes over the weights share the
+memory bus and the CPU with them. Between forwards the encoder shares nothing with a forward, and it runs on the
+device, whose encoder took 82 ms for a 703 MB block on its own there, where one host thread takes seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .codec import EncodedUnit, device_encoding_need, encode_unit, worth_compressing
+from .config import format_bytes
+from .device_encoding import ALLOCATION_SLACK, DeviceEncoder, EncodeJob
+from .errors import BudgetError, first_line
+from .file_reads import UNITS_IN_FLIGHT, PieceReader
+from .host_memory import page_locked
+from .payload_cache import CacheRecord, PayloadCache
+from .setup_threads import PACK_THREADS
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrivingPayload:
+    """One payload that arrived after set-up: as an `EncodedUnit`, whether it is page-locked in place, and the first
+    tensor a check found different (None: none, or not checked there)."""
+
+    encoded: EncodedUnit
+    locked: bool
+    mismatch: str | None = None
+
+
+class PayloadArrival:
+    """The payloads of the payload file, read on threads in unit order (each in pieces: `file_reads`, so that they
+    arrive in that order), each checked against its CRC-32, compared
+    with its weights by ``check(index, encoded)`` when given (the first tensor that differs, None: none) and
+    page-locked in place. A set-up that waits for them takes each in turn (`wait_for`: `CompressedCopies._keep_cached`);
+    one that does not (`CompressedCopies.start_arrival`) takes them all once ``done`` (`take`)."""
+
+    #: The payloads come from the payload file (which then holds them).
+    in_file = True
+
+    def __init__(
+        self,
+        cache: PayloadCache,
+        records: dict[int, CacheRecord],
+        pin: bool,
+        check: Callable[[int, EncodedUnit], str | None] | None = None,
+    ) -> None:
+        self._cache, self._records, self._pin, self._check = cache, records, pin, check
+        self._pieces = ThreadPoolExecutor(PACK_THREADS, thread_name_prefix="flextensor-arrive-piece")
+        self._reader = PieceReader(self._pieces, PACK_THREADS)
+        # each payload read in pieces by all threads, so few at once; but a check on the CPU (a fresh encoding)
+        # is work for every thread
+        in_flight = UNITS_IN_FLIGHT if check is None else PACK_THREADS
+        self._pool = ThreadPoolExecutor(in_flight, thread_name_prefix="flextensor-arrive")
+        self._futures: dict[int, Future[ArrivingPayload]] | None = None  # None: not begun
+
+    def begin(self) -> PayloadArrival:
+        """Start the reads (no thread runs before: a set-up that does not wait for them begins them once the raw
+        copies are packed, `CompressedCopies.begin_arrival`); a second call does nothing."""
+        if self._futures is None:
+            self._futures = {index: self._pool.submit(self._read, index) for index in sorted(self._records)}
+        return self
+
+    def _read(self, index: int) -> ArrivingPayload:
+        encoded = self._records[index].encoded(self._cache.read_checked(index, self._reader))
+        mismatch = self._check(index, encoded) if self._check is not None else None
+        payload, locked = page_locked(encoded.payload) if self._pin else (encoded.payload, False)
+        return ArrivingPayload(dataclasses.replace(encoded, payload=payload), locked, mismatch)
+
+    def wait_for(self, index: int) -> ArrivingPayload:
+        """Unit ``index``'s payload once read (the reads begun); raises its read's failure (`UnusableCache`: a short
+        or changed file)."""
+        assert self._futures is not None, "the reads were not begun"
+        return self._futures[index].result()
+
+    @property
+    def done(self) -> bool:
+        """The reads were begun and all ended (read, or failed)."""
+        return self._futures is not None and all(future.done() for future in self._futures.values())
+
+    def take(self) -> tuple[dict[int, ArrivingPayload], str | None]:
+        """The payloads read, and the first failure's line (None: none failed): a short or changed file
+        (`UnusableCache`), or no memory; then the file is not used."""
+        assert self._futures is not None, "the reads were not begun"
+        payloads, failure = _results(self._futures)
+        self._shutdown(wait=False)
+        return payloads, failure
+
+    def abandon(self) -> None:
+        """Stop: reads not started are not made; those under way end and their buffers are dropped (unlocked)."""
+        self._shutdown(wait=True)
+        self._futures = {}
+
+    def _shutdown(self, wait: bool) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=True)  # first: a unit under way waits for its pieces
+        self._pieces.shutdown(wait=wait)
+
+
+class EncodingBetweenForwards:
+    """The payloads of ``jobs``' units made while the model streams raw, between its forwards (see the module
+    docstring): after each forward the handle gives its device memory back and calls `encode_for` with the time
+    that forward took, which encodes the next units in order for about that long, at least one, as many as the
+    units encoded before say fit (one, the first time).
+
+    On a CUDA ``device`` each unit goes through the `DeviceEncoder` (checked there as it is made, page-locked in
+    place when ``pin``) within ``budget_bytes``; on the CPU through the host encoder. Units not worth compressing
+    get no payload. A failure (no memory, a check that fails) ends the encoding: `take` reports it and the model
+    streams raw."""
+
+    #: The payloads are new: the payload file does not hold them yet.
+    in_file = False
+
+    def __init__(self, jobs: list[EncodeJob], device: torch.device, pin: bool, budget_bytes: int | None) -> None:
+        self._jobs = jobs
+        self._device = device
+        self._pin = pin
+        self._budget_bytes = budget_bytes
+        if device.type == "cuda":  # one unit alone over the budget: refused at set-up, before anything is packed
+            self._check_room(jobs, held=0)
+        self._next = 0  # jobs[:_next] are encoded
+        self._made: dict[int, ArrivingPayload] = {}
+        self._failure: str | None = None
+        self._seconds_per_unit: float | None = None  # measured by the gaps so far
+
+    @property
+    def done(self) -> bool:
+        """Every unit encoded, or the encoding failed."""
+        return self._failure is not None or self._next == len(self._jobs)
+
+    @property
+    def encoded_units(self) -> int:
+        """How many units were encoded so far (kept or not worth it)."""
+        return self._next
+
+    def encode_for(self, seconds: float) -> None:
+        """Encode the next units for about ``seconds`` (at least one), on the caller's thread. Interrupted (Ctrl-C),
+        the units of this call are encoded again at the next."""
+        if self.done:
+            return
+        count = 1 if self._seconds_per_unit is None else max(1, int(seconds / self._seconds_per_unit))
+        batch = self._jobs[self._next : self._next + count]
+        started = time.perf_counter()
+        try:
+            made = self._on_device(batch) if self._device.type == "cuda" else self._on_host(batch)
+        except Exception as exc:  # the model streams raw: `take` says why
+            self._failure = first_line(exc)
+            return
+        self._seconds_per_unit = (time.perf_counter() - started) / len(batch)
+        self._made.update(made)
+        self._next += len(batch)
+
+    def _check_room(self, jobs: list[EncodeJob], held: int) -> None:
+        """Raise `BudgetError` when encoding the largest of ``jobs`` beside the ``held`` bytes the process holds on
+        the device would go over the budget (`codec.device_encoding_need`, which counts every byte as coded)."""
+        if self._budget_bytes is None or not jobs:
+            return
+        need = held + max(device_encoding_need(sum(s.nbytes for s in job.segments)) for job in jobs)
+        need += int(need * ALLOCATION_SLACK)
+        if need > self._budget_bytes:
+            raise BudgetError(
+                f"background_encoding=True compresses the weights on {self._device} between forwards, which needs "
+                f"{format_bytes(need)} of device memory there, over the budget of {format_bytes(self._budget_bytes)}"
+                f": pass a budget of at least {need} bytes, or compression='none' (--compression none) to stream "
+                "the weights raw",
+                required_bytes=need,
+            )
+
+    def _on_device(self, batch: list[EncodeJob]) -> dict[int, ArrivingPayload]:
+        """``batch`` through the device encoder (refused first when it would take the process over the budget), its
+        working memory given back to the device afterwards (the next forward's slots are allocated anew, as at
+        set-up)."""
+        self._check_room(batch, held=torch.cuda.memory_allocated(self._device))
+        encoder = DeviceEncoder(
+            self._device, lock=self._pin, keep=worth_compressing, budget_bytes=self._budget_bytes, refuse=False
+        )
+        try:
+            return {done.index: ArrivingPayload(done.encoded, done.locked) for done in encoder.encode(batch)}
+        finally:
+            torch.cuda.empty_cache()
+
+    @staticmethod
+    def _on_host(batch: list[EncodeJob]) -> dict[int, ArrivingPayload]:
+        """``batch`` through the host encoder (the model runs on the CPU: nothing to page-lock)."""
+        made: dict[int, ArrivingPayload] = {}
+        for job in batch:
+            encoded = encode_unit(job.flat(), job.segments)
+            if worth_compressing(encoded):
+                made[job.index] = ArrivingPayload(encoded, locked=False)
+        return made
+
+    def take(self) -> tuple[dict[int, ArrivingPayload], str | None]:
+        """The payloads made, and the failure's line (None: none failed)."""
+        made, self._made = self._made, {}
+        return made, self._failure
+
+    def abandon(self) -> None:
+        """Encode no more; the payloads made so far are dropped (those locked in place are unlocked as their
+        mappings go: `host_memory.host_buffer`)."""
+        self._made = {}
+        self._next = len(self._jobs)
+
+
+def _results(futures: dict[int, Future[ArrivingPayload]]) -> tuple[dict[int, ArrivingPayload], str | None]:
+    """Every future's payload by unit index, in index order, and the first failure's line (None: none failed)."""
+    payloads: dict[int, ArrivingPayload] = {}
+    failure = None
+    for index, future in sorted(futures.items()):
+        try:
+            payloads[index] = future.result()
+        except Exception as exc:
+            failure = failure or first_line(exc)
+    return payloads, failure
