@@ -10,6 +10,9 @@
 #   tiers        tiers_bench.py on the full Wan2.2 pipeline, configurations $TIERS_CONFIGS (default: the reference
 #                and the compressed 32 GiB tier, which verifies every load: issue 25's reproduction), no set-up
 #                block, the package's log lines timestamped          -> $OUT/tiers_h200.json, .log
+#   setup        tiers_bench.py's set-up block on the 40-block stack: raw, FlexTensor, compressed first, from the
+#                payload file and encoded between forwards, each run's later forwards for $PHASE_MIN_S (default 50) s
+#                                                             -> $OUT/tiers_setup_h200.json, .log
 # Each step runs under its own time limit (seconds, env STEP_LIMIT_S, default 420; the tests' own TESTS_LIMIT_S
 # when set) so that one hung step cannot take the whole call; the code's commit is written to $OUT/code.txt.
 set -uo pipefail
@@ -33,6 +36,8 @@ for step in "$@"; do
     tiers) TIERS_BENCH_LOG=INFO timeout "$limit" python3 benchmarks/tiers_bench.py --no-setup \
         --configs "${TIERS_CONFIGS:-ram_raw,host32_compressed}" --time-limit $((limit - 15)) \
         --out "$OUT/tiers_h200.json" >"$OUT/tiers_h200.log" 2>&1 ;;
+    setup) timeout "$limit" python3 benchmarks/tiers_bench.py --setup-only --phase-min-s "${PHASE_MIN_S:-50}" \
+        --time-limit $((limit - 15)) --out "$OUT/tiers_setup_h200.json" >"$OUT/tiers_setup_h200.log" 2>&1 ;;
     *) echo "unknown step $step" ;;
   esac
   echo "step $step: exit $? after $(($(date +%s) - start)) s" | tee -a "$OUT/code.txt"

@@ -21,10 +21,11 @@ device, whose encoder took 82 ms for a 703 MB block on its own there, where one 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -122,13 +123,13 @@ class PayloadArrival:
 class EncodingBetweenForwards:
     """The payloads of ``jobs``' units made while the model streams raw, between its forwards (see the module
     docstring): after each forward the handle gives its device memory back and calls `encode_for` with the time
-    that forward took, which encodes the next units in order for about that long, at least one, as many as the
-    units encoded before say fit (one, the first time).
+    that forward took, which encodes the next units in order until the next one, at the pace of those before it,
+    would take longer than that (at least one a gap).
 
-    On a CUDA ``device`` each unit goes through the `DeviceEncoder` (checked there as it is made, page-locked in
+    On a CUDA ``device`` the units go through the `DeviceEncoder` (each checked there as it is made, page-locked in
     place when ``pin``) within ``budget_bytes``; on the CPU through the host encoder. Units not worth compressing
-    get no payload. A failure (no memory, a check that fails) ends the encoding: `take` reports it and the model
-    streams raw."""
+    get no payload. A failure (no room, no memory, a check that fails) ends the encoding: `take` reports it and the
+    model streams raw."""
 
     #: The payloads are new: the payload file does not hold them yet.
     in_file = False
@@ -143,7 +144,6 @@ class EncodingBetweenForwards:
         self._next = 0  # jobs[:_next] are encoded
         self._made: dict[int, ArrivingPayload] = {}
         self._failure: str | None = None
-        self._seconds_per_unit: float | None = None  # measured by the gaps so far
 
     @property
     def done(self) -> bool:
@@ -157,20 +157,22 @@ class EncodingBetweenForwards:
 
     def encode_for(self, seconds: float) -> None:
         """Encode the next units for about ``seconds`` (at least one), on the caller's thread. Interrupted (Ctrl-C),
-        the units of this call are encoded again at the next."""
+        the unit under way is encoded again at the next call."""
         if self.done:
             return
-        count = 1 if self._seconds_per_unit is None else max(1, int(seconds / self._seconds_per_unit))
-        batch = self._jobs[self._next : self._next + count]
         started = time.perf_counter()
+        encode = self._on_device if self._device.type == "cuda" else self._on_host
         try:
-            made = self._on_device(batch) if self._device.type == "cuda" else self._on_host(batch)
+            with contextlib.closing(encode(self._jobs[self._next :])) as units:
+                for count, (index, made) in enumerate(units, start=1):
+                    if made is not None:
+                        self._made[index] = made
+                    self._next += 1
+                    elapsed = time.perf_counter() - started
+                    if elapsed + elapsed / count > seconds:  # the next unit would end after the gap's time
+                        break
         except Exception as exc:  # the model streams raw: `take` says why
             self._failure = first_line(exc)
-            return
-        self._seconds_per_unit = (time.perf_counter() - started) / len(batch)
-        self._made.update(made)
-        self._next += len(batch)
 
     def _check_room(self, jobs: list[EncodeJob], held: int) -> None:
         """Raise `BudgetError` when encoding the largest of ``jobs`` beside the ``held`` bytes the process holds on
@@ -188,28 +190,29 @@ class EncodingBetweenForwards:
                 required_bytes=need,
             )
 
-    def _on_device(self, batch: list[EncodeJob]) -> dict[int, ArrivingPayload]:
-        """``batch`` through the device encoder (refused first when it would take the process over the budget), its
-        working memory given back to the device afterwards (the next forward's slots are allocated anew, as at
-        set-up)."""
-        self._check_room(batch, held=torch.cuda.memory_allocated(self._device))
+    def _on_device(self, jobs: list[EncodeJob]) -> Iterator[tuple[int, ArrivingPayload | None]]:
+        """Each of ``jobs``' units through the device encoder, in order, with its payload (None: not worth it);
+        refused first when that would take the process over the budget. Closed early, the unit under way is
+        dropped; the encoder's working memory goes back to the device either way (the next forward's slots are
+        allocated anew, as after set-up)."""
+        self._check_room(jobs, held=torch.cuda.memory_allocated(self._device))
         encoder = DeviceEncoder(
-            self._device, lock=self._pin, keep=worth_compressing, budget_bytes=self._budget_bytes, refuse=False
+            self._device, lock=self._pin, keep=lambda _encoded: True, budget_bytes=self._budget_bytes, refuse=False
         )
         try:
-            return {done.index: ArrivingPayload(done.encoded, done.locked) for done in encoder.encode(batch)}
+            for done in encoder.encode(jobs):
+                made = ArrivingPayload(done.encoded, done.locked) if worth_compressing(done.encoded) else None
+                yield done.index, made
         finally:
             torch.cuda.empty_cache()
 
     @staticmethod
-    def _on_host(batch: list[EncodeJob]) -> dict[int, ArrivingPayload]:
-        """``batch`` through the host encoder (the model runs on the CPU: nothing to page-lock)."""
-        made: dict[int, ArrivingPayload] = {}
-        for job in batch:
+    def _on_host(jobs: list[EncodeJob]) -> Iterator[tuple[int, ArrivingPayload | None]]:
+        """Each of ``jobs``' units through the host encoder, in order, with its payload (None: not worth it); the
+        model runs on the CPU: nothing to page-lock."""
+        for job in jobs:
             encoded = encode_unit(job.flat(), job.segments)
-            if worth_compressing(encoded):
-                made[job.index] = ArrivingPayload(encoded, locked=False)
-        return made
+            yield job.index, ArrivingPayload(encoded, locked=False) if worth_compressing(encoded) else None
 
     def take(self) -> tuple[dict[int, ArrivingPayload], str | None]:
         """The payloads made, and the failure's line (None: none failed)."""

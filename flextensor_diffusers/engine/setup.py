@@ -1,12 +1,13 @@
 """Set-up: everything offloading adds to a model, done in one place and undone in one place.
 
 In order: host buffers packed (or attached to another process's shared ones) and page-locked (raw copies only:
-while the model is already in use, `packs_progressively`), compressed copies
-made while later units are still packed (with ``raw_copies="disk"`` each unit's raw bytes leave RAM for its raw
-home as soon as its payload is made, the packing kept a few units ahead of the encoder), the
-boundaries that route the model's and its units' calls to the handle, ``state_dict`` hooks that read host
-copies. Any failure undoes all of it (`SetUp.undo`, with the host copies restored by the handle), so a model
-that could not be offloaded is left as it was.
+while the model is already in use, `packs_progressively`), compressed copies made while later units are still
+packed (with ``raw_copies="disk"`` each unit's raw bytes leave RAM for its raw home as soon as its payload is made,
+the packing kept a few units ahead of the encoder), the boundaries that route the model's and its units' calls to
+the handle, ``state_dict`` hooks that read host copies. A set-up that does not wait for its compressed copies
+leaves them to an `arrivals` object: the payload file, read once packing is over, or (``background_encoding``) the
+encoder between forwards. Any failure undoes all of it (`SetUp.undo`, with the host copies restored by the
+handle), so a model that could not be offloaded is left as it was.
 """
 
 from __future__ import annotations
