@@ -251,7 +251,7 @@ def test_on_a_gpu_units_are_encoded_between_forwards_within_the_budget_bitwise()
     unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
     options = dict(include_patterns=["blocks.*"], device="cuda", compression="lossless", background_encoding=True)
     with pytest.raises(ft.BudgetError, match="between forwards") as refused:
-        ft.offload(model, gpu_budget=2 * unit, **options)
+        ft.offload(model, gpu_budget=3 * unit, **options)  # over the streaming minimum (~2.2 units)
     assert_same(before, model)
     budget = refused.value.required_bytes + 4 * unit
     torch.cuda.synchronize()
