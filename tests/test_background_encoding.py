@@ -17,6 +17,7 @@ from torch import nn
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import arrivals
+from flextensor_diffusers.engine.codec import Segment, device_encoding_need
 from flextensor_diffusers.engine.device_encoding import EncodeJob
 from tests.models import Stack, assert_same, snapshot
 from tests.test_compression import make, planned_from_fixed_figures
@@ -125,6 +126,22 @@ def test_units_are_encoded_only_between_forwards_each_gap_for_about_as_long_as_t
     gaps = [after - before for before, after in zip([0, *encoded_after], encoded_after, strict=False)]
     assert all(2 <= gap <= 5 for gap in gaps), gaps
     handle.remove()
+
+
+def test_a_budget_under_the_device_encoders_need_for_one_unit_is_refused_naming_it() -> None:
+    """What the device encoder needs for a 703 MB Wan2.2 block is `encode_unit`'s documented peak (~1.9 GB); a CUDA
+    set-up whose budget cannot hold it for the largest unit is refused with one line naming the budget it needs
+    (checked before anything touches a device: this runs on the CPU too), and that budget is accepted."""
+    block = 703_000_000
+    assert 1.85e9 < device_encoding_need(block) < 1.95e9
+    jobs = [EncodeJob(i, torch.empty, [Segment(0, size, torch.bfloat16)]) for i, size in enumerate((block, block // 2))]
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(ft.BudgetError) as refused:
+        arrivals.EncodingBetweenForwards(jobs, cuda, pin=False, budget_bytes=2**30)
+    message, need = str(refused.value), refused.value.required_bytes
+    assert "\n" not in message and f"pass a budget of at least {need} bytes" in message
+    assert need >= device_encoding_need(block)
+    assert not arrivals.EncodingBetweenForwards(jobs, cuda, pin=False, budget_bytes=need).done
 
 
 def test_an_edit_while_units_are_encoded_keeps_none_of_their_payloads(tmp_path, caplog) -> None:
