@@ -144,6 +144,42 @@ def test_a_budget_under_the_device_encoders_need_for_one_unit_is_refused_naming_
     assert not arrivals.EncodingBetweenForwards(jobs, cuda, pin=False, budget_bytes=need).done
 
 
+def test_ctrl_c_while_units_are_encoded_between_forwards_goes_on_at_the_next_forward(tmp_path, monkeypatch) -> None:
+    """Ctrl-C in a gap (the model call that ended it raises KeyboardInterrupt): the units encoded before it are kept,
+    the one under way is encoded again after the next forward, every later forward is bitwise, and in the end every
+    unit's payload is kept and proven."""
+    planned_from_fixed_figures(monkeypatch, compute_ms=10.0)
+    real = arrivals.EncodingBetweenForwards._on_host
+    interrupted: list[int] = []
+
+    def ctrl_c_at_unit_3_once(jobs: list[EncodeJob]) -> Iterator[tuple[int, object]]:
+        for job in jobs:
+            if job.index == 3 and not interrupted:
+                interrupted.append(job.index)
+                raise KeyboardInterrupt
+            yield from real([job])
+
+    monkeypatch.setattr(arrivals.EncodingBetweenForwards, "_on_host", staticmethod(ctrl_c_at_unit_3_once))
+    model, x = make(torch.bfloat16)
+    with torch.inference_mode():
+        reference = model(x)
+    handle = offload_encoding(model, tmp_path, cache=False)
+    encoding = handle.host.compressed._arrival
+    raised = []
+    with torch.inference_mode():
+        while not interrupted:
+            try:
+                assert torch.equal(model(x), reference)
+            except KeyboardInterrupt:
+                raised.append(encoding.encoded_units)
+    assert raised == [3] and handle.host.compressed.arriving  # units 0-2 kept, unit 3 not
+    outs = run_until_payloads_are_taken(handle, model, x)
+    assert all(torch.equal(out, reference) for out in outs)
+    compressed = handle.host.compressed
+    assert compressed.encoded.keys() == {u.index for u in handle.units} and not compressed.unproven
+    handle.remove()
+
+
 def test_an_edit_while_units_are_encoded_keeps_none_of_their_payloads(tmp_path, caplog) -> None:
     model, x = make(torch.bfloat16)
     handle = offload_encoding(model, tmp_path)
