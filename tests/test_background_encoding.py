@@ -125,6 +125,7 @@ def test_units_are_encoded_only_between_forwards_each_gap_for_about_as_long_as_t
     assert encoded_when_a_forward_began == [0, *encoded_after[:-1]]  # none during a forward
     gaps = [after - before for before, after in zip([0, *encoded_after], encoded_after, strict=False)]
     assert all(2 <= gap <= 5 for gap in gaps), gaps
+    assert handle.setup_times.compress >= 1e3 * 0.1 * encoded_after[-1]  # the gaps, summed, in the report
     handle.remove()
 
 

@@ -337,9 +337,14 @@ class OffloadHandle:
         """``background_encoding``: the workload is over; encode the next units for as long as it took (so the raw
         forwards meanwhile run at least half as fast), its device memory given back first on CUDA, since the
         device encoder may take the whole budget (the next forward takes it back: `activate`)."""
+        gap_started = time.perf_counter()
         if self.cuda:
             self.release()
-        self.host.compressed.encode_between_forwards(time.perf_counter() - self._workload_started)
+        try:
+            self.host.compressed.encode_between_forwards(gap_started - self._workload_started)
+        finally:
+            gap_ms = 1e3 * (time.perf_counter() - gap_started)
+            self.setup_times.compress = (self.setup_times.compress or 0.0) + gap_ms
 
     def _end_unit_done(self) -> None:
         """The forward whose units were told done is over: the next one (if the component runs again after all)

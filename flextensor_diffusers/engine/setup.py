@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 @dataclass
 class SetupTimes:
     """Where set-up time went (ms): unit layout, copies into the flat buffers and their page-locking (with
-    compression they overlap ``compress``), hooks."""
+    compression they overlap ``compress``), hooks. With ``background_encoding`` ``compress`` is the gaps between
+    forwards the encoding took so far, summed (after set-up returned)."""
 
     layout: float = 0.0
     pack: float = 0.0
