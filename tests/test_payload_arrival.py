@@ -119,9 +119,9 @@ def test_the_payload_file_is_read_only_once_the_raw_copies_are_packed(tmp_path, 
     handle = offload_cached(model, tmp_path)
     with torch.inference_mode():
         model(x)  # packing over: the reads begin
-    assert handle.host.compressed.arriving
+    assert handle.host.compressed.arriving and handle.host.compressed._arrival._futures is not None  # begun
     assert_an_edit_now_reaches_the_outputs(handle, model, x)
-    assert reads and not handle.host.encoded and handle.payload_cache.describe().startswith("refused: an edit")
+    assert not handle.host.encoded and handle.payload_cache.describe().startswith("refused: an edit")
     handle.remove()
 
 
