@@ -137,9 +137,10 @@ class EncodingBetweenForwards:
         self._device = device
         self._pin = pin
         self._budget_bytes = budget_bytes
-        if device.type == "cuda":  # one unit alone over the budget: refused at set-up, before anything is packed
-            self._check_room(jobs, held=0)
+        self._needs = [device_encoding_need(job.nbytes) for job in jobs]  # device memory each job's encoding takes
         self._next = 0  # jobs[:_next] are encoded
+        if device.type == "cuda":  # one unit alone over the budget: refused at set-up, before anything is packed
+            self._check_room(held=0)
         self._made: dict[int, ArrivingPayload] = {}
         self._failure: str | None = None
 
@@ -172,12 +173,14 @@ class EncodingBetweenForwards:
         except Exception as exc:  # the model streams raw: `take` says why
             self._failure = first_line(exc)
 
-    def _check_room(self, jobs: list[EncodeJob], held: int) -> None:
-        """Raise `BudgetError` when encoding the largest of ``jobs`` beside the ``held`` bytes the process holds on
-        the device would go over the budget (`codec.device_encoding_need`, which counts every byte as coded)."""
-        if self._budget_bytes is None or not jobs:
+    def _check_room(self, held: int) -> None:
+        """Raise `BudgetError` when encoding the largest of the units left beside the ``held`` bytes the process
+        holds on the device would go over the budget (`codec.device_encoding_need`, which counts every byte as
+        coded)."""
+        left = self._needs[self._next :]
+        if self._budget_bytes is None or not left:
             return
-        need = held + max(device_encoding_need(sum(s.nbytes for s in job.segments)) for job in jobs)
+        need = held + max(left)
         need += int(need * ALLOCATION_SLACK)
         if need > self._budget_bytes:
             raise BudgetError(
@@ -193,7 +196,7 @@ class EncodingBetweenForwards:
         refused first when that would take the process over the budget. Closed early, the unit under way is
         dropped; the encoder's working memory goes back to the device either way (the next forward's slots are
         allocated anew, as after set-up)."""
-        self._check_room(jobs, held=torch.cuda.memory_allocated(self._device))
+        self._check_room(held=torch.cuda.memory_allocated(self._device))
         encoder = DeviceEncoder(
             self._device, lock=self._pin, keep=lambda _encoded: True, budget_bytes=self._budget_bytes, refuse=False
         )

@@ -95,6 +95,11 @@ class EncodeJob:
     flat: Callable[[], torch.Tensor]
     segments: list[Segment]
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the unit's tensors: what the encoder codes."""
+        return sum(segment.nbytes for segment in self.segments)
+
 
 class DeviceEncoder:
     """Encodes units one after another on ``device``, each checked there (``verify``), and brings back to
@@ -181,7 +186,7 @@ class DeviceEncoder:
         peak = torch.cuda.max_memory_allocated(self.device)
         if peak <= peak_before:
             return False
-        sizes = [sum(segment.nbytes for segment in job.segments) for job in jobs]
+        sizes = [job.nbytes for job in jobs]
         largest = max(sizes)
         need = held_before + -(-(peak - held_before) * largest // max(sizes[0], 1))
         need += int(need * ALLOCATION_SLACK)
