@@ -1,43 +1,46 @@
 #!/usr/bin/env bash
 # One device call of GPU proof: the GPU tests and the chosen benchmarks, each bounded, logs and JSON under $OUT.
 # Usage on the device (carry .whl): bash benchmarks/gpu_proof.sh STEP... where STEP is one of
-#   tests        python3 -m pytest -q -m gpu tests (or $TESTS) -> $OUT/gpu_tests_h200.log
-#   engine17     engine_bench.py, 17 frames, 3 budgets        -> $OUT/engine17_h200.json, .log
-#   engine       engine_bench.py, 81 and 17 frames, 3 budgets -> $OUT/engine_h200.json, .log
-#   compile17    compile_bench.py, 17 frames                  -> $OUT/compile17_h200.json, .log
+#   tests        python3 -m pytest -q -m gpu tests (or $TESTS) -> $OUT/gpu_tests_<card>.log
+#   engine17     engine_bench.py, 17 frames, 3 budgets        -> $OUT/engine17_<card>.json, .log
+#   engine       engine_bench.py, 81 and 17 frames, 3 budgets -> $OUT/engine_<card>.json, .log
+#   compile17    compile_bench.py, 17 frames                  -> $OUT/compile17_<card>.json, .log
 #   fingerprint  fingerprint_bench.py: one verify_loads check's time and memory, before and now
-#                                                             -> $OUT/fingerprint_h200.json, .log
+#                                                             -> $OUT/fingerprint_<card>.json, .log
 #   tiers        tiers_bench.py on the full Wan2.2 pipeline, configurations $TIERS_CONFIGS (default: the reference
 #                and the compressed 32 GiB tier, which verifies every load: issue 25's reproduction), no set-up
-#                block, the package's log lines timestamped          -> $OUT/tiers_h200.json, .log
+#                block, the package's log lines timestamped          -> $OUT/tiers_<card>.json, .log
 #   setup        tiers_bench.py's set-up block on the 40-block stack: raw, FlexTensor, compressed first, from the
 #                payload file and encoded between forwards, each run's later forwards for $PHASE_MIN_S (default 50) s
-#                                                             -> $OUT/tiers_setup_h200.json, .log
+#                                                             -> $OUT/tiers_setup_<card>.json, .log
 # Each step runs under its own time limit (seconds, env STEP_LIMIT_S, default 420; the tests' own TESTS_LIMIT_S
 # when set) so that one hung step cannot take the whole call; the code's commit is written to $OUT/code.txt.
 set -uo pipefail
 source benchmarks/device_setup.sh || exit 1
 limit=${STEP_LIMIT_S:-420}
+# The card in the files' names (h100, h200): a call may get either, and timings compare only within one card.
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'h100|h200|a100|l40s?' | head -1 | tr '[:upper:]' '[:lower:]')
+card=${card:-gpu}
 git rev-parse HEAD >"$OUT/code.txt" 2>/dev/null || echo "no git" >"$OUT/code.txt"
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv >>"$OUT/code.txt"
 for step in "$@"; do
   start=$(date +%s)
   case "$step" in
     tests) timeout "${TESTS_LIMIT_S:-$limit}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf ${TESTS:-tests} \
-        >"$OUT/gpu_tests_h200.log" 2>&1 ;;
+        >"$OUT/gpu_tests_${card}.log" 2>&1 ;;
     engine17) timeout "$limit" python3 benchmarks/engine_bench.py --workloads 17f_480x272 --budgets 3 --reps 3 \
-        --out "$OUT/engine17_h200.json" >"$OUT/engine17_h200.log" 2>&1 ;;
+        --out "$OUT/engine17_${card}.json" >"$OUT/engine17_${card}.log" 2>&1 ;;
     engine) timeout "$limit" python3 benchmarks/engine_bench.py --budgets 3 --reps 2 \
-        --out "$OUT/engine_h200.json" >"$OUT/engine_h200.log" 2>&1 ;;
+        --out "$OUT/engine_${card}.json" >"$OUT/engine_${card}.log" 2>&1 ;;
     compile17) timeout "$limit" python3 benchmarks/compile_bench.py --workloads 17f_480x272 \
-        --out "$OUT/compile17_h200.json" >"$OUT/compile17_h200.log" 2>&1 ;;
-    fingerprint) timeout "$limit" python3 benchmarks/fingerprint_bench.py --out "$OUT/fingerprint_h200.json" \
-        >"$OUT/fingerprint_h200.log" 2>&1 ;;
+        --out "$OUT/compile17_${card}.json" >"$OUT/compile17_${card}.log" 2>&1 ;;
+    fingerprint) timeout "$limit" python3 benchmarks/fingerprint_bench.py --out "$OUT/fingerprint_${card}.json" \
+        >"$OUT/fingerprint_${card}.log" 2>&1 ;;
     tiers) TIERS_BENCH_LOG=INFO timeout "$limit" python3 benchmarks/tiers_bench.py --no-setup \
         --configs "${TIERS_CONFIGS:-ram_raw,host32_compressed}" --time-limit $((limit - 15)) \
-        --out "$OUT/tiers_h200.json" >"$OUT/tiers_h200.log" 2>&1 ;;
+        --out "$OUT/tiers_${card}.json" >"$OUT/tiers_${card}.log" 2>&1 ;;
     setup) timeout "$limit" python3 benchmarks/tiers_bench.py --setup-only --phase-min-s "${PHASE_MIN_S:-50}" \
-        --time-limit $((limit - 15)) --out "$OUT/tiers_setup_h200.json" >"$OUT/tiers_setup_h200.log" 2>&1 ;;
+        --time-limit $((limit - 15)) --out "$OUT/tiers_setup_${card}.json" >"$OUT/tiers_setup_${card}.log" 2>&1 ;;
     *) echo "unknown step $step" ;;
   esac
   echo "step $step: exit $? after $(($(date +%s) - start)) s" | tee -a "$OUT/code.txt"
