@@ -94,6 +94,7 @@ import json
 import logging
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -188,6 +189,31 @@ SETUP_RUNS = {
     "compressed_first_background": "flextensor_diffusers_lossless_background",
 }
 SETUP_WORKLOAD = "17f_480x272"
+#: The runs ``--setup-repeats`` runs again, in turns, right after the cached one: the targets compare these two,
+#: and one run of each in a different state of the machine (page cache, write-back) was not enough to.
+REPEATED_SETUP_RUNS = ("raw", "compressed_cached")
+
+
+def base_run(run: str) -> str:
+    """The `SETUP_RUNS` name of a run, repeats (``raw#2``) included."""
+    return run.split("#")[0]
+
+
+def setup_runs(args: argparse.Namespace) -> list[str]:
+    """The set-up runs in order: ``--setup-runs`` (default all of `SETUP_RUNS`), with ``--setup-repeats`` more of
+    raw and compressed_cached in turns after the cached one."""
+    chosen = [run for run in SETUP_RUNS if run in args.setup_runs]
+    repeats = [f"{run}#{n}" for n in range(2, args.setup_repeats + 2) for run in REPEATED_SETUP_RUNS]
+    if "compressed_cached" not in chosen:
+        return chosen
+    at = chosen.index("compressed_cached") + 1
+    return chosen[:at] + repeats + chosen[at:]
+
+
+def median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 4) if values else None
+
+
 #: The tiny stack (``peers.py``'s quick check).
 TINY_STACK = StackShape(blocks=2, dim=256, heads=4, ffn=512, small=True)
 #: What a resumed file must share with this run (else ``--redo``).
@@ -836,13 +862,14 @@ SETUP_KEYS = {
 def setup_summary(setup: dict[str, Any], args: argparse.Namespace) -> None:
     """The set-up block's figures from its runs; each run's error under ``errors``."""
     runs = setup.get("runs", {})
-    errors = {}
-    for run, (setup_key, first_key) in SETUP_KEYS.items():
-        record = runs.get(run, {})
-        setup[setup_key] = record.get("setup_s")
-        setup[first_key] = record.get("time_to_first_step_s")
-        if record.get("error"):
-            errors[run] = record["error"]
+    errors = {run: record["error"] for run, record in runs.items() if record.get("error")}
+    for base, (setup_key, first_key) in SETUP_KEYS.items():
+        repeats = [record for run, record in runs.items() if base_run(run) == base and record.get("setup_s")]
+        setup[setup_key] = median([record["setup_s"] for record in repeats])
+        setup[first_key] = median([record["time_to_first_step_s"] for record in repeats])
+        if len(repeats) > 1:  # each repeat's figure, in the order run
+            setup[f"{setup_key}_runs"] = [record["setup_s"] for record in repeats]
+            setup[f"{first_key}_runs"] = [record["time_to_first_step_s"] for record in repeats]
     setup["errors"] = errors
     setup.update(
         stack=vars(args.stack),
@@ -851,7 +878,8 @@ def setup_summary(setup: dict[str, Any], args: argparse.Namespace) -> None:
         scope="setup_s: the set-up call (peers.set_up); time_to_first_step_s: wall time from the start of set-up "
         "to the end of the first forward (its inputs made in between), device synchronised; ours raw packs "
         "progressively (set-up returns while units are packed; the first forward waits for each it reaches); "
-        "one fresh process per run",
+        "one fresh process per run, each after a sync and a page cache drop; with --setup-repeats, raw and "
+        "compressed_cached ran again in turns (runs '<run>#<n>'), and each figure is the median of its runs",
     )
     ours, theirs = setup.get("raw_s"), setup.get("flextensor_s")
     setup["raw_vs_flextensor"] = round(ours / theirs, 3) if ours and theirs else None  # target <= 0.8
@@ -865,9 +893,9 @@ def setup_phase(args: argparse.Namespace, result: dict[str, Any], deadline: floa
     the first one writes in this call)."""
     setup = result["setup"]
     runs = setup.setdefault("runs", {})
-    todo = [run for run in SETUP_RUNS if not runs.get(run, {}).get("complete")]
-    if "compressed_cached" in todo and "compressed_first" not in todo:
-        todo.insert(todo.index("compressed_cached"), "compressed_first")
+    todo = [run for run in setup_runs(args) if not runs.get(run, {}).get("complete")]
+    if any(base_run(run) == "compressed_cached" for run in todo) and "compressed_first" not in todo:
+        todo.insert(next(i for i, run in enumerate(todo) if base_run(run) == "compressed_cached"), "compressed_first")
     if not todo:
         setup_summary(setup, args)
         return
@@ -888,7 +916,11 @@ def setup_phase(args: argparse.Namespace, result: dict[str, Any], deadline: floa
             else:
                 if run == "compressed_first_background":  # no payload file to find: it encodes as it runs
                     empty(cache)  # (the cached run is done with it; the disk holds one payload file at a time)
-                argv = ["--child", "setup", "--setup-run", run, "--scratch", str(cache), *child_argv(args)]
+                # every run starts with no dirty pages to write back and an empty page cache (the first compressed
+                # run writes ~20 GB: its write-back would otherwise fall in the next run's set-up)
+                runs_note = drop_page_cache(sorted(cache.glob("*")))
+                setup["page_cache_drop"] = runs_note
+                argv = ["--child", "setup", "--setup-run", base_run(run), "--scratch", str(cache), *child_argv(args)]
                 data, error = run_child(
                     argv, args.workdir / "scratch" / f"setup_{run}.json", deadline, args.setup_timeout
                 )
@@ -1019,6 +1051,18 @@ def parse_args() -> argparse.Namespace:
         help="GPU budget of the set-up runs (default 2800000000, as peers.py's; tiny 1GiB)",
     )
     parser.add_argument("--setup-timeout", type=float, default=300.0, help="seconds per set-up run")
+    parser.add_argument(
+        "--setup-runs",
+        type=lambda text: [run for run in text.split(",") if run],
+        default=list(SETUP_RUNS),
+        help=f"comma list of the set-up runs, of {', '.join(SETUP_RUNS)} (default: all)",
+    )
+    parser.add_argument(
+        "--setup-repeats",
+        type=int,
+        default=0,
+        help="run raw and compressed_cached this many more times, in turns; each figure is then the median",
+    )
     StackShape.add_arguments(parser)  # the stack of the set-up runs (tiny: a 2-block stack unless given)
     parser.add_argument("--child", choices=("save", "pipeline", "setup"), help=argparse.SUPPRESS)
     parser.add_argument("--config", choices=list(CONFIGS), help=argparse.SUPPRESS)
@@ -1031,6 +1075,9 @@ def parse_args() -> argparse.Namespace:
         parser.error("--out is required")
     if args.no_setup and args.setup_only:
         parser.error("--no-setup and --setup-only exclude each other")
+    unknown_runs = [run for run in args.setup_runs if run not in SETUP_RUNS]
+    if unknown_runs:
+        parser.error(f"unknown --setup-runs {', '.join(unknown_runs)}; of {', '.join(SETUP_RUNS)}")
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown:
