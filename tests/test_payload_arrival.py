@@ -4,6 +4,7 @@ decoded load before any planned load decodes it; a stale or damaged file is neve
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.engine import Phase
+from flextensor_diffusers.engine import Phase, payload_cache
 from flextensor_diffusers.engine.payload_cache import PayloadCache
 from tests.models import assert_same, snapshot
 from tests.test_compression import make, planned_from_fixed_figures
@@ -224,3 +225,42 @@ def test_a_pipeline_set_up_from_its_payload_files_streams_raw_then_compressed_bi
     assert compressed.encoded and not compressed.unproven and not compressed.arriving
     assert transformer.payload_cache.describe().startswith("read: ")
     pipe.disable_flextensor_offload()
+
+
+def test_a_header_whose_tensors_lie_elsewhere_is_refused_and_encoded_again(tmp_path, caplog) -> None:
+    """The header's key matches but one unit's tensors are laid out otherwise (one segment's dtype differs): the
+    file is refused at set-up, saying why, and set-up encodes as with no file."""
+    path = write_the_file(tmp_path)
+    data = bytearray(path.read_bytes())
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    first = header["units"][0]["segments"][0]
+    first[2] = "float16" if first[2] != "float16" else "bfloat16"
+    text = json.dumps(header).encode()
+    assert len(text) <= length
+    data[8 : 8 + length] = text.ljust(length)
+    path.write_bytes(bytes(data))
+    handle = offload_cached(make(torch.bfloat16)[0], tmp_path)
+    assert handle.host.encoded and "lie elsewhere" in caplog.text
+    handle.remove()
+
+
+def test_the_file_keeps_its_key_when_samples_are_read_in_place() -> None:
+    """Set-up reads a contiguous tensor's samples in place (`payload_cache._sample`): the bytes are those a copy of
+    the same values gives, for every dtype and size, so that files written before still match their models."""
+    torch.manual_seed(0)
+    tensors = [
+        torch.randn(3000, dtype=torch.bfloat16),
+        torch.randn(64, 97),
+        torch.randn(5, dtype=torch.float16),
+        torch.randint(0, 255, (10_001,), dtype=torch.uint8),
+        torch.randn(40, 30).t(),  # not contiguous: copied as before
+        torch.randn(0),
+    ]
+    for tensor in tensors:
+        flat = tensor.reshape(-1)
+        count = min(flat.numel(), max(1, payload_cache.SAMPLE_BYTES // flat.element_size()))
+        starts = (0, max(0, flat.numel() // 2 - count // 2), flat.numel() - count)
+        for place, start in enumerate(starts):
+            copied = flat[start : start + count].contiguous().view(torch.uint8).numpy().tobytes()
+            assert payload_cache._sample(tensor, place) == copied

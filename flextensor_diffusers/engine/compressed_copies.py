@@ -45,6 +45,12 @@ def segments_of(unit: Unit) -> list[Segment]:
     return [Segment(p.offset, p.nbytes, p.dtype) for p in unit.tensors]
 
 
+def record_segments_of(unit: Unit) -> list[tuple[int, int, str]]:
+    """`segments_of` as a payload file's header names it (`CacheRecord.segments`): set-up compares the header
+    with this rather than make `Segment`s of every record first."""
+    return [(p.offset, p.nbytes, str(p.dtype).removeprefix("torch.")) for p in unit.tensors]
+
+
 class CompressedCopies:
     """The payloads of a model's units by unit index (``encoded``), and the page-locking that goes with them.
 
@@ -224,8 +230,7 @@ class CompressedCopies:
         if not set(records) <= set(by_index):
             cache.refuse("it names units this model does not have")
             return {}
-        empty = torch.empty(0, dtype=torch.uint8)
-        if any(list(r.encoded(empty).segments) != segments_of(by_index[i]) for i, r in records.items()):
+        if any(list(map(tuple, r.segments)) != record_segments_of(by_index[i]) for i, r in records.items()):
             cache.refuse("its tensors lie elsewhere in the units (other alignment classes or strides)")
             return {}
         return records
