@@ -12,6 +12,7 @@
 #                block, the package's log lines timestamped          -> $OUT/tiers_<card>.json, .log
 #   setup        tiers_bench.py's set-up block on the 40-block stack: raw, FlexTensor, compressed first, from the
 #                payload file and encoded between forwards, each run's later forwards for $PHASE_MIN_S (default 50) s
+#                ($SETUP_RUNS: a comma list of them; $SETUP_REPEATS: raw and the cached set-up that many more times, in turns)
 #                                                             -> $OUT/tiers_setup_<card>.json, .log
 # Each step runs under its own time limit (seconds, env STEP_LIMIT_S, default 420; the tests' own TESTS_LIMIT_S
 # when set) so that one hung step cannot take the whole call; the code's commit is written to $OUT/code.txt.
@@ -40,7 +41,7 @@ for step in "$@"; do
         --configs "${TIERS_CONFIGS:-ram_raw,host32_compressed}" --time-limit $((limit - 15)) \
         --out "$OUT/tiers_${card}.json" >"$OUT/tiers_${card}.log" 2>&1 ;;
     setup) timeout "$limit" python3 benchmarks/tiers_bench.py --setup-only --phase-min-s "${PHASE_MIN_S:-50}" \
-        --time-limit $((limit - 15)) --out "$OUT/tiers_setup_${card}.json" >"$OUT/tiers_setup_${card}.log" 2>&1 ;;
+        ${SETUP_RUNS:+--setup-runs "$SETUP_RUNS"} --setup-repeats "${SETUP_REPEATS:-0}" --time-limit $((limit - 15)) --out "$OUT/tiers_setup_${card}.json" >"$OUT/tiers_setup_${card}.log" 2>&1 ;;
     *) echo "unknown step $step" ;;
   esac
   echo "step $step: exit $? after $(($(date +%s) - start)) s" | tee -a "$OUT/code.txt"
