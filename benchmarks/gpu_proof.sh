@@ -9,10 +9,12 @@
 #                                                             -> $OUT/fingerprint_<card>.json, .log
 #   tiers        tiers_bench.py on the full Wan2.2 pipeline, configurations $TIERS_CONFIGS (default: the reference
 #                and the compressed 32 GiB tier, which verifies every load: issue 25's reproduction), no set-up
-#                block, the package's log lines timestamped          -> $OUT/tiers_<card>.json, .log
+#                block, the package's log lines timestamped; $TIERS_STEPS: the measured generation's steps (default 4)
+#                                                             -> $OUT/tiers_<card>.json, .log
 #   setup        tiers_bench.py's set-up block on the 40-block stack: raw, FlexTensor, compressed first, from the
-#                payload file and encoded between forwards, each run's later forwards for $PHASE_MIN_S (default 50) s
-#                ($SETUP_RUNS: a comma list of them; $SETUP_REPEATS: raw and the cached set-up that many more times, in turns)
+#                payload file and encoded between forwards, each started only with $PHASE_MIN_S (default 50) s of the
+#                limit left; $SETUP_RUNS: a comma list of them; $SETUP_REPEATS: raw and the cached set-up that many
+#                more times, in turns (each figure then the median)
 #                                                             -> $OUT/tiers_setup_<card>.json, .log
 # Each step runs under its own time limit (seconds, env STEP_LIMIT_S, default 420; the tests' own TESTS_LIMIT_S
 # when set) so that one hung step cannot take the whole call; the code's commit is written to $OUT/code.txt.
@@ -38,7 +40,7 @@ for step in "$@"; do
     fingerprint) timeout "$limit" python3 benchmarks/fingerprint_bench.py --out "$OUT/fingerprint_${card}.json" \
         >"$OUT/fingerprint_${card}.log" 2>&1 ;;
     tiers) TIERS_BENCH_LOG=INFO timeout "$limit" python3 benchmarks/tiers_bench.py --no-setup \
-        --configs "${TIERS_CONFIGS:-ram_raw,host32_compressed}" --time-limit $((limit - 15)) \
+        --configs "${TIERS_CONFIGS:-ram_raw,host32_compressed}" ${TIERS_STEPS:+--steps "$TIERS_STEPS"} --time-limit $((limit - 15)) \
         --out "$OUT/tiers_${card}.json" >"$OUT/tiers_${card}.log" 2>&1 ;;
     setup) timeout "$limit" python3 benchmarks/tiers_bench.py --setup-only --phase-min-s "${PHASE_MIN_S:-50}" \
         ${SETUP_RUNS:+--setup-runs "$SETUP_RUNS"} --setup-repeats "${SETUP_REPEATS:-0}" --time-limit $((limit - 15)) --out "$OUT/tiers_setup_${card}.json" >"$OUT/tiers_setup_${card}.log" 2>&1 ;;
