@@ -918,8 +918,7 @@ def setup_phase(args: argparse.Namespace, result: dict[str, Any], deadline: floa
                     empty(cache)  # (the cached run is done with it; the disk holds one payload file at a time)
                 # every run starts with no dirty pages to write back and an empty page cache (the first compressed
                 # run writes ~20 GB: its write-back would otherwise fall in the next run's set-up)
-                runs_note = drop_page_cache(sorted(cache.glob("*")))
-                setup["page_cache_drop"] = runs_note
+                setup["page_cache_drop"] = drop_page_cache(sorted(cache.glob("*")))
                 argv = ["--child", "setup", "--setup-run", base_run(run), "--scratch", str(cache), *child_argv(args)]
                 data, error = run_child(
                     argv, args.workdir / "scratch" / f"setup_{run}.json", deadline, args.setup_timeout

@@ -255,6 +255,7 @@ def test_the_file_keeps_its_key_when_samples_are_read_in_place() -> None:
         torch.randn(5, dtype=torch.float16),
         torch.randint(0, 255, (10_001,), dtype=torch.uint8),
         torch.randn(40, 30).t(),  # not contiguous: copied as before
+        torch.nn.Parameter(torch.randn(700, dtype=torch.bfloat16)[100:], requires_grad=False),  # at an offset
         torch.randn(0),
     ]
     for tensor in tensors:

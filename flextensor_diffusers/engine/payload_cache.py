@@ -121,17 +121,22 @@ def weights_key(fingerprint: str, units: list[Unit]) -> str:
     return digest.hexdigest()
 
 
+#: Tensor types whose bytes lie at ``data_ptr()`` (`_sample` reads them in place).
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def _sample(tensor: torch.Tensor, place: int) -> bytes:
     """`SAMPLE_BYTES` of ``tensor``'s values at its start (``place`` 0), middle (1) or end (2).
 
-    A contiguous tensor in RAM is read in place, with no tensor made per sample: set-up samples three per unit
-    before it returns, and a cached compressed set-up is to cost no more than a raw one."""
+    A plain contiguous tensor in RAM is read in place, with no tensor made per sample: set-up samples three per
+    unit before it returns, and a cached compressed set-up is to cost no more than a raw one. Others (on a device,
+    strided, or a subclass that may hold no storage of its own) are copied."""
     numel, size = tensor.numel(), tensor.element_size()
     count = min(numel, max(1, SAMPLE_BYTES // max(size, 1)))
     start = (0, max(0, numel // 2 - count // 2), numel - count)[place]
     if not count:
         return b""
-    if tensor.device.type == "cpu" and tensor.is_contiguous():
+    if type(tensor) in _PLAIN_TENSORS and tensor.device.type == "cpu" and tensor.is_contiguous():
         return ctypes.string_at(tensor.data_ptr() + start * size, count * size)
     piece = tensor.detach().reshape(-1)[start : start + count].to("cpu").contiguous()
     return piece.view(torch.uint8).numpy().tobytes()
