@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +64,13 @@ STEPS_40 = 40
 OVERHEAD_FORMULA = (
     "overhead_40_steps_pct = 100 * (40 * (tiered_step_s - all_pinned_step_s) + sum(switch_exposed_s)) "
     "/ (40 * all_pinned_step_s), where tiered_step_s and all_pinned_step_s are medians of the measured "
-    "generation's steps that switch no component, and switch_exposed_s[k] is the tiered minus the "
-    "all-pinned duration of the k-th switching step of that generation (its first step, which brings "
-    "the high-noise expert back, and its first low-noise step): a generation of any length switches "
-    "twice, as the measured one"
+    "generation's steady steps, and switch_exposed_s[k] is the tiered minus the all-pinned duration of the "
+    "k-th step that comes once per switch. Those are the steps that switch a component (the generation's first "
+    "step, which brings the high-noise expert back, and its first low-noise step) and, where steps are left "
+    "besides, the steps that end a component's run (the one before each switch, and the last: a component hands "
+    "its RAM over during its last forward); the steady steps are the others. A generation of any length has "
+    "each of those once, as the measured one; with too few steps for steady ones besides (4: every step "
+    "switches or ends a run), the steps that end a run are the steady ones (boundary_rule 'switch steps only')"
 )
 #: Marks a work folder this script made (and may empty).
 MARKER = ".host_tier_bench"
@@ -418,12 +422,35 @@ def child_argv(args: argparse.Namespace) -> list[str]:
     return [*argv, "--sample-ms", str(args.sample_ms)]
 
 
+@dataclass(frozen=True)
+class StepRoles:
+    """Which steps of a generation are steady and which come once per switch (`OVERHEAD_FORMULA`)."""
+
+    steady: list[int]
+    once_per_switch: list[int]
+    rule: str
+
+
+def step_roles(info: dict[str, Any]) -> StepRoles:
+    """The steps that switch a component and end one's run come once per switch, the others are steady; with no
+    steady step left that way, only the switching steps come once (and, with none left either, every step is
+    steady)."""
+    count = len(info["step_s"])
+    switching = sorted(set(info["switch_steps"]))
+    ending = {i - 1 for i in switching if i > 0} | ({count - 1} if count else set())
+    boundary = sorted(set(switching) | ending)
+    steady = [i for i in range(count) if i not in boundary]
+    if steady:
+        return StepRoles(steady, boundary, "switch and run-ending steps")
+    steady = [i for i in range(count) if i not in switching]
+    if steady:
+        return StepRoles(steady, switching, "switch steps only")
+    return StepRoles(list(range(count)), switching, "every step switches")
+
+
 def steady_step_s(info: dict[str, Any]) -> float:
-    """Median of the steps that switch no component (of all steps where every step switches)."""
-    switching = set(info["switch_steps"])
-    return round(
-        statistics.median([d for i, d in enumerate(info["step_s"]) if i not in switching] or info["step_s"]), 4
-    )
+    """Median of the generation's steady steps (`step_roles`)."""
+    return round(statistics.median([info["step_s"][i] for i in step_roles(info).steady]), 4)
 
 
 def summarise_switches(result: dict[str, Any], pinned: dict[str, Any], tiered: dict[str, Any]) -> None:
@@ -443,9 +470,11 @@ def summarise_switches(result: dict[str, Any], pinned: dict[str, Any], tiered: d
     result["cold_evidence"] = {"storage_read_bytes_during_measured": io, "switch_read_bytes_measured": read_bytes}
     if len(p["step_s"]) != len(t["step_s"]):
         return
-    exposed = [round(t["step_s"][i] - p["step_s"][i], 4) for i in t["switch_steps"]]
+    roles = step_roles(t)
+    exposed = [round(t["step_s"][i] - p["step_s"][i], 4) for i in roles.once_per_switch]
     base, step = result["all_pinned_step_s"], result["tiered_step_s"]
     result["switch_exposed_s"] = exposed
+    result["step_roles"] = asdict(roles)
     result["overhead_40_steps_pct"] = round(100 * (STEPS_40 * (step - base) + sum(exposed)) / (STEPS_40 * base), 3)
     result["measured_generation_overhead_pct"] = round(100 * (t["generation_s"] / p["generation_s"] - 1), 3)
 

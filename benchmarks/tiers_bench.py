@@ -33,7 +33,7 @@ Per configuration: ``host_budget_bytes``, ``peak_host_bytes`` (sampled, over loa
 generations), ``stored_host_bytes`` (host copies in RAM, raw and compressed, from ``pipe.flextensor_report()``:
 the largest of the components' ``host_ram_bytes`` summed after enable and after each generation, and of the
 host tier's ``peak_host_ram_bytes``), ``weights_bytes`` (the loaded components' tensors), ``step_s`` (median
-step of the measured generation that switches no expert), ``switch_wait_s`` (the host tier's waits, per
+of the measured generation's steady steps: `host_tier_bench.step_roles`), ``switch_wait_s`` (the host tier's waits, per
 switching step of the measured generation; empty without a host tier), ``overhead_40_steps_pct`` against
 ``ram_raw`` (``host_tier_bench.summarise_switches``: ``ram_raw`` in the all-pinned run's place),
 ``bitwise_equal`` (both generations' latents against ``ram_raw``'s), ``setup_s``, ``time_to_first_step_s``,
