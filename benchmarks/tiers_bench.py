@@ -157,7 +157,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # the unit and how it was loaded); this is the same without, for what verifying costs
     "host32_compressed_unverified": {"host_budget": "32GiB", "compression": "lossless", "verify_loads": False},
     "defaults_64gb": {},
+    # host32_compressed with the hand-over turned off (`WITHOUT_HAND_OVER`): what handing an expert's RAM over
+    # during its last forward costs that forward, beside what it saves the switch after it
+    "host32_compressed_no_hand_over": {"host_budget": "32GiB", "compression": "lossless"},
 }
+#: Configurations whose experts keep their RAM through their last forward: the benchmark clears the pipeline's
+#: last-forward forecast after enable (``pipe._flextensor.last_forward``), so no forward is taken for the last.
+WITHOUT_HAND_OVER = {"host32_compressed_no_hand_over"}
 #: Configurations run as on a machine with less RAM: the parent holds the rest of the machine's RAM (touched
 #: anonymous memory: `ballast`) while the child runs, so that the RAM available is what such a machine has left.
 #: Full size only (the tiny pipeline runs as ``defaults``).
@@ -177,6 +183,7 @@ EXPECTED_S = {
     "ram_compressed": 150,
     "host32_compressed_repeat": 200,
     "host32_compressed_unverified": 200,
+    "host32_compressed_no_hand_over": 200,
 }
 #: Set-up runs on the block stack, in order, and the `peers.set_up` method of each. The two compressed runs share
 #: one cache folder, empty before the first: the first writes the payload file, the second reads it. The folder is
@@ -446,6 +453,9 @@ def child_pipeline(args: argparse.Namespace) -> None:
         with run.phase("enable"), host_copies_only() if args.size == "tiny" else contextlib.nullcontext():
             pipe.enable_flextensor_offload(**options)
         run.out["setup_s"] = round(time.perf_counter() - enable_start, 4)
+        if name in WITHOUT_HAND_OVER:
+            pipe._flextensor.last_forward = None
+            run.out["hand_over"] = "off: the last-forward forecast cleared after enable"
         host["enable"] = host_copies(pipe, args.cache_dir)
         run.save()
         embeds = random_embeddings(pipe, args.seed, device)
