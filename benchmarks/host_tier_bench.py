@@ -70,7 +70,7 @@ OVERHEAD_FORMULA = (
     "besides, the steps that end a component's run (the one before each switch, and the last: a component hands "
     "its RAM over during its last forward); the steady steps are the others. A generation of any length has "
     "each of those once, as the measured one; with too few steps for steady ones besides (4: every step "
-    "switches or ends a run), the steps that end a run are the steady ones (boundary_rule 'switch steps only')"
+    "switches or ends a run), the steps that end a run are the steady ones (step_roles.rule 'switch steps only')"
 )
 #: Marks a work folder this script made (and may empty).
 MARKER = ".host_tier_bench"
