@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -178,10 +180,51 @@ def test_measure_stalls_off_keeps_numerics_and_records_no_stall(device: str) -> 
     assert handle.phase is Phase.STEADY and handle.plan.num_slots >= 2
     stats = handle.stats()
     assert stats.bytes_streamed > 0
+    assert stats.between_units_ms == 0
     if device == "cuda":
         assert stats.stall_ms == 0 and stats.copy_ms == 0
         assert all(u.stall_ms == 0 for u in stats.units)
     handle.remove()
+
+
+class PausingStack(Stack):
+    """A `Stack` whose forward waits ``pause_s`` on the host before each block but the first: time between unit
+    calls that no load explains, as a host thread holding the calling thread back would make."""
+
+    pause_s = 0.0
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[:, : tokens.shape[1]]
+        for i, block in enumerate(self.blocks):
+            if i:
+                time.sleep(self.pause_s)
+            x = block(x)
+        for _ in range(self.repeat):
+            x = self.blocks[1](x)
+        return self.head(x)
+
+
+def between_units_ms(device: str, pause_s: float) -> tuple[float, int]:
+    """Six forwards of a streamed 4-block `PausingStack`: the time between unit calls and the steady forwards."""
+    torch.manual_seed(0)
+    model, x = PausingStack(dim=32, depth=4), torch.randint(0, 50, (2, 16))
+    model.pause_s = pause_s
+    budget = BASE + 3 * unit_bytes(device) + headroom(device, model, x)
+    handle = ft.offload(model, include_patterns=BLOCKS, gpu_budget=budget, device=device)
+    run(model, x, 6, device)
+    stats = handle.stats()
+    handle.remove()
+    return stats.between_units_ms, stats.measured_forwards
+
+
+def test_time_between_unit_calls_shows_a_host_that_falls_behind(device: str) -> None:
+    """``between_units_ms`` counts the steady forwards' time from one unit's compute to the next one's, which no
+    stall counts: three 50 ms host pauses a forward show in full, and without them it stays far below."""
+    paused, forwards = between_units_ms(device, 0.05)
+    assert forwards >= 3
+    assert paused >= 0.9 * forwards * 3 * 50
+    unpaused, _ = between_units_ms(device, 0.0)
+    assert unpaused < 0.2 * paused
 
 
 # ------------------------------------------------------------------------------------ set_budget

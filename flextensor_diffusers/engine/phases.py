@@ -163,6 +163,7 @@ class Steady(PhaseBehaviour):
         h = self.handle
         h.counters["steady"] += 1
         h.measured_forwards += 1
+        h.schedule.forward_ended()
         h.schedule.harvest(wait=False)
 
     def _desync(self, index: int, pos: int, in_workload: bool) -> None:

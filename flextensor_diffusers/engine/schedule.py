@@ -30,7 +30,7 @@ from .profiler import Clock
 class PendingTiming:
     """A pair of clock marks whose interval is folded into the totals once both have completed."""
 
-    kind: Literal["copy", "decode", "stall"]
+    kind: Literal["copy", "decode", "stall", "between"]
     unit: int
     start: Any
     end: Any
@@ -38,11 +38,16 @@ class PendingTiming:
 
 @dataclass
 class TransferTotals:
-    """Copy, decode and stall time since set-up (ms)."""
+    """Copy, decode and stall time since set-up (ms), and the time between units (``between_units_ms``: from the
+    end of one unit's compute to the start of the next one's in the same steady forward, on the compute stream
+    where there is one). That time is the model's own work between its units, and the device idling because the
+    thread that issues the work fell behind: a host thread holding it back (a lock, a driver call) shows there, not
+    in stalls, which are waits for loads."""
 
     copy_ms: float = 0.0
     decode_ms: float = 0.0
     stall_ms: float = 0.0
+    between_units_ms: float = 0.0
     unit_stall_ms: list[float] = field(default_factory=list)
 
 
@@ -75,10 +80,12 @@ class SteadySchedule:
         self._arrived: list[torch.cuda.Event] = []
         self._staging_free: list[torch.cuda.Event] = []
         self._pending: list[PendingTiming] = []
+        self._unit_end: Any = None  # a mark after the last unit call's compute in this forward (measure_stalls)
 
     def follow(self, plan: Plan, order: list[int]) -> None:
         """Start following ``plan`` over freshly laid-out device buffers (not primed yet)."""
         self.plan, self.order, self.primed = plan, order, False
+        self.forward_ended()
         self._next_forward_loads = {
             pos for pos, load in enumerate(plan.loads) if load is not None and load[1] not in order[pos + 1 :]
         }
@@ -108,12 +115,16 @@ class SteadySchedule:
             compute.wait_stream(self.copy_stream)
             compute.wait_stream(self.decode_stream)
         self.primed = False
+        self.forward_ended()
 
     def on_plan(self, index: int, pos: int) -> bool:
         return pos < len(self.order) and self.order[pos] == index
 
     def before(self, index: int) -> None:
         """The compute stream waits until ``index``'s weights are in its slot."""
+        if self.measure_stalls and self._unit_end is not None:
+            self._pending.append(PendingTiming("between", index, self._unit_end, self.clock.mark()))
+            self._unit_end = None
         if self.plan.slot_of[index] is None or not self.cuda:  # type: ignore[union-attr]
             return
         stream = torch.cuda.current_stream(self.device)
@@ -131,9 +142,18 @@ class SteadySchedule:
         slot = plan.slot_of[index]
         if slot is not None and self.cuda:
             self._free[slot].record(torch.cuda.current_stream(self.device))
+        if self.measure_stalls:
+            self.forward_ended()  # (a unit called again before the next one's start: its earlier end is not kept)
+            self._unit_end = self.clock.mark()
         load = plan.loads[pos]
         if load is not None and not (self.last_forward and pos in self._next_forward_loads):
             self.issue(*load)
+
+    def forward_ended(self) -> None:
+        """The forward is over (or left the plan): the time after its last unit call is not between units."""
+        if self._unit_end is not None:
+            self.clock.release(self._unit_end)
+            self._unit_end = None
 
     def end_last_forward(self) -> None:
         """The last forward is over, its loads for the next forward not issued: a next forward primes them."""
@@ -196,6 +216,8 @@ class SteadySchedule:
                 self.totals.copy_ms += ms
             elif timing.kind == "decode":
                 self.totals.decode_ms += ms
+            elif timing.kind == "between":
+                self.totals.between_units_ms += ms
             else:
                 self.totals.stall_ms += ms
                 self.totals.unit_stall_ms[timing.unit] += ms

@@ -40,6 +40,7 @@ class OffloadStats:
     copy_ms: float = 0.0
     decode_ms: float = 0.0  # compressed loads' decodes, on a stream of their own (0 without compression)
     stall_ms: float = 0.0
+    between_units_ms: float = 0.0  # steady forwards' time between unit calls (`schedule.TransferTotals`)
     measured_forwards: int = 0
     peak_allocated_bytes: int | None = None
     plan: dict[str, Any] | None = None
@@ -68,7 +69,8 @@ class OffloadStats:
             f"phase {self.phase} on {self.device}, budget {format_bytes(self.budget_bytes)}, peak allocated {peak}",
             f"streamed {format_bytes(self.bytes_streamed)} in {self.loads} loads; copy {self.copy_ms:.1f} ms, "
             f"decode {self.decode_ms:.1f} ms, "
-            f"stall {self.stall_ms:.1f} ms, overlap {overlap} (steady forwards measured: {self.measured_forwards})",
+            f"stall {self.stall_ms:.1f} ms, overlap {overlap}, between units {self.between_units_ms:.1f} ms "
+            f"(steady forwards measured: {self.measured_forwards})",
         ]
         if self.setup_ms:
             lines.append("set-up " + ", ".join(f"{k} {v:.1f} ms" for k, v in self.setup_ms.items()))
@@ -124,6 +126,7 @@ def collect_stats(handle: OffloadHandle) -> OffloadStats:
         copy_ms=handle.totals.copy_ms,
         decode_ms=handle.totals.decode_ms,
         stall_ms=handle.totals.stall_ms,
+        between_units_ms=handle.totals.between_units_ms,
         measured_forwards=handle.measured_forwards,
         peak_allocated_bytes=torch.cuda.max_memory_allocated(handle.device) if handle.cuda else None,
         plan=handle.plan.summary() if handle.plan else None,

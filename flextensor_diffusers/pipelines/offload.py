@@ -157,6 +157,7 @@ class PipelineOffload:
                 "stall_ms": round(stats.stall_ms, 3),
                 "copy_ms": round(stats.copy_ms, 3),
                 "decode_ms": round(stats.decode_ms, 3),
+                "between_units_ms": round(stats.between_units_ms, 3),
                 "overlap_pct": None if stats.overlap_pct is None else round(stats.overlap_pct, 2),
                 "forwards": stats.forwards,
                 "plan": stats.plan,
