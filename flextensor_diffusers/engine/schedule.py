@@ -103,6 +103,7 @@ class SteadySchedule:
     def prime(self) -> None:
         """Issue the first load of every slot (those not already holding their first unit)."""
         assert self.plan is not None
+        self.forward_ended()  # (after a forward that raised: its last unit's end is no start of this one's gap)
         for slot, index in self.plan.first_loads:
             if self.copies.slot_owner[slot] != index:
                 self.issue(slot, index)
