@@ -9,7 +9,9 @@ launches back, the GPU idles whenever its queue drains: this measures that, apar
 
 The main thread runs the same stream of work in every pattern: ``--units`` rounds of a matmul chain on the
 default stream, each with an H2D copy of a page-locked buffer on a side stream that the next round waits for (as
-a streamed unit's load), timed end to end with the device synchronised. A side thread meanwhile does, per
+a streamed unit's load), timed end to end with the device synchronised; once with the thread at most
+``--ahead`` rounds ahead of the device (a thread that keeps little queued: whatever holds it back idles the
+device), once with no bound (a deep queue hides short holds). A side thread meanwhile does, per
 pattern: nothing (``idle``); copy one unit-sized buffer into another, as much memory traffic as a read and no
 driver call (``host_copy``, the control); lock then unlock unit-sized buffers in turns (``lock_unlock``); and the
 same in pieces of ``--piece-bytes`` (``lock_unlock_pieces``: each driver call shorter). Each pattern runs
@@ -39,10 +41,12 @@ PATTERNS = ("idle", "host_copy", "lock_unlock", "lock_unlock_pieces")
 
 @dataclass(frozen=True)
 class PatternResult:
-    """One side-thread pattern: the main loop's wall times (s), their median over ``idle``'s, and the side
-    thread's driver calls over all repeats."""
+    """One side-thread pattern with the main thread at most ``ahead`` rounds ahead of the device: the main loop's
+    wall times (s), their median over ``idle``'s at the same ``ahead``, and the side thread's driver calls over all
+    repeats."""
 
     pattern: str
+    ahead: int
     loop_s: list[float]
     median_s: float
     vs_idle: float | None
@@ -110,14 +114,20 @@ def side_step(pattern: str, pool: list[torch.Tensor], piece_bytes: int) -> Calla
     return {"lock_unlock": lock_unlock, "lock_unlock_pieces": lock_unlock_pieces, "host_copy": host_copy}[pattern]
 
 
-def main_loop(units: int, weight: torch.Tensor, x: torch.Tensor, source: torch.Tensor, slot: torch.Tensor) -> float:
+def main_loop(
+    units: int, ahead: int, weight: torch.Tensor, x: torch.Tensor, source: torch.Tensor, slot: torch.Tensor
+) -> float:
     """``units`` rounds of compute on the default stream, each with a copy on a side stream that the next waits
-    for; the wall time in seconds, device synchronised."""
+    for, the thread never more than ``ahead`` rounds ahead of the device (0: no bound); the wall time in seconds,
+    device synchronised."""
     copy_stream = torch.cuda.Stream()
     torch.cuda.synchronize()
     start = time.perf_counter()
     y = x
-    for _ in range(units):
+    ends: list[torch.cuda.Event] = []
+    for round_ in range(units):
+        if ahead and round_ >= ahead:
+            ends[round_ - ahead].synchronize()
         with torch.cuda.stream(copy_stream):
             slot.copy_(source, non_blocking=True)
         done = torch.cuda.Event()
@@ -125,6 +135,8 @@ def main_loop(units: int, weight: torch.Tensor, x: torch.Tensor, source: torch.T
         for _ in range(8):
             y = torch.tanh(y @ weight)
         torch.cuda.current_stream().wait_event(done)
+        ends.append(torch.cuda.Event())
+        ends[-1].record()
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
@@ -138,6 +150,12 @@ def main() -> None:
     parser.add_argument("--copy-bytes", type=int, default=256 << 20, help="the main loop's H2D copy per round")
     parser.add_argument("--piece-bytes", type=int, default=32 << 20, help="lock_unlock_pieces' piece size")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--ahead",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[2, 0],
+        help="rounds the main thread may run ahead of the device, each a set of runs (0: no bound; default 2,0)",
+    )
     parser.add_argument("--patterns", default=",".join(PATTERNS), help=f"comma list of {', '.join(PATTERNS)}")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -152,30 +170,32 @@ def main() -> None:
     source = torch.empty(args.copy_bytes, dtype=torch.uint8, pin_memory=True)
     slot = torch.empty(args.copy_bytes, dtype=torch.uint8, device="cuda")
     pool = buffers(args.buffers, args.unit_bytes)
-    main_loop(4, weight, x, source, slot)  # warm-up: kernels chosen, the allocator primed
+    main_loop(4, 0, weight, x, source, slot)  # warm-up: kernels chosen, the allocator primed
     results: list[PatternResult] = []
-    idle_s: float | None = None
-    for pattern in patterns:
-        times, calls = [], 0
-        for _ in range(args.repeats):
-            step = side_step(pattern, pool, args.piece_bytes)
-            if step is None:
-                times.append(main_loop(args.units, weight, x, source, slot))
-                continue
-            with SideThread(step) as side:
-                times.append(main_loop(args.units, weight, x, source, slot))
-            calls += side.calls
-        median = statistics.median(times)
-        idle_s = median if pattern == "idle" else idle_s
-        result = PatternResult(
-            pattern=pattern,
-            loop_s=[round(t, 4) for t in times],
-            median_s=round(median, 4),
-            vs_idle=round(median / idle_s, 4) if idle_s else None,
-            driver_calls=calls,
-        )
-        results.append(result)
-        print(json.dumps(asdict(result)), flush=True)
+    for ahead in args.ahead:
+        idle_s: float | None = None
+        for pattern in patterns:
+            times, calls = [], 0
+            for _ in range(args.repeats):
+                step = side_step(pattern, pool, args.piece_bytes)
+                if step is None:
+                    times.append(main_loop(args.units, ahead, weight, x, source, slot))
+                    continue
+                with SideThread(step) as side:
+                    times.append(main_loop(args.units, ahead, weight, x, source, slot))
+                calls += side.calls
+            median = statistics.median(times)
+            idle_s = median if pattern == "idle" else idle_s
+            result = PatternResult(
+                pattern=pattern,
+                ahead=ahead,
+                loop_s=[round(t, 4) for t in times],
+                median_s=round(median, 4),
+                vs_idle=round(median / idle_s, 4) if idle_s else None,
+                driver_calls=calls,
+            )
+            results.append(result)
+            print(json.dumps(asdict(result)), flush=True)
     out = {
         "benchmark": "page-locking on a side thread against the main thread's GPU work",
         "device": torch.cuda.get_device_name(),
