@@ -4,7 +4,7 @@ For every switch of every configuration's generations it prints: the bytes read 
 the rate of the reads after it (from the switch to the last unit read), how many units the component asked for
 before they were read and the time it spent waiting for them, the first unit it waited for, and the step's
 exposed time beside the tier's own ``wait_s`` and ``bring_in_s``; then the RAM each expert handed over during its
-last forwards (`host_tier.hand_over`).
+last forwards (`host_tier.hand_over`), and each component's time between unit calls per steady forward.
 
 Usage: ``python benchmarks/switch_timeline.py benchmarks/results/tiers_h200.json [--json OUT]``.
 """
@@ -40,6 +40,18 @@ def summarise(timeline: dict[str, Any], record: dict[str, Any] | None) -> dict[s
         "tier_wait_s": None if record is None else record.get("wait_s"),
         "bring_in_s": None if record is None else record.get("bring_in_s"),
     }
+
+
+def between_units(row: dict[str, Any]) -> dict[str, float]:
+    """Each component's time between unit calls per steady forward (``between_units_ms`` of the report; none
+    from code before it was counted)."""
+    components = (row.get("report") or {}).get("components") or {}
+    per_forward = {}
+    for name, component in components.items():
+        steady = (component.get("forwards") or {}).get("steady")
+        if steady and component.get("between_units_ms") is not None:
+            per_forward[name] = round(component["between_units_ms"] / steady, 3)
+    return per_forward
 
 
 def main() -> None:
@@ -78,6 +90,13 @@ def main() -> None:
                     f"  {h['component']}: {h['let_go_bytes'] / 1e9:.2f} GB let go ({h['let_go_units']} units), "
                     f"{h['taken_back_units']} taken back"
                 )
+        between = between_units(row)
+        if between:
+            out[f"{row['config']}/between_units_ms_per_forward"] = between
+            print(
+                f"{row['config']}: between units per steady forward (the device idle or the model's own work): "
+                + ", ".join(f"{name} {ms:.1f} ms" for name, ms in between.items())
+            )
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=1))
 
