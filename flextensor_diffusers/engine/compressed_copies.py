@@ -29,7 +29,7 @@ from .device_encoding import DeviceEncoder, EncodeJob
 from .errors import FlexTensorError, OffloadStateError, first_line
 from .file_reads import SERIAL, PieceReader
 from .host_memory import host_buffer, page_locked, unpin_in_place
-from .payload_cache import BackgroundWrite, CacheRecord, PayloadCache, UnusableCache
+from .payload_cache import BackgroundWrite, CacheRecord, PayloadCache, UnusableCache, header_segments
 from .setup_threads import on_threads
 from .units import Unit
 
@@ -43,12 +43,6 @@ Settled = Callable[[int, bool], None]
 def segments_of(unit: Unit) -> list[Segment]:
     """The codec's view of a unit's flat buffer: where each tensor lies and its dtype."""
     return [Segment(p.offset, p.nbytes, p.dtype) for p in unit.tensors]
-
-
-def record_segments_of(unit: Unit) -> list[tuple[int, int, str]]:
-    """`segments_of` as a payload file's header names it (`CacheRecord.segments`): set-up compares the header
-    with this rather than make `Segment`s of every record first."""
-    return [(p.offset, p.nbytes, str(p.dtype).removeprefix("torch.")) for p in unit.tensors]
 
 
 class CompressedCopies:
@@ -230,7 +224,7 @@ class CompressedCopies:
         if not set(records) <= set(by_index):
             cache.refuse("it names units this model does not have")
             return {}
-        if any(list(map(tuple, r.segments)) != record_segments_of(by_index[i]) for i, r in records.items()):
+        if any(list(map(tuple, r.segments)) != header_segments(by_index[i].tensors) for i, r in records.items()):
             cache.refuse("its tensors lie elsewhere in the units (other alignment classes or strides)")
             return {}
         return records

@@ -36,6 +36,7 @@ import logging
 import os
 import threading
 import zlib
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +48,7 @@ from .errors import FlexTensorError
 from .file_reads import SERIAL, FileSpan, PieceReader
 from .host_memory import host_buffer
 from .setup_threads import PACK_THREADS
-from .units import Unit, align
+from .units import PackedTensor, Unit, align
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,13 @@ FORMAT_VERSION = 2
 SAMPLE_BYTES = 4096
 FILE_ALIGNMENT = 4096
 _LENGTH_BYTES = 8
+
+
+def header_segments(places: Iterable[Segment] | Iterable[PackedTensor]) -> list[tuple[int, int, str]]:
+    """Where a unit's tensors lie as a payload file's header names them (`CacheRecord.segments`): offset, bytes and
+    dtype name. Made from the encoded segments when the file is written, and from the unit's packed tensors when
+    set-up checks a file against the model (no `Segment` made per record)."""
+    return [(p.offset, p.nbytes, str(p.dtype).removeprefix("torch.")) for p in places]
 
 
 @dataclass(frozen=True)
@@ -84,7 +92,7 @@ class CacheRecord:
             payload_nbytes=encoded.payload.numel(),
             raw_nbytes=encoded.raw_nbytes,
             stored_nbytes=encoded.stored_nbytes,
-            segments=[(s.offset, s.nbytes, str(s.dtype).removeprefix("torch.")) for s in encoded.segments],
+            segments=header_segments(encoded.segments),
             chunk=encoded.chunk,
             n16=encoded.n16,
             n32=encoded.n32,
