@@ -29,6 +29,7 @@ from .device_encoding import DeviceEncoder, EncodeJob
 from .errors import FlexTensorError, OffloadStateError, first_line
 from .file_reads import SERIAL, PieceReader
 from .host_memory import host_buffer, page_locked, unpin_in_place
+from .locked_pool import LockedPool
 from .payload_cache import BackgroundWrite, CacheRecord, PayloadCache, UnusableCache, header_segments
 from .setup_threads import on_threads
 from .units import Unit
@@ -76,6 +77,9 @@ class CompressedCopies:
         #: decodes them until a first decoded load (an on-demand one) compared the result with the weights
         #: (`DeviceCopies.prove`).
         self.unproven: set[int] = set()
+        #: Where payloads read back from ``file`` get their page-locked buffers, and where those let go are kept
+        #: locked for the next reads (the host tier's: `locked_pool`); None: each is locked and unlocked itself.
+        self.locked_pool: LockedPool | None = None
 
     def make(
         self, pin: bool, cache: PayloadCache | None = None, settled: Settled | None = None, at_set_up: bool = True
@@ -441,7 +445,8 @@ class CompressedCopies:
         if locked and self.cuda and not copies_done:
             torch.cuda.synchronize(self.device)
         for payload in locked:
-            unpin_in_place(payload)
+            if self.locked_pool is None or not self.locked_pool.keep(payload):
+                unpin_in_place(payload)
         self._registered = [p for p in self._registered if id(p) not in ids]
 
     @property
@@ -502,14 +507,22 @@ class CompressedCopies:
         self.waiting = self.waiting | {index}  # a new set: readers on other threads iterate the old one
 
     def read_payload(self, index: int, pin: bool, reader: PieceReader = SERIAL) -> tuple[torch.Tensor, bool]:
-        """Unit ``index``'s waiting payload in a new RAM buffer (page-locked when ``pin``: in place where CUDA
-        allows, else a pinned copy; True when in place), read from the file in pieces on ``reader``'s threads and
-        checked against its checksum. Changes nothing here: runs on a reader thread while the model waits or
-        computes."""
+        """Unit ``index``'s waiting payload in a RAM buffer (one the `locked_pool` lends, page-locked as the pool's
+        are; else a new one, page-locked when ``pin``: in place where CUDA allows, else a pinned copy; True when lent
+        or locked in place: its owner gives it back with ``unpin_in_place``), read from
+        the file in pieces on ``reader``'s threads and checked against its checksum. Changes nothing here: runs on a
+        reader thread while the model waits or computes."""
         assert self.file is not None
-        buffer = host_buffer(self.file.records[index].payload_nbytes)
-        self.file.read_payload(index, buffer, reader)
-        return page_locked(buffer) if pin else (buffer, False)
+        nbytes = self.file.records[index].payload_nbytes
+        pool = self.locked_pool
+        buffer, lent = pool.take(nbytes) if pool is not None else (host_buffer(nbytes), False)
+        try:
+            self.file.read_payload(index, buffer, reader)
+        except BaseException:
+            if lent:
+                unpin_in_place(buffer)  # back to the pool
+            raise
+        return (buffer, lent) if lent or not pin else page_locked(buffer)
 
     def take(self, index: int, payload: torch.Tensor, locked: bool) -> None:
         """Adopt ``payload`` (from `read_payload`) as unit ``index``'s payload in RAM; the last one taken drops

@@ -34,6 +34,7 @@ import logging
 import mmap
 import os
 import weakref
+from typing import Protocol
 
 import torch
 
@@ -50,14 +51,15 @@ class _Mapping:
     keep it alive (through the ctypes array they were made from), and it unregisters that range before the
     mapping it holds is unmapped (`__del__` runs while ``region`` is still mapped)."""
 
-    __slots__ = ("__weakref__", "locked_at", "region")
+    __slots__ = ("__weakref__", "locked_at", "locked_bytes", "region")
 
     def __init__(self, region: mmap.mmap) -> None:
         self.region = region
         self.locked_at: int | None = None  # the address `pin_in_place` registered, until unregistered
+        self.locked_bytes = 0  # how many bytes from there
 
     def unlock(self) -> None:
-        address, self.locked_at = self.locked_at, None
+        address, self.locked_at, self.locked_bytes = self.locked_at, None, 0
         if address is not None:
             _unregister(address)
 
@@ -68,6 +70,17 @@ class _Mapping:
 
 #: The mapping of each live `host_buffer`, by the buffer's address (entries leave with their mapping).
 _mappings: weakref.WeakValueDictionary[int, _Mapping] = weakref.WeakValueDictionary()
+
+
+class TakesBack(Protocol):
+    """What lends page-locked buffers out (`locked_pool.LockedPool`)."""
+
+    def give_back(self, view: torch.Tensor) -> None: ...
+
+
+#: Buffers a `locked_pool.LockedPool` lent out, by address: `unpin_in_place` gives them back to it instead of
+#: unlocking them, so an owner that unlocks its buffer the usual way hands it on, locked, to the next read.
+lent_by_pool: dict[int, TakesBack] = {}
 
 
 def host_buffer(nbytes: int) -> torch.Tensor:
@@ -128,7 +141,7 @@ def pin_in_place(buffer: torch.Tensor) -> bool:
         return False
     if _code(err) == 0:
         if mapping is not None:
-            mapping.locked_at = buffer.data_ptr()
+            mapping.locked_at, mapping.locked_bytes = buffer.data_ptr(), buffer.numel()
         return True
     logger.warning("cudaHostRegister of %d bytes failed (error %d): they stay pageable", buffer.numel(), _code(err))
     _take_cuda_error()
@@ -143,8 +156,19 @@ def page_locked(buffer: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return buffer.pin_memory(), False
 
 
+def locked_in_place(buffer: torch.Tensor) -> bool:
+    """``buffer`` is a `host_buffer` that `pin_in_place` locked, all of it, and still is."""
+    mapping = _mappings.get(buffer.data_ptr())
+    return mapping is not None and mapping.locked_at == buffer.data_ptr() and mapping.locked_bytes == buffer.numel()
+
+
 def unpin_in_place(buffer: torch.Tensor) -> None:
-    """Undo `pin_in_place` now (its owner knows no copy still reads the buffer)."""
+    """Undo `pin_in_place` now (its owner knows no copy still reads the buffer); a buffer a pool lent goes back to
+    the pool instead, still locked (`lent_by_pool`)."""
+    pool = lent_by_pool.get(buffer.data_ptr())
+    if pool is not None:
+        pool.give_back(buffer)
+        return
     mapping = _mappings.get(buffer.data_ptr())
     if mapping is not None:
         mapping.unlock()

@@ -122,6 +122,7 @@ class ReadJob:
         self.allowed = 0  # main thread: bytes of the order the reader may read
         self.taken_bytes = 0  # main thread: of those, what the host copies adopted (counted there)
         self.running = False  # the reader thread began it
+        self.submitted = 0  # reader thread: units of the order handed to a unit thread
         self.delivered: dict[int, Unit] = {}
         self.delivered_at: dict[int, float] = {}  # when each position was delivered (`clock`)
         self.read_bytes = 0
@@ -148,6 +149,16 @@ class ReadJob:
         """Host RAM this job may hold, not yet counted by the host copies: its allowed units, less those taken."""
         count = self.units_within(self.allowed)
         return (self.ends[count - 1] if count else 0) - self.taken_bytes
+
+    @property
+    def unstarted_bytes(self) -> int:
+        """Of ``reserved_bytes``, those of units not begun yet: reserved, but no buffer holds them so far."""
+        with self._cond:
+            if self.stopped or self.finished or self.error is not None:
+                return 0
+            count = self.units_within(self.allowed)
+            started = self.ends[self.submitted - 1] if self.submitted else 0
+            return max((self.ends[count - 1] if count else 0) - started, 0)
 
     # ------------------------------------------------------------------------------------ main thread
 
@@ -215,6 +226,7 @@ class ReadJob:
                     if self._in_flight == 0:
                         self._busy_since = clock()
                     self._in_flight += 1
+                    self.submitted = n + 1
                 try:
                     pools.units.submit(self._read_one, position, pools.pieces)
                 except BaseException:

@@ -20,6 +20,7 @@ import logging
 
 from ...engine import format_bytes
 from ...engine.errors import FlexTensorError
+from ...engine.locked_pool import LockedPool
 from ..disk_reads import Reader, ReadJob
 from .jobs import read_job
 from .order import ComponentOrder
@@ -32,11 +33,14 @@ logger = logging.getLogger(__name__)
 class ReadAheads:
     """The read aheads under way, by component, in the order expected (the order the reader runs them)."""
 
-    def __init__(self, placement: Placement, reader: Reader, order: ComponentOrder, pin: bool) -> None:
+    def __init__(
+        self, placement: Placement, reader: Reader, order: ComponentOrder, pin: bool, pool: LockedPool
+    ) -> None:
         self._placement = placement
         self._reader = reader
         self._order = order
         self._pin = pin
+        self._pool = pool
         self._jobs: dict[str, ReadJob] = {}
 
     def readings(self) -> list[Reading]:
@@ -101,13 +105,18 @@ class ReadAheads:
 
     def _read_into_room(self, name: str, active: str) -> bool:
         """Let ``name``'s read ahead go as far as the room left: a paused one is topped up, a new one starts
-        when at least one unit fits. False when none does: the components expected later get no room either."""
-        room = self._placement.budget.weights_budget - self._placement.ram_bytes()
+        when at least one unit fits. False when not all of it may be read: the components expected later get no
+        room (a smaller unit of theirs would take what the next unit of ``name`` needs, and hold it at the
+        switch)."""
+        handle = self._placement.handles[name]
         job = self._jobs.get(name)
+        unread = handle.host.arrival_bytes() if job is None else [job.nbytes[p] for p in job.order[job.submitted :]]
+        room = self._placement.budget.weights_budget - self._placement.ram_bytes()
+        room -= self._pool.slack_for(unread)  # room for the larger buffers the pool may make for them
         if job is not None:
             job.allow_more(room)
-            return True
-        job = read_job(name, self._placement.handles[name], self._placement.sources.get(name), self._pin)
+            return job.allowed >= job.total_bytes
+        job = read_job(name, handle, self._placement.sources.get(name), self._pin)
         if room <= 0 or job.units_within(room) == 0:
             return False
         job.allow(room)
@@ -122,7 +131,7 @@ class ReadAheads:
             format_bytes(min(room, packed)),
             format_bytes(packed),
         )
-        return True
+        return job.allowed >= packed
 
     def may_read_ahead(self, name: str) -> bool:
         """``name`` waits on disk, not active, unedited since it moved out, and its files unchanged."""

@@ -24,11 +24,13 @@ def tier_report(
     readings: list[Reading],
     forecasts: list[SwitchForecast],
     hand_overs: list[HandOverRecord],
+    locked_pool: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Budget and where it went (the process's own memory at enable, the reserve, the host copies' share),
     RAM, per component its bytes, where it is, where it waits and its reads; per switch the read, the wait,
     what was read ahead and the read's bandwidth; disk read bandwidth; the reads under way; the forecast of
-    each switch that reads from disk; and the RAM handed over during components' last forwards."""
+    each switch that reads from disk; the RAM handed over during components' last forwards; and the locked pool's
+    buffers and driver calls (`engine.locked_pool`; None when reads are not page-locked)."""
     budget = placement.budget
     read_s = sum(s.read_s for s in switches)
     nbytes = sum(s.nbytes for s in switches)
@@ -51,6 +53,7 @@ def tier_report(
         "reading": [r.as_dict() for r in readings],
         "forecasts": [f.as_dict() for f in forecasts],
         "hand_overs": [h.as_dict() for h in hand_overs],
+        "locked_pool": locked_pool,
         "cache_folder": str(placement.folder),
         "components": components,
     }
@@ -99,6 +102,14 @@ def format_host_tier(tier: dict[str, Any]) -> list[str]:
     ]
     lines += _component_table(tier["components"])
     lines += [_forecast_line(f) for f in tier.get("forecasts", [])]
+    pool = tier.get("locked_pool")
+    if pool:
+        lines.append(
+            f"page-locked buffers handed on: {pool['reused']} reads served without a driver call, "
+            f"{pool['locked']} locked and {pool['unlocked']} unlocked; {pool['lent']} lent "
+            f"({format_bytes(pool['slack_bytes'])} beyond their payloads), {pool['idle']} idle "
+            f"({format_bytes(pool['idle_bytes'])})"
+        )
     return lines
 
 

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ...engine.locked_pool import LockedPool
 from .. import disk_reads
 from ..disk_reads import Reader
 from ..host_budget import HostOverhead
@@ -64,7 +65,10 @@ class HostTier:
         self._seen = ComponentOrder(self.order)
         self._split = TierBudget(budget, overhead)
         self._placement = Placement(self._split, folder, weights_root, reserved=self._reserved_bytes)
-        self._aheads = ReadAheads(self._placement, self._reader, self._seen, pin)
+        #: The buffers of payloads read back and let go, handed on instead of made (and locked and unlocked) per
+        #: unit (`engine.locked_pool`); page-locked when ``pin``.
+        self.locked_pool = LockedPool(page_lock=pin)
+        self._aheads = ReadAheads(self._placement, self._reader, self._seen, pin, self.locked_pool)
         slow = SlowSwitchWarning(budget, self.forecasts)
         self._read_back = ReadBack(self._lock, self._placement, self._reader, self._aheads, slow, pin)
         self._hand_over: HandOver | None = None
@@ -108,13 +112,32 @@ class HostTier:
         return self._read_back.readings() + self._aheads.readings()
 
     def _reserved_bytes(self) -> int:
-        return sum(r.job.reserved_bytes for r in self._readings())
+        """RAM the host copies do not count yet: what the reads under way may still take, and what the locked
+        pool's buffers take beyond the payloads they hold."""
+        return sum(r.job.reserved_bytes for r in self._readings()) + self.locked_pool.slack_bytes
+
+    def _hold_pool(self) -> None:
+        """Before a change of the placement or the reads: no buffer holding more than its read is lent until
+        `_trim_pool` says what room is left (a reader may take one meanwhile)."""
+        self.locked_pool.allow_slack(0)
+
+    def _trim_pool(self) -> None:
+        """After a change of the placement or the reads: lent buffers may hold beyond their reads what is left of
+        the host copies' share, and the locked pool's idle buffers are freed beyond that room and what the reads
+        under way reserved for units they have not begun (which those buffers will hold)."""
+        room = max(self.weights_budget - self._placement.ram_bytes(), 0)
+        self.locked_pool.allow_slack(room)
+        self.locked_pool.trim(room + sum(r.job.unstarted_bytes for r in self._readings()))
 
     def add(self, name: str, handle: OffloadHandle) -> None:
         """Track a component just packed (in RAM): find its weight files, then move others to disk if
         it does not fit with them."""
         with self._lock:
+            self._hold_pool()
+            handle.host.compressed.locked_pool = self.locked_pool
+            self.locked_pool.expect(e.payload.numel() for e in handle.host.encoded.values())
             self._placement.add(name, handle)
+            self._trim_pool()
 
     def check_fits(self) -> None:
         """Once every component is added: refuse a host budget too small for their host copies as kept
@@ -125,7 +148,9 @@ class HostTier:
     def room_for_packing(self, nbytes: int) -> None:
         """Before a component of ``nbytes`` is packed: move others to disk until it fits."""
         with self._lock:
+            self._hold_pool()
             self._placement.make_room(set(), nbytes)
+            self._trim_pool()
 
     def bring_in(self, handle: OffloadHandle) -> None:
         """Before ``handle`` becomes active (the one before is released): the previous component's read
@@ -134,22 +159,30 @@ class HostTier:
         gate). Then the read aheads of the components expected next start or go on (`ReadAheads.after`)."""
         started = disk_reads.clock()
         with self._lock:
-            self._finish_hand_over()
-            name = self._placement.name_of(handle)
-            self._placement.mark_active(name)
-            self._seen.note(name)
-            if self._read_back.serves(name):
-                return  # activated again while its units arrive: the gate still serves them
-            self._read_back.finish()
-            switch = None
-            if handle.host.waiting_on_disk:
-                self._aheads.give_up_before(name)
-                switch = self._read_back.start(name)
-            self._placement.note_peak()
-            self._aheads.after(name)
-            if switch is not None:  # all of it kept the component from computing
-                switch.bring_in_s = disk_reads.clock() - started
-                switch.wait_s += switch.bring_in_s
+            self._hold_pool()
+            try:
+                self._bring_in(handle, started)
+            finally:
+                self._trim_pool()
+
+    def _bring_in(self, handle: OffloadHandle, started: float) -> None:
+        """`bring_in`'s work, under the lock."""
+        self._finish_hand_over()
+        name = self._placement.name_of(handle)
+        self._placement.mark_active(name)
+        self._seen.note(name)
+        if self._read_back.serves(name):
+            return  # activated again while its units arrive: the gate still serves them
+        self._read_back.finish()
+        switch = None
+        if handle.host.waiting_on_disk:
+            self._aheads.give_up_before(name)
+            switch = self._read_back.start(name)
+        self._placement.note_peak()
+        self._aheads.after(name)
+        if switch is not None:  # all of it kept the component from computing
+            switch.bring_in_s = disk_reads.clock() - started
+            switch.wait_s += switch.bring_in_s
 
     def hand_over(self, handle: OffloadHandle) -> UnitDone | None:
         """``handle``'s forward beginning now is expected to be its last before a switch (see `hand_over`): when it
@@ -178,8 +211,10 @@ class HostTier:
 
     def _room_freed(self, active: str) -> None:
         """A payload of ``active`` was handed over: the read ahead of the next component goes on into its room."""
+        self._hold_pool()
         self._aheads.top_up(active)
         self._placement.note_peak()
+        self._trim_pool()
 
     def _finish_hand_over(self) -> None:
         if self._hand_over is not None:
@@ -190,7 +225,10 @@ class HostTier:
         """What `report.tier_report` tells, the switch under way counted up to now."""
         with self._lock:
             self._read_back.note_read_time()
-            return tier_report(self._placement, self.switches, self._readings(), self.forecasts(), self.hand_overs)
+            pool = self.locked_pool.report()
+            return tier_report(
+                self._placement, self.switches, self._readings(), self.forecasts(), self.hand_overs, pool
+            )
 
     def forecasts(self) -> list[SwitchForecast]:
         """A `SwitchForecast` per switch seen so far whose two components do not fit in RAM together (so the
@@ -203,9 +241,11 @@ class HostTier:
         disk as it was), and check the weight files of components waiting in them, which removal reads their
         weights back from (`Placement.check_files_for_removal`)."""
         with self._lock:
+            self._hold_pool()
             self._finish_hand_over()
             self._read_back.give_up()  # first: a read ahead queued behind it is then skipped at once
             self._aheads.give_up_all()
+            self._trim_pool()
             self._placement.check_files_for_removal()
 
     def close(self) -> None:
@@ -216,4 +256,5 @@ class HostTier:
             self._read_back.give_up()
             self._aheads.give_up_all()
             self._reader.close()
+            self.locked_pool.close()
             self._placement.delete_files()
