@@ -11,6 +11,8 @@ the same bytes between host buffers cost 6 % (``benchmarks/results/pin_contentio
 So a `LockedPool` keeps the buffers it is given back still locked (`give_back`) and lends them to the next reads
 (`take`): after the first switch the tier's reads and hand-overs make no driver call. Its invariants:
 
+* **The pool never grows by holding what it cannot use.** A read that no idle buffer fits gets a new one in the
+  place of idle ones (the oldest, as many bytes as it takes), not beside them.
 * **A buffer is lent to one owner at a time**, and only once its owner gave it back; an owner gives a buffer back
   only when no copy issued before still reads it (the same condition as for unlocking it).
 * **A read fits a buffer** when the buffer holds it and is larger by at most a 64th (`fits`, `SLACK_FRACTION`):
@@ -154,6 +156,9 @@ class LockedPool:
             capacity = self.new_capacity(nbytes)
             capacity = capacity if slack_of(capacity, nbytes) <= self._slack_room else rounded(nbytes)
             self._slack_room -= slack_of(capacity, nbytes)  # claimed now: another reader may take meanwhile
+            unfit = self._idle_to_free(capacity)
+        for buffer in unfit:  # a new buffer takes their place, so the pool never holds more than it did
+            self._free(buffer)
         whole = host_buffer(capacity)
         if not self._lock_buffer(whole):
             with self._mutex:
@@ -173,6 +178,14 @@ class LockedPool:
         """What new buffers for reads of ``sizes`` would hold beyond their pages: the room a reader leaves the pool
         when it reads them (`new_capacity`)."""
         return sum(slack_of(self.new_capacity(n), n) for n in sizes if n)
+
+    def _idle_to_free(self, nbytes: int) -> list[_Buffer]:
+        """Idle buffers, oldest first, of at least ``nbytes`` in all (all of them when they hold less), taken out of
+        the idle ones to be freed; the caller holds the mutex."""
+        taken: list[_Buffer] = []
+        while self._idle and sum(b.capacity for b in taken) < nbytes:
+            taken.append(self._idle.pop(0))
+        return taken
 
     def _may_lend(self, capacity: int, nbytes: int) -> bool:
         """A buffer of ``capacity`` may be lent for a read of ``nbytes``: it `fits`, and the budget has room for what
@@ -219,10 +232,8 @@ class LockedPool:
     def trim(self, keep_bytes: int) -> None:
         """Unlock and free idle buffers, oldest first, until those kept take at most ``keep_bytes``: the room the host
         budget leaves for them (see the module docstring)."""
-        freed: list[_Buffer] = []
         with self._mutex:
-            while self._idle and sum(b.capacity for b in self._idle) > keep_bytes:
-                freed.append(self._idle.pop(0))
+            freed = self._idle_to_free(sum(b.capacity for b in self._idle) - keep_bytes)
         for buffer in freed:
             self._free(buffer)
 

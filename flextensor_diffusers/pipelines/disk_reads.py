@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from ..engine import file_reads
 from ..engine.errors import FlexTensorError
 from ..engine.file_reads import PieceReader
+from ..engine.locked_pool import rounded
 
 if TYPE_CHECKING:
     from ..engine import OffloadHandle
@@ -123,6 +124,7 @@ class ReadJob:
         self.taken_bytes = 0  # main thread: of those, what the host copies adopted (counted there)
         self.running = False  # the reader thread began it
         self.submitted = 0  # reader thread: units of the order handed to a unit thread
+        self.landed: set[int] = set()  # positions read (delivered, or freed as the job stopped)
         self.delivered: dict[int, Unit] = {}
         self.delivered_at: dict[int, float] = {}  # when each position was delivered (`clock`)
         self.read_bytes = 0
@@ -152,13 +154,23 @@ class ReadJob:
 
     @property
     def unstarted_bytes(self) -> int:
-        """Of ``reserved_bytes``, those of units not begun yet: reserved, but no buffer holds them so far."""
+        """Of ``reserved_bytes``, those of units not begun yet, in the whole pages their buffers will take: reserved,
+        but no buffer holds them so far."""
         with self._cond:
             if self.stopped or self.finished or self.error is not None:
                 return 0
-            count = self.units_within(self.allowed)
-            started = self.ends[self.submitted - 1] if self.submitted else 0
-            return max((self.ends[count - 1] if count else 0) - started, 0)
+            allowed = self.order[self.submitted : self.units_within(self.allowed)]
+            return sum(rounded(self.nbytes[p]) for p in allowed)
+
+    @property
+    def unlanded_bytes(self) -> int:
+        """Of ``reserved_bytes``, those of units not read yet (not begun, or under way), in whole pages: at least
+        ``unstarted_bytes``, and at most what no buffer holds yet plus what the units under way hold."""
+        with self._cond:
+            if self.stopped or self.finished or self.error is not None:
+                return 0
+            allowed = self.order[: self.units_within(self.allowed)]
+            return sum(rounded(self.nbytes[p]) for p in allowed if p not in self.landed)
 
     # ------------------------------------------------------------------------------------ main thread
 
@@ -268,6 +280,8 @@ class ReadJob:
             if self._in_flight == 0 and self._busy_since is not None:
                 self.read_s += clock() - self._busy_since
                 self._busy_since = None
+            if unit is not None:
+                self.landed.add(unit.index + 1)
             if unit is not None and (self.stopped or self.error is not None):
                 drop = unit
             elif unit is not None:

@@ -63,10 +63,20 @@ class Placement:
     """The components' host copies against ``budget.weights_budget``: which are in RAM, which wait on disk and
     where (``sources``: those that wait in their own weight files; the others' cache files in ``folder``), and
     the peak. ``reserved`` tells what the reads under way may still take: RAM they hold before the host copies
-    adopt it, counted here so that the share holds at all times. Not thread-safe: `HostTier` holds its lock."""
+    adopt it, counted here so that the share holds at all times; ``held(reserving)``, what RAM is held beyond that
+    once ``reserving`` more bytes are reserved (idle buffers kept for reads, `engine.locked_pool`, which the reads
+    reserved will take), counted in the peak and when making room; ``moved_out`` is told after each
+    component moves out (the RAM it frees may be held that way, and must be given up when others need it).
+    Not thread-safe: `HostTier` holds its lock."""
 
     def __init__(
-        self, budget: TierBudget, folder: Path, weights_root: Path | None, reserved: Callable[[], int]
+        self,
+        budget: TierBudget,
+        folder: Path,
+        weights_root: Path | None,
+        reserved: Callable[[], int],
+        held: Callable[[int], int] = lambda reserving: 0,
+        moved_out: Callable[[], None] = lambda: None,
     ) -> None:
         self.budget = budget
         self.folder = folder
@@ -77,13 +87,16 @@ class Placement:
         self.peak_ram_bytes = 0
         self._files: list[Path] = []  # cache files written, deleted by `delete_files`
         self._reserved = reserved
+        self._held = held
+        self._moved_out = moved_out
 
     def ram_bytes(self) -> int:
         """Host RAM of the host copies now, and what the reads under way may hold (reserved ahead)."""
         return sum(h.host.host_ram_bytes for h in self.handles.values()) + self._reserved()
 
     def note_peak(self) -> None:
-        self.peak_ram_bytes = max(self.peak_ram_bytes, self.ram_bytes())
+        """The peak of `ram_bytes` and what else ``held`` says is held: RAM kept for the reads to come."""
+        self.peak_ram_bytes = max(self.peak_ram_bytes, self.ram_bytes() + self._held(0))
 
     def stored_bytes(self, name: str) -> int:
         """What ``name``'s host copies take in RAM when all are there (`HostCopies.stored_bytes`)."""
@@ -135,10 +148,11 @@ class Placement:
         """Move least recently used components out (never those in ``keep`` nor an active one) until
         ``nbytes`` more fit, or none is left to move."""
         for other in list(self.recency):
-            if self.ram_bytes() + nbytes <= self.budget.weights_budget:
+            if self.ram_bytes() + nbytes + self._held(nbytes) <= self.budget.weights_budget:
                 return
             if self._movable(other, keep):
                 self._move_out(other)
+                self._moved_out()
 
     def _movable(self, name: str, keep: set[str]) -> bool:
         handle = self.handles[name]

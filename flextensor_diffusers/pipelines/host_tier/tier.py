@@ -64,7 +64,14 @@ class HostTier:
         self._reader = Reader()
         self._seen = ComponentOrder(self.order)
         self._split = TierBudget(budget, overhead)
-        self._placement = Placement(self._split, folder, weights_root, reserved=self._reserved_bytes)
+        self._placement = Placement(
+            self._split,
+            folder,
+            weights_root,
+            reserved=self._reserved_bytes,
+            held=self._idle_beyond_reserved,
+            moved_out=self._trim_idle,
+        )
         #: The buffers of payloads read back and let go, handed on instead of made (and locked and unlocked) per
         #: unit (`engine.locked_pool`); page-locked when ``pin``.
         self.locked_pool = LockedPool(page_lock=pin)
@@ -116,18 +123,36 @@ class HostTier:
         pool's buffers take beyond the payloads they hold."""
         return sum(r.job.reserved_bytes for r in self._readings()) + self.locked_pool.slack_bytes
 
+    def _unstarted_bytes(self) -> int:
+        """What the reads under way reserved for units they have not begun: no buffer holds those bytes yet."""
+        return sum(r.job.unstarted_bytes for r in self._readings())
+
+    def _idle_beyond_reserved(self, reserving: int) -> int:
+        """The locked pool's idle buffers beyond what the reads under way reserved and have not read, and
+        ``reserving`` bytes about to be (which those buffers will hold): RAM held that `ram_bytes` does not count.
+        Units under way count as unread: a unit begun takes its buffer on its own thread a moment later, and
+        counting it read before that would count the buffer it is about to take twice (`_trim_idle` counts them
+        read instead, to free too much rather than too little)."""
+        unread = sum(r.job.unlanded_bytes for r in self._readings())
+        return max(self.locked_pool.idle_bytes - unread - reserving, 0)
+
     def _hold_pool(self) -> None:
         """Before a change of the placement or the reads: no buffer holding more than its read is lent until
         `_trim_pool` says what room is left (a reader may take one meanwhile)."""
         self.locked_pool.allow_slack(0)
 
-    def _trim_pool(self) -> None:
+    def _trim_pool(self, upcoming: int = 0) -> None:
         """After a change of the placement or the reads: lent buffers may hold beyond their reads what is left of
-        the host copies' share, and the locked pool's idle buffers are freed beyond that room and what the reads
+        the host copies' share, and the idle ones are trimmed to the room (`_trim_idle`)."""
+        self.locked_pool.allow_slack(max(self.weights_budget - self._placement.ram_bytes(), 0))
+        self._trim_idle(upcoming)
+
+    def _trim_idle(self, upcoming: int = 0) -> None:
+        """Free the locked pool's idle buffers beyond the room the budget leaves them: what is left of the host
+        copies' share less ``upcoming`` (about to be taken otherwise: a component packed), and what the reads
         under way reserved for units they have not begun (which those buffers will hold)."""
-        room = max(self.weights_budget - self._placement.ram_bytes(), 0)
-        self.locked_pool.allow_slack(room)
-        self.locked_pool.trim(room + sum(r.job.unstarted_bytes for r in self._readings()))
+        room = self.weights_budget - self._placement.ram_bytes() - upcoming
+        self.locked_pool.trim(max(room, 0) + self._unstarted_bytes())
 
     def add(self, name: str, handle: OffloadHandle) -> None:
         """Track a component just packed (in RAM): find its weight files, then move others to disk if
@@ -150,7 +175,7 @@ class HostTier:
         with self._lock:
             self._hold_pool()
             self._placement.make_room(set(), nbytes)
-            self._trim_pool()
+            self._trim_pool(upcoming=nbytes)
 
     def bring_in(self, handle: OffloadHandle) -> None:
         """Before ``handle`` becomes active (the one before is released): the previous component's read
