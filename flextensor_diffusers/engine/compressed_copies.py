@@ -420,7 +420,8 @@ class CompressedCopies:
         self._file_holds = False
         if self._writing is not None:
             self._writing.stale = True
-        self._unregister([old.payload])  # a copy issued before may still read it
+        # a copy issued before may still read it; the file's write under way too, so then it is not handed on
+        self._unregister([old.payload], hand_on=self._writing is None)
         encoded = encode_unit(self._host_of(unit), segments_of(unit))
         if worth_compressing(encoded):
             self._keep({unit.index: encoded}, self.pinned)
@@ -436,16 +437,18 @@ class CompressedCopies:
         self.unproven = set()
         self._file_holds = False
 
-    def _unregister(self, payloads: list[torch.Tensor], copies_done: bool = False) -> None:
+    def _unregister(self, payloads: list[torch.Tensor], copies_done: bool = False, hand_on: bool = True) -> None:
         """Unlock those of ``payloads`` that are locked in place, once no copy issued before reads them (the
         device is synchronised first unless the caller knows those copies are done, ``copies_done``; the others
-        were page-locked as copies, or not at all: nothing to undo)."""
+        were page-locked as copies, or not at all: nothing to undo). With a `locked_pool`, they are kept there
+        locked for the next reads instead, unless ``hand_on`` is False (something else may still read them)."""
         ids = {id(p) for p in payloads}
         locked = [p for p in self._registered if id(p) in ids]
         if locked and self.cuda and not copies_done:
             torch.cuda.synchronize(self.device)
+        pool = self.locked_pool if hand_on else None
         for payload in locked:
-            if self.locked_pool is None or not self.locked_pool.keep(payload):
+            if pool is None or not pool.keep(payload):
                 unpin_in_place(payload)
         self._registered = [p for p in self._registered if id(p) not in ids]
 
