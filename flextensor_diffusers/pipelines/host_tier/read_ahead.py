@@ -110,6 +110,7 @@ class ReadAheads:
         switch)."""
         handle = self._placement.handles[name]
         job = self._jobs.get(name)
+        # the units not begun (a unit begun meanwhile on a reader thread only makes this room smaller than it is)
         unread = handle.host.arrival_bytes() if job is None else [job.nbytes[p] for p in job.order[job.submitted :]]
         room = self._placement.budget.weights_budget - self._placement.ram_bytes()
         room -= self._pool.slack_for(unread)  # room for the larger buffers the pool may make for them

@@ -30,7 +30,7 @@ def tier_report(
     RAM, per component its bytes, where it is, where it waits and its reads; per switch the read, the wait,
     what was read ahead and the read's bandwidth; disk read bandwidth; the reads under way; the forecast of
     each switch that reads from disk; the RAM handed over during components' last forwards; and the locked pool's
-    buffers and driver calls (`engine.locked_pool`; None when reads are not page-locked)."""
+    buffers and driver calls (`engine.locked_pool`; on a host without CUDA its buffers are handed on unlocked)."""
     budget = placement.budget
     read_s = sum(s.read_s for s in switches)
     nbytes = sum(s.nbytes for s in switches)
@@ -105,7 +105,7 @@ def format_host_tier(tier: dict[str, Any]) -> list[str]:
     pool = tier.get("locked_pool")
     if pool:
         lines.append(
-            f"page-locked buffers handed on: {pool['reused']} reads served without a driver call, "
+            f"payload buffers handed on: {pool['reused']} reads served without a new buffer, "
             f"{pool['locked']} locked and {pool['unlocked']} unlocked; {pool['lent']} lent "
             f"({format_bytes(pool['slack_bytes'])} beyond their payloads), {pool['idle']} idle "
             f"({format_bytes(pool['idle_bytes'])})"

@@ -19,6 +19,7 @@ from .forecast import SlowSwitchWarning, SwitchForecast, forecast_switches
 from .hand_over import HandOver, HandOverRecord
 from .order import ComponentOrder
 from .placement import Placement, TierBudget
+from .pool_room import PoolRoom
 from .read_ahead import ReadAheads
 from .read_back import ReadBack
 from .records import Reading, Switch
@@ -64,17 +65,18 @@ class HostTier:
         self._reader = Reader()
         self._seen = ComponentOrder(self.order)
         self._split = TierBudget(budget, overhead)
+        #: The buffers of payloads read back and let go, handed on instead of made (and locked and unlocked) per
+        #: unit (`engine.locked_pool`); page-locked when ``pin``; held to the budget by `_pool_room`.
+        self.locked_pool = LockedPool(page_lock=pin)
         self._placement = Placement(
             self._split,
             folder,
             weights_root,
             reserved=self._reserved_bytes,
-            held=self._idle_beyond_reserved,
-            moved_out=self._trim_idle,
+            held=lambda reserving: self._pool_room.held_beyond(reserving),
+            moved_out=lambda: self._pool_room.trim(),
         )
-        #: The buffers of payloads read back and let go, handed on instead of made (and locked and unlocked) per
-        #: unit (`engine.locked_pool`); page-locked when ``pin``.
-        self.locked_pool = LockedPool(page_lock=pin)
+        self._pool_room = PoolRoom(self.locked_pool, self._split, self._placement.ram_bytes, self._readings)
         self._aheads = ReadAheads(self._placement, self._reader, self._seen, pin, self.locked_pool)
         slow = SlowSwitchWarning(budget, self.forecasts)
         self._read_back = ReadBack(self._lock, self._placement, self._reader, self._aheads, slow, pin)
@@ -121,48 +123,17 @@ class HostTier:
     def _reserved_bytes(self) -> int:
         """RAM the host copies do not count yet: what the reads under way may still take, and what the locked
         pool's buffers take beyond the payloads they hold."""
-        return sum(r.job.reserved_bytes for r in self._readings()) + self.locked_pool.slack_bytes
-
-    def _unstarted_bytes(self) -> int:
-        """What the reads under way reserved for units they have not begun: no buffer holds those bytes yet."""
-        return sum(r.job.unstarted_bytes for r in self._readings())
-
-    def _idle_beyond_reserved(self, reserving: int) -> int:
-        """The locked pool's idle buffers beyond what the reads under way reserved and have not read, and
-        ``reserving`` bytes about to be (which those buffers will hold): RAM held that `ram_bytes` does not count.
-        Units under way count as unread: a unit begun takes its buffer on its own thread a moment later, and
-        counting it read before that would count the buffer it is about to take twice (`_trim_idle` counts them
-        read instead, to free too much rather than too little)."""
-        unread = sum(r.job.unlanded_bytes for r in self._readings())
-        return max(self.locked_pool.idle_bytes - unread - reserving, 0)
-
-    def _hold_pool(self) -> None:
-        """Before a change of the placement or the reads: no buffer holding more than its read is lent until
-        `_trim_pool` says what room is left (a reader may take one meanwhile)."""
-        self.locked_pool.allow_slack(0)
-
-    def _trim_pool(self, upcoming: int = 0) -> None:
-        """After a change of the placement or the reads: lent buffers may hold beyond their reads what is left of
-        the host copies' share, and the idle ones are trimmed to the room (`_trim_idle`)."""
-        self.locked_pool.allow_slack(max(self.weights_budget - self._placement.ram_bytes(), 0))
-        self._trim_idle(upcoming)
-
-    def _trim_idle(self, upcoming: int = 0) -> None:
-        """Free the locked pool's idle buffers beyond the room the budget leaves them: what is left of the host
-        copies' share less ``upcoming`` (about to be taken otherwise: a component packed), and what the reads
-        under way reserved for units they have not begun (which those buffers will hold)."""
-        room = self.weights_budget - self._placement.ram_bytes() - upcoming
-        self.locked_pool.trim(max(room, 0) + self._unstarted_bytes())
+        return sum(r.job.reserved_bytes for r in self._readings()) + self._pool_room.slack_bytes
 
     def add(self, name: str, handle: OffloadHandle) -> None:
         """Track a component just packed (in RAM): find its weight files, then move others to disk if
         it does not fit with them."""
         with self._lock:
-            self._hold_pool()
+            self._pool_room.hold()
             handle.host.compressed.locked_pool = self.locked_pool
             self.locked_pool.expect(e.payload.numel() for e in handle.host.encoded.values())
             self._placement.add(name, handle)
-            self._trim_pool()
+            self._pool_room.settle()
 
     def check_fits(self) -> None:
         """Once every component is added: refuse a host budget too small for their host copies as kept
@@ -173,9 +144,9 @@ class HostTier:
     def room_for_packing(self, nbytes: int) -> None:
         """Before a component of ``nbytes`` is packed: move others to disk until it fits."""
         with self._lock:
-            self._hold_pool()
+            self._pool_room.hold()
             self._placement.make_room(set(), nbytes)
-            self._trim_pool(upcoming=nbytes)
+            self._pool_room.settle(upcoming=nbytes)
 
     def bring_in(self, handle: OffloadHandle) -> None:
         """Before ``handle`` becomes active (the one before is released): the previous component's read
@@ -184,11 +155,11 @@ class HostTier:
         gate). Then the read aheads of the components expected next start or go on (`ReadAheads.after`)."""
         started = disk_reads.clock()
         with self._lock:
-            self._hold_pool()
+            self._pool_room.hold()
             try:
                 self._bring_in(handle, started)
             finally:
-                self._trim_pool()
+                self._pool_room.settle()
 
     def _bring_in(self, handle: OffloadHandle, started: float) -> None:
         """`bring_in`'s work, under the lock."""
@@ -236,10 +207,10 @@ class HostTier:
 
     def _room_freed(self, active: str) -> None:
         """A payload of ``active`` was handed over: the read ahead of the next component goes on into its room."""
-        self._hold_pool()
+        self._pool_room.hold()
         self._aheads.top_up(active)
         self._placement.note_peak()
-        self._trim_pool()
+        self._pool_room.settle()
 
     def _finish_hand_over(self) -> None:
         if self._hand_over is not None:
@@ -266,11 +237,11 @@ class HostTier:
         disk as it was), and check the weight files of components waiting in them, which removal reads their
         weights back from (`Placement.check_files_for_removal`)."""
         with self._lock:
-            self._hold_pool()
+            self._pool_room.hold()
             self._finish_hand_over()
             self._read_back.give_up()  # first: a read ahead queued behind it is then skipped at once
             self._aheads.give_up_all()
-            self._trim_pool()
+            self._pool_room.settle()
             self._placement.check_files_for_removal()
 
     def close(self) -> None:

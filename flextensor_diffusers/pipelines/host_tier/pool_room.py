@@ -1,0 +1,71 @@
+"""The locked pool held to the host tier's budget: what its buffers may hold beyond their payloads, and which idle
+ones it keeps.
+
+The pool (`engine.locked_pool`) hands payload buffers on from the units let go to the units read, so that reads and
+hand-overs make no driver call. But a buffer kept idle is RAM the host copies no longer count: it may be kept only
+where the budget has room for it. `PoolRoom` says how much, from the tier's own counts:
+
+* **Idle buffers** are kept up to the room left in the host copies' share, plus what the reads under way reserved
+  for units they have not begun (those buffers will hold them). They are trimmed to that after every change: a
+  component moved out, one about to be packed (the room it takes is not theirs), a switch, a hand-over.
+* **Larger buffers** (one made for the largest payload serves any block) are lent only while the share has room
+  for the difference (`LockedPool.allow_slack`), never while the tier is changing what it counts (`hold`).
+* **The peak, and making room,** count the idle buffers no reservation will take (`held_beyond`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ...engine.locked_pool import LockedPool
+from .placement import TierBudget
+from .records import Reading
+
+
+class PoolRoom:
+    """``pool`` against ``budget``'s share, with the host copies' RAM (``ram_bytes``, reservations and the pool's
+    slack included) and the reads under way (``readings``) as the tier counts them; the tier calls `hold` before a
+    change, `settle` after it, under its lock."""
+
+    def __init__(
+        self,
+        pool: LockedPool,
+        budget: TierBudget,
+        ram_bytes: Callable[[], int],
+        readings: Callable[[], list[Reading]],
+    ) -> None:
+        self.pool = pool
+        self._budget = budget
+        self._ram_bytes = ram_bytes
+        self._readings = readings
+
+    def hold(self) -> None:
+        """Before a change of the placement or the reads: no buffer larger than its read is lent until `settle`
+        says what room is left (a reader may take one meanwhile)."""
+        self.pool.allow_slack(0)
+
+    def settle(self, upcoming: int = 0) -> None:
+        """After a change: lent buffers may hold beyond their reads what is left of the share, and the idle ones are
+        trimmed to the room (`trim`)."""
+        self.pool.allow_slack(max(self._budget.weights_budget - self._ram_bytes(), 0))
+        self.trim(upcoming)
+
+    def trim(self, upcoming: int = 0) -> None:
+        """Free idle buffers beyond what is left of the share less ``upcoming`` (about to be taken otherwise: a
+        component packed), and what the reads under way reserved for units they have not begun."""
+        room = self._budget.weights_budget - self._ram_bytes() - upcoming
+        self.pool.trim(max(room, 0) + sum(r.job.unstarted_bytes for r in self._readings()))
+
+    def held_beyond(self, reserving: int) -> int:
+        """The idle buffers beyond what the reads under way reserved and have not read, and ``reserving`` bytes
+        about to be (which those buffers will hold): RAM held that the tier's ``ram_bytes`` does not count. Units
+        under way count as unread: a unit begun takes its buffer on its own thread a moment later, and counting it
+        read before that would count the buffer it is about to take twice (`trim` counts them read instead, to free
+        too much rather than too little)."""
+        unread = sum(r.job.unlanded_bytes for r in self._readings())
+        return max(self.pool.idle_bytes - unread - reserving, 0)
+
+    @property
+    def slack_bytes(self) -> int:
+        """What the lent buffers hold beyond their reads' pages: RAM the host copies do not count."""
+        return self.pool.slack_bytes
