@@ -4,6 +4,9 @@ left behind when the tier goes."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -162,3 +165,15 @@ def test_the_tier_hands_buffers_on_between_experts_bitwise_and_leaves_no_lock(sa
     stats = pool.report()
     assert stats["lent"] == stats["idle"] == 0 and stats["locked"] + stats["adopted"] == stats["unlocked"]
     assert (stats["adopted"] > 0) == adopting
+
+
+def test_a_pool_dropped_unclosed_lets_its_buffers_go_as_any_others(calls: DriverCalls) -> None:
+    """A pipeline dropped with offload on drops its tier's pool unclosed: nothing keeps the pool, nor its buffers,
+    alive, and a buffer it had lent is no longer routed back to it (its owner unlocks it as any other)."""
+    pool = pool_of(calls)
+    view, _ = pool.take(40 * MB)
+    assert host_memory.lent_by_pool.get(view.data_ptr()) is pool
+    owner = weakref.ref(pool)
+    del pool
+    gc.collect()
+    assert owner() is None and view.data_ptr() not in host_memory.lent_by_pool

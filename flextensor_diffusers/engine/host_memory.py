@@ -79,8 +79,10 @@ class TakesBack(Protocol):
 
 
 #: Buffers a `locked_pool.LockedPool` lent out, by address: `unpin_in_place` gives them back to it instead of
-#: unlocking them, so an owner that unlocks its buffer the usual way hands it on, locked, to the next read.
-lent_by_pool: dict[int, TakesBack] = {}
+#: unlocking them, so an owner that unlocks its buffer the usual way hands it on, locked, to the next read. Weak: a
+#: pool dropped without being closed (a pipeline dropped with offload on) goes, its buffers unlocked with their
+#: mappings as any other's.
+lent_by_pool: weakref.WeakValueDictionary[int, TakesBack] = weakref.WeakValueDictionary()
 
 
 def host_buffer(nbytes: int) -> torch.Tensor:
