@@ -56,7 +56,6 @@ def test_a_buffer_given_back_serves_the_next_read_without_a_driver_call(calls: D
     assert lent and first.numel() == 40 * MB and len(calls.locked) == 1
     second, _ = pool.take(40 * MB)
     assert second.data_ptr() != first.data_ptr() and len(calls.locked) == 2  # the first is still lent
-    first[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
     host_memory.unpin_in_place(first)
     assert not calls.unlocked and pool.report()["idle"] == 1
     third, lent = pool.take(40 * MB - 4096)  # a little smaller: the same pages
@@ -66,15 +65,16 @@ def test_a_buffer_given_back_serves_the_next_read_without_a_driver_call(calls: D
 
 
 def test_a_read_takes_only_a_buffer_that_holds_it_and_wastes_little(calls: DriverCalls) -> None:
-    """A buffer too small, or larger than the read's pages by more than a 64th of it, is left idle: the read gets a
-    new one."""
+    """A buffer larger than the read's pages by more than a 64th of it, or too small, is not lent for it: the read
+    gets a new buffer, made in the place of the idle one (freed), so that the pool holds no more than before."""
     pool = pool_of(calls, slack_room=1 << 30)
     big, _ = pool.take(64 * MB)
     host_memory.unpin_in_place(big)
     small, _ = pool.take(32 * MB)  # half the size: wasteful
-    assert small.data_ptr() != big.data_ptr()
-    larger, _ = pool.take(64 * MB + HUGE_PAGE)  # does not fit
-    assert larger.data_ptr() != big.data_ptr() and len(calls.locked) == 3
+    assert small.data_ptr() != big.data_ptr() and calls.unlocked == [big.data_ptr()] and pool.idle_bytes == 0
+    host_memory.unpin_in_place(small)
+    larger, _ = pool.take(32 * MB + HUGE_PAGE)  # does not fit the idle 32 MB
+    assert larger.data_ptr() != small.data_ptr() and len(calls.locked) == 3 and len(calls.unlocked) == 2
     assert fits(64 * MB, 64 * MB - MB) and not fits(64 * MB, 60 * MB) and not fits(64 * MB, 64 * MB + 1)
     assert rounded(64 * MB + 1) == 64 * MB + HUGE_PAGE
 
