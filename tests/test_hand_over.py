@@ -132,6 +132,22 @@ def test_an_expert_hands_its_ram_over_during_its_last_forward_bitwise(saved, tmp
     assert torch.equal(wan_latents(pipe), reference)
 
 
+def test_the_last_expert_hands_over_in_the_first_generation_though_the_vae_comes_next(saved, tmp_path) -> None:  # noqa: F811
+    """Before an order is seen, the components expected after the low-noise expert are the pipeline's declared ones:
+    the VAE first, which stays in RAM. The expert hands its RAM over all the same, to the components after it that
+    wait on disk (the next generation's first ones): in the first generation both experts hand over, bitwise."""
+    folder, reference = saved
+    pipe = load(folder)
+    host_budget = enable_one_expert_in_ram(pipe, tmp_path / "cache")
+    assert torch.equal(wan_latents(pipe), reference)
+    tier = ft.pipeline_offload(pipe).host_tier.report()
+    assert [h["component"] for h in tier["hand_overs"]] == ["transformer", "transformer_2"]
+    assert all(h["let_go_units"] > 0 and h["taken_back_units"] == 0 for h in tier["hand_overs"])
+    assert tier["peak_host_ram_bytes"] <= host_budget
+    assert torch.equal(wan_latents(pipe), reference)
+    pipe.disable_flextensor_offload()
+
+
 def test_without_the_hand_over_the_switches_find_less_read_ahead(saved, tmp_path, monkeypatch) -> None:  # noqa: F811
     """The same run with no forecast: the budget leaves the next expert no room until the switch."""
     monkeypatch.setattr(LastForwardForecast, "is_last", lambda self, name: False)

@@ -182,10 +182,10 @@ class HostTier:
 
     def hand_over(self, handle: OffloadHandle) -> UnitDone | None:
         """``handle``'s forward beginning now is expected to be its last before a switch (see `hand_over`): when it
-        is compressed only, its payload file holds its payloads, nothing of it is arriving and the component
-        expected next waits on disk, its payloads leave RAM one by one as the forward is done with them and the
-        read ahead of the next one goes on into that room. What the engine tells of each unit done; None: no
-        hand-over."""
+        is compressed only, its payload file holds its payloads, nothing of it is arriving and a component expected
+        after it waits on disk (not necessarily the next one: the VAE after the last expert stays in RAM), its
+        payloads leave RAM one by one as the forward is done with them and the read aheads of those expected go on
+        into that room. What the engine tells of each unit done; None: no hand-over."""
         with self._lock:
             name = self._placement.name_of(handle)
             current = self._hand_over
@@ -195,8 +195,8 @@ class HostTier:
             if not host.compressed_only or host.host_gate is not None or not host.compressed.file_current:
                 return None
             chain = self._seen.expected_chain(name, self._placement.handles)
-            if not chain or not self._aheads.may_read_ahead(chain[0]):
-                return None
+            if not any(self._aheads.may_read_ahead(other) for other in chain):
+                return None  # none expected waits on disk: nothing would read into the room
             self._finish_hand_over()
             current = HandOver(
                 name, handle, self._lock, self.pin, lambda: self._room_freed(name), self._aheads.give_up_all
