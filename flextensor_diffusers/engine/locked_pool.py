@@ -66,22 +66,14 @@ def slack_of(capacity: int, nbytes: int) -> int:
 
 
 @dataclass
-class LockedPoolStats:
-    """What the pool holds and what it did: buffers lent and idle, bytes lent beyond the reads (``slack``), and
-    the driver calls made (``locked``, ``unlocked``) against the reads served without one (``reused``)."""
+class LockedPoolCounts:
+    """What the pool did: the reads served without a driver call (``reused``) against the buffers locked and
+    unlocked, and the payloads adopted (`LockedPool.report` adds what it holds now)."""
 
-    lent: int = 0
-    idle: int = 0
-    lent_bytes: int = 0
-    idle_bytes: int = 0
-    slack_bytes: int = 0
     reused: int = 0
     locked: int = 0
     unlocked: int = 0
     adopted: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity: the pool holds each once
@@ -129,7 +121,7 @@ class LockedPool:
         self._largest = 0  # the largest read the pool was told to expect
         self._slack_room = 0  # what lent buffers may still hold beyond their reads' pages (`allow_slack`)
         self._closed = False
-        self.stats = LockedPoolStats()
+        self.counts = LockedPoolCounts()
 
     def expect(self, sizes: Iterable[int]) -> None:
         """Reads of these sizes will come (a model's payloads): new buffers for the largest ones are made as large
@@ -152,7 +144,7 @@ class LockedPool:
             if best is not None:
                 self._idle.remove(best)
                 self._slack_room -= slack_of(best.capacity, nbytes)
-                self.stats.reused += 1
+                self.counts.reused += 1
                 return self._lend(best.whole, nbytes), True
             capacity = self.new_capacity(nbytes)
             capacity = capacity if slack_of(capacity, nbytes) <= self._slack_room else rounded(nbytes)
@@ -166,7 +158,7 @@ class LockedPool:
                 self._slack_room += slack_of(capacity, nbytes)
             return whole[:nbytes], False
         with self._mutex:
-            self.stats.locked += 1
+            self.counts.locked += 1
             return self._lend(whole, nbytes), True
 
     def new_capacity(self, nbytes: int) -> int:
@@ -227,14 +219,14 @@ class LockedPool:
             if self._closed:
                 return False
             self._idle.append(_Buffer(payload, 0))
-            self.stats.adopted += 1
+            self.counts.adopted += 1
         return True
 
     def trim(self, keep_bytes: int) -> None:
         """Unlock and free idle buffers, oldest first, until those kept take at most ``keep_bytes``: the room the host
         budget leaves for them (see the module docstring)."""
         with self._mutex:
-            freed = self._idle_to_free(sum(b.capacity for b in self._idle) - keep_bytes)
+            freed = self._idle_to_free(self._idle_bytes() - keep_bytes)
         for buffer in freed:
             self._free(buffer)
 
@@ -248,27 +240,36 @@ class LockedPool:
     def slack_bytes(self) -> int:
         """RAM the lent buffers take beyond the pages of the reads they hold (counted by the budget's owner)."""
         with self._mutex:
-            return sum(b.slack for b in self._lent.values())
+            return self._slack_bytes()
 
     @property
     def idle_bytes(self) -> int:
         with self._mutex:
-            return sum(b.capacity for b in self._idle)
+            return self._idle_bytes()
 
     def report(self) -> dict[str, int]:
-        """`LockedPoolStats` as of now, as a plain dictionary."""
+        """`LockedPoolCounts`, and what the pool holds now: buffers lent and idle, their bytes, and the lent ones'
+        slack, as a plain dictionary."""
         with self._mutex:
-            stats = self.stats
-            stats.lent, stats.idle = len(self._lent), len(self._idle)
-            stats.lent_bytes = sum(b.capacity for b in self._lent.values())
-            stats.idle_bytes = sum(b.capacity for b in self._idle)
-            stats.slack_bytes = sum(b.slack for b in self._lent.values())
-            return stats.as_dict()
+            return {
+                **asdict(self.counts),
+                "lent": len(self._lent),
+                "idle": len(self._idle),
+                "lent_bytes": sum(b.capacity for b in self._lent.values()),
+                "idle_bytes": self._idle_bytes(),
+                "slack_bytes": self._slack_bytes(),
+            }
+
+    def _slack_bytes(self) -> int:
+        return sum(b.slack for b in self._lent.values())
+
+    def _idle_bytes(self) -> int:
+        return sum(b.capacity for b in self._idle)
 
     def _free(self, buffer: _Buffer) -> None:
         self._unlock_buffer(buffer.whole)
         with self._mutex:
-            self.stats.unlocked += 1
+            self.counts.unlocked += 1
 
 
 def _unlock_mapping(buffer: torch.Tensor) -> None:

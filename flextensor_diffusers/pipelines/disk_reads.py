@@ -159,8 +159,7 @@ class ReadJob:
         with self._cond:
             if self.stopped or self.finished or self.error is not None:
                 return 0
-            allowed = self.order[self.submitted : self.units_within(self.allowed)]
-            return sum(rounded(self.nbytes[p]) for p in allowed)
+            return self._pages_of(self.order[self.submitted : self.units_within(self.allowed)])
 
     @property
     def unlanded_bytes(self) -> int:
@@ -170,7 +169,11 @@ class ReadJob:
             if self.stopped or self.finished or self.error is not None:
                 return 0
             allowed = self.order[: self.units_within(self.allowed)]
-            return sum(rounded(self.nbytes[p]) for p in allowed if p not in self.landed)
+            return self._pages_of([p for p in allowed if p not in self.landed])
+
+    def _pages_of(self, positions: list[int]) -> int:
+        """The whole pages the buffers of ``positions`` take."""
+        return sum(rounded(self.nbytes[p]) for p in positions)
 
     # ------------------------------------------------------------------------------------ main thread
 
