@@ -69,8 +69,7 @@ class ReadAheads:
     def top_up(self, active: str) -> None:
         """RAM was freed while ``active`` runs (`hand_over`): the read aheads expected go on into it, in order, as
         `after` lets them (none moves out here: this runs on the hand-over's thread)."""
-        chain = self._order.expected_chain(active, self._placement.handles)
-        wanted = [name for name in chain if self.may_read_ahead(name)]
+        wanted = self.readable_after(active)
         if list(self._jobs) != wanted[: len(self._jobs)]:
             return  # out of order: `after` sorts it out at the switch
         for name in wanted:
@@ -84,7 +83,7 @@ class ReadAheads:
         then the next generation's first expert). Read aheads kept from before are topped up; a new one is
         only queued behind them when they are the chain's first components in order."""
         chain = self._order.expected_chain(active, self._placement.handles)
-        wanted = [name for name in chain if self.may_read_ahead(name)]
+        wanted = self._readable(chain)
         if list(self._jobs) != wanted[: len(self._jobs)]:
             self.give_up_all()  # out of order: a paused one would hold a later one up
         for position, name in enumerate(wanted):
@@ -133,6 +132,13 @@ class ReadAheads:
             format_bytes(packed),
         )
         return job.allowed >= packed
+
+    def readable_after(self, active: str) -> list[str]:
+        """The components expected after ``active`` that may be read ahead (`may_read_ahead`), in the order expected."""
+        return self._readable(self._order.expected_chain(active, self._placement.handles))
+
+    def _readable(self, chain: list[str]) -> list[str]:
+        return [name for name in chain if self.may_read_ahead(name)]
 
     def may_read_ahead(self, name: str) -> bool:
         """``name`` waits on disk, not active, unedited since it moved out, and its files unchanged."""

@@ -194,8 +194,7 @@ class HostTier:
             host = handle.host
             if not host.compressed_only or host.host_gate is not None or not host.compressed.file_current:
                 return None
-            chain = self._seen.expected_chain(name, self._placement.handles)
-            if not any(self._aheads.may_read_ahead(other) for other in chain):
+            if not self._aheads.readable_after(name):
                 return None  # none expected waits on disk: nothing would read into the room
             self._finish_hand_over()
             current = HandOver(
