@@ -11,7 +11,9 @@
 #                                                             -> $OUT/pin_contention_<card>.json, .log
 #   tiers        tiers_bench.py on the full Wan2.2 pipeline, configurations $TIERS_CONFIGS (default: the reference
 #                and the compressed 32 GiB tier, which verifies every load: issue 25's reproduction), no set-up
-#                block, the package's log lines timestamped; $TIERS_STEPS: the measured generation's steps (default 4)
+#                block, the package's log lines timestamped; $TIERS_STEPS: the measured generation's steps (default 4),
+#                $TIERS_WARMUP_STEPS the warm-up's (default 2; as many as the measured one's so that its first switch
+#                follows a generation as long as itself, as in back-to-back generations of one length)
 #                                                             -> $OUT/tiers_<card>.json, .log
 #   setup        tiers_bench.py's set-up block on the 40-block stack: raw, FlexTensor, compressed first, from the
 #                payload file and encoded between forwards, each started only with $PHASE_MIN_S (default 50) s of the
@@ -44,7 +46,8 @@ for step in "$@"; do
     pins) timeout "$limit" python3 benchmarks/pin_contention_bench.py --out "$OUT/pin_contention_${card}.json" \
         >"$OUT/pin_contention_${card}.log" 2>&1 ;;
     tiers) TIERS_BENCH_LOG=INFO timeout "$limit" python3 benchmarks/tiers_bench.py --no-setup \
-        --configs "${TIERS_CONFIGS:-ram_raw,host32_compressed}" ${TIERS_STEPS:+--steps "$TIERS_STEPS"} --time-limit $((limit - 15)) \
+        --configs "${TIERS_CONFIGS:-ram_raw,host32_compressed}" ${TIERS_STEPS:+--steps "$TIERS_STEPS"} \
+        ${TIERS_WARMUP_STEPS:+--warmup-steps "$TIERS_WARMUP_STEPS"} --time-limit $((limit - 15)) \
         --out "$OUT/tiers_${card}.json" >"$OUT/tiers_${card}.log" 2>&1 ;;
     setup) timeout "$limit" python3 benchmarks/tiers_bench.py --setup-only --phase-min-s "${PHASE_MIN_S:-50}" \
         ${SETUP_RUNS:+--setup-runs "$SETUP_RUNS"} --setup-repeats "${SETUP_REPEATS:-0}" --time-limit $((limit - 15)) --out "$OUT/tiers_setup_${card}.json" >"$OUT/tiers_setup_${card}.log" 2>&1 ;;
