@@ -150,8 +150,7 @@ class LockedPool:
             capacity = capacity if slack_of(capacity, nbytes) <= self._slack_room else rounded(nbytes)
             self._slack_room -= slack_of(capacity, nbytes)  # claimed now: another reader may take meanwhile
             unfit = self._idle_to_free(capacity)
-        for buffer in unfit:  # a new buffer takes their place, so the pool never holds more than it did
-            self._free(buffer)
+        self._free_all(unfit)  # a new buffer takes their place, so the pool never holds more than it did
         whole = host_buffer(capacity)
         if not self._lock_buffer(whole):
             with self._mutex:
@@ -227,8 +226,7 @@ class LockedPool:
         budget leaves for them (see the module docstring)."""
         with self._mutex:
             freed = self._idle_to_free(self._idle_bytes() - keep_bytes)
-        for buffer in freed:
-            self._free(buffer)
+        self._free_all(freed)
 
     def close(self) -> None:
         """Free every idle buffer; those lent are unlocked when their owners let them go, as any other buffer."""
@@ -265,6 +263,13 @@ class LockedPool:
 
     def _idle_bytes(self) -> int:
         return sum(b.capacity for b in self._idle)
+
+    def _free_all(self, buffers: list[_Buffer]) -> None:
+        """Unlock and free ``buffers``, emptying the list: their pages go with their last views, so none may
+        outlive this call here (a loop variable or the list kept them in RAM beside the new buffer `take` makes
+        next: call S, H100, 34.55 GB sampled against a 34.36 GB host budget)."""
+        while buffers:
+            self._free(buffers.pop())
 
     def _free(self, buffer: _Buffer) -> None:
         self._unlock_buffer(buffer.whole)
