@@ -12,7 +12,7 @@
 #   tiers        tiers_bench.py on the full Wan2.2 pipeline, configurations $TIERS_CONFIGS (default: the reference
 #                and the compressed 32 GiB tier, which verifies every load: issue 25's reproduction), no set-up
 #                block, the package's log lines timestamped; $TIERS_STEPS: the measured generation's steps (default 4),
-#                $TIERS_WARMUP_STEPS the warm-up's (default 2; as many as the measured one's so that its first switch
+#                $TIERS_WARMUP_STEPS the warm-up's (default as many as the measured one's, so that its first switch
 #                follows a generation as long as itself, as in back-to-back generations of one length)
 #                                                             -> $OUT/tiers_<card>.json, .log
 #   setup        tiers_bench.py's set-up block on the 40-block stack: raw, FlexTensor, compressed first, from the
@@ -28,7 +28,7 @@ limit=${STEP_LIMIT_S:-420}
 # The card in the files' names (h100, h200): a call may get either, and timings compare only within one card.
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'h100|h200|a100|l40s?' | head -1 | tr '[:upper:]' '[:lower:]')
 card=${card:-gpu}
-git rev-parse HEAD >"$OUT/code.txt" 2>/dev/null || echo "no git" >"$OUT/code.txt"
+echo "${CODE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo "no git")}" >"$OUT/code.txt"  # the device's git may be stale
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv >>"$OUT/code.txt"
 for step in "$@"; do
   start=$(date +%s)
