@@ -22,7 +22,8 @@ under ``budget="8GiB"``, with ``cache_dir`` in the work folder:
   ``verify_loads=True`` to every configuration run.
 
 A child: page cache of the weight files dropped, ``from_pretrained``, ``enable_flextensor_offload`` (timed:
-``setup_s``), a warm-up generation (``--warmup-steps``) and a measured one (``--steps``; the page cache is dropped
+``setup_s``), a warm-up generation (``--warmup-steps``, default as many as ``--steps``: the measured generation's
+first switch then follows a generation as long as itself) and a measured one (``--steps``; the page cache is dropped
 again before it when the configuration has a host budget, so its reads from disk are cold), 81 frames 832x480
 with CFG, same seed, latents out. Every step is timed with ``callback_on_step_end`` after a device
 synchronisation; ``time_to_first_step_s`` runs from the start of enable to the end of the warm-up's first step.
