@@ -81,8 +81,8 @@ def test_a_read_takes_only_a_buffer_that_holds_it_and_wastes_little(calls: Drive
 
 def test_an_idle_buffer_freed_for_a_new_one_is_gone_before_the_new_one_is_made() -> None:
     """A read no idle buffer fits gets a new one in the place of idle ones: their pages must be gone before the new
-    buffer is made and locked, or the process holds both for a moment. Kept alive until the read's end, a buffer
-    freed that way put call S (H100) 0.19 GB over its 32 GiB host budget."""
+    buffer is made and locked, or the process holds both for a moment: one ~0.49 GB Wan2.2 payload over, the
+    likeliest cause of call S (H100) sampling 0.19 GB over its 32 GiB host budget."""
     made: list[weakref.ref] = []
     alive_when_locking: list[int] = []
 

@@ -267,7 +267,7 @@ class LockedPool:
     def _free_all(self, buffers: list[_Buffer]) -> None:
         """Unlock and free ``buffers``, emptying the list: their pages go with their last views, so none may
         outlive this call here (a loop variable or the list kept them in RAM beside the new buffer `take` makes
-        next: call S, H100, 34.55 GB sampled against a 34.36 GB host budget)."""
+        next: the likeliest cause of call S, H100, sampling 34.55 GB against a 34.36 GB host budget)."""
         while buffers:
             self._free(buffers.pop())
 

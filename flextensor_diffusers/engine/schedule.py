@@ -144,7 +144,7 @@ class SteadySchedule:
         if slot is not None and self.cuda:
             self._free[slot].record(torch.cuda.current_stream(self.device))
         if self.measure_stalls:
-            self.forward_ended()  # (a unit called again before the next one's start: its earlier end is not kept)
+            self._drop_unit_end()  # a unit called again before the next one began: only the latest end counts
             self._unit_end = self.clock.mark()
         load = plan.loads[pos]
         if load is not None and not (self.last_forward and pos in self._next_forward_loads):
@@ -152,6 +152,10 @@ class SteadySchedule:
 
     def forward_ended(self) -> None:
         """The forward is over (or left the plan): the time after its last unit call is not between units."""
+        self._drop_unit_end()
+
+    def _drop_unit_end(self) -> None:
+        """Release the mark taken after the last unit call (`after`): no time between units is measured from it."""
         if self._unit_end is not None:
             self.clock.release(self._unit_end)
             self._unit_end = None
