@@ -362,7 +362,7 @@ def enable(
     if tier is not None and LastForwardForecast.applies_to(pipeline):
         state.last_forward = LastForwardForecast(pipeline)
     try:
-        for name in request.chosen:
+        for name in packing_order(request.chosen, offload_order(pipeline) if tier is not None else []):
             _offload_component(state, request, name)
         if tier is not None:
             tier.check_fits()
@@ -373,6 +373,16 @@ def enable(
         raise
     pipeline._flextensor = state
     return state
+
+
+def packing_order(chosen: list[str], declared: list[str]) -> list[str]:
+    """The components in the order to pack them: those the pipeline declares it runs last (``declared``, its
+    ``model_cpu_offload_seq``) first. Under a host tier, what does not fit is moved out least recently packed first,
+    so that the component a generation runs first is packed last and is still in RAM when it runs (packed in the
+    order given, Wan2.2's first expert was moved out for the second and read back at the first step). Components
+    not declared come before all others; without ``declared``, the order given."""
+    rank = {name: i for i, name in enumerate(declared)}
+    return sorted(chosen, key=lambda name: -rank.get(name, len(declared)))
 
 
 @dataclass(frozen=True)
