@@ -124,6 +124,7 @@ class ReadJob:
         self.taken_bytes = 0  # main thread: of those, what the host copies adopted (counted there)
         self.running = False  # the reader thread began it
         self.submitted = 0  # reader thread: units of the order handed to a unit thread
+        self.begun: set[int] = set()  # positions whose read began on a unit thread: a buffer holds them, or is taken
         self.landed: set[int] = set()  # positions read (delivered, or freed as the job stopped)
         self.delivered: dict[int, Unit] = {}
         self.delivered_at: dict[int, float] = {}  # when each position was delivered (`clock`)
@@ -153,23 +154,15 @@ class ReadJob:
         return (self.ends[count - 1] if count else 0) - self.taken_bytes
 
     @property
-    def unstarted_bytes(self) -> int:
-        """Of ``reserved_bytes``, those of units not begun yet, in the whole pages their buffers will take: reserved,
-        but no buffer holds them so far."""
-        with self._cond:
-            if self.stopped or self.finished or self.error is not None:
-                return 0
-            return self._pages_of(self.order[self.submitted : self.units_within(self.allowed)])
-
-    @property
-    def unlanded_bytes(self) -> int:
-        """Of ``reserved_bytes``, those of units not read yet (not begun, or under way), in whole pages: at least
-        ``unstarted_bytes``, and at most what no buffer holds yet plus what the units under way hold."""
+    def unbuffered_bytes(self) -> int:
+        """Of ``reserved_bytes``, those of units whose read has not begun, in the whole pages their buffers will take:
+        reserved, but no buffer holds them yet. A unit counts as begun from just before its read takes its buffer
+        (`_read_one`), so for that moment the buffer it is about to take is counted twice, never not at all."""
         with self._cond:
             if self.stopped or self.finished or self.error is not None:
                 return 0
             allowed = self.order[: self.units_within(self.allowed)]
-            return self._pages_of([p for p in allowed if p not in self.landed])
+            return self._pages_of([p for p in allowed if p not in self.begun])
 
     def _pages_of(self, positions: list[int]) -> int:
         """The whole pages the buffers of ``positions`` take."""
@@ -264,6 +257,8 @@ class ReadJob:
 
     def _read_one(self, position: int, pieces: PieceReader) -> None:
         assert self.how is not None
+        with self._cond:
+            self.begun.add(position)  # before its buffer is taken (`unbuffered_bytes`)
         hosts = self.host_copies
         read = functools.partial(hosts.read_unit, position, self.hosts[position], self.pin, self.how.read, pieces)
         try:

@@ -52,18 +52,19 @@ class PoolRoom:
 
     def trim(self, upcoming: int = 0) -> None:
         """Free idle buffers beyond what is left of the share less ``upcoming`` (about to be taken otherwise: a
-        component packed), and what the reads under way reserved for units they have not begun."""
+        component packed), and what the reads under way reserved for units that hold no buffer yet."""
         room = self._budget.weights_budget - self._ram_bytes() - upcoming
-        self.pool.trim(max(room, 0) + sum(r.job.unstarted_bytes for r in self._readings()))
+        self.pool.trim(max(room, 0) + self._unbuffered_bytes())
 
     def held_beyond(self, reserving: int) -> int:
-        """The idle buffers beyond what the reads under way reserved and have not read, and ``reserving`` bytes
-        about to be (which those buffers will hold): RAM held that the tier's ``ram_bytes`` does not count. Units
-        under way count as unread: a unit begun takes its buffer on its own thread a moment later, and counting it
-        read before that would count the buffer it is about to take twice (`trim` counts them read instead, to free
-        too much rather than too little)."""
-        unread = sum(r.job.unlanded_bytes for r in self._readings())
-        return max(self.pool.idle_bytes - unread - reserving, 0)
+        """The idle buffers beyond what the reads under way reserved for units that hold no buffer yet, and
+        ``reserving`` bytes about to be (which those buffers will hold): RAM held that the tier's ``ram_bytes`` does
+        not count. A unit under way holds its buffer already (lent, counted in its reservation): counting it among
+        the units to come left its idle share uncounted, up to two units a read."""
+        return max(self.pool.idle_bytes - self._unbuffered_bytes() - reserving, 0)
+
+    def _unbuffered_bytes(self) -> int:
+        return sum(r.job.unbuffered_bytes for r in self._readings())
 
     @property
     def slack_bytes(self) -> int:
