@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
-from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -19,10 +18,10 @@ from flextensor_diffusers.engine.compressed_copies import CompressedCopies
 from flextensor_diffusers.engine.host_memory import HUGE_PAGE
 from flextensor_diffusers.engine.locked_pool import LockedPool, fits, rounded
 from flextensor_diffusers.pipelines import disk_reads
-from flextensor_diffusers.pipelines.disk_reads import ReadJob
+from flextensor_diffusers.pipelines.disk_reads import HowToRead, ReadJob
 from flextensor_diffusers.pipelines.host_tier.pool_room import PoolRoom
 from tests.models import set_host_overhead, wan_latents
-from tests.test_compressed_tier import BUDGET, enable_one_expert_in_ram, saved, smallest_host_budget  # noqa: F401 (a fixture)
+from tests.test_compressed_tier import enable_one_expert_in_ram, saved  # noqa: F401 (a fixture)
 from tests.test_host_tier import load
 
 MB = 1 << 20
@@ -195,51 +194,40 @@ def test_the_tier_hands_buffers_on_between_experts_bitwise_and_leaves_no_lock(sa
     assert (stats["adopted"] > 0) == adopting
 
 
-class ChecksHeldBuffers(disk_reads.ReadHooks):
-    """After each unit read of the compressed tier (its buffer taken from the pool and filled, the unit not yet
-    delivered), compares what `PoolRoom.held_beyond` counts of the idle buffers with what it should: the idle
-    buffers less the pages of the units allowed whose read has not begun (those alone will take idle buffers)."""
+def test_idle_buffers_are_counted_as_held_while_a_read_holds_its_own(calls: DriverCalls, monkeypatch) -> None:
+    """A unit under way holds the buffer it took (lent, counted in its read's reservation): the idle buffers counted
+    as held beyond the reads (`PoolRoom.held_beyond`) are those no unit still to begin will take. Three idle
+    buffers, a read of two units, the first under way: one idle buffer is the second unit's, the other is held
+    beyond. Counted among the units to come, the unit under way left that buffer uncounted (0 here), in the peak
+    and when making room: up to two units a read, ~1 GB for Wan2.2-A14B."""
+    monkeypatch.setattr(disk_reads, "UNITS_IN_FLIGHT", 1)
+    pool = pool_of(calls)
+    for view in [pool.take(40 * MB)[0] for _ in range(3)]:
+        host_memory.unpin_in_place(view)
+    under_way, release = threading.Event(), threading.Event()
 
-    def __init__(self, pool: LockedPool) -> None:
-        self.pool = pool
-        self.begun: dict[int, set[int]] = {}  # per job (by id): positions whose read began
-        self.checks: list[tuple[int, int]] = []  # (held_beyond, what it should be) after each read
-        self._lock = threading.Lock()
+    def read_unit(position: int, host: object, pin: bool, read: object, pieces: object) -> SimpleNamespace:
+        buffer, _ = pool.take(40 * MB)
+        under_way.set()
+        release.wait(timeout=30)
+        return SimpleNamespace(index=position - 1, nbytes=40 * MB, host=buffer)
 
-    def read(self, job: ReadJob, position: int, read: Callable[[], object]) -> object:
-        with self._lock:
-            self.begun.setdefault(id(job), set()).add(position)
-        unit = read()
-        with self._lock:
-            allowed = job.order[: job.units_within(job.allowed)]
-            unbuffered = sum(rounded(job.nbytes[p]) for p in allowed if p not in self.begun[id(job)])
-            room = PoolRoom(self.pool, SimpleNamespace(weights_budget=0), lambda: 0, lambda: [SimpleNamespace(job=job)])
-            self.checks.append((room.held_beyond(0), max(self.pool.idle_bytes - unbuffered, 0)))
-        return unit
-
-
-def test_idle_buffers_are_counted_while_a_read_holds_its_own(saved, tmp_path, monkeypatch) -> None:  # noqa: F811
-    """A unit under way holds the buffer it took (lent, counted in its read's reservation): the idle buffers the
-    tier counts as held beyond the reads are all those no unit still to begin will take, exactly, also when idle
-    buffers outnumber the units to come (a budget with room beside one expert, the payloads made at set-up adopted).
-    Counting units under way among those to come would leave as many idle buffers uncounted in the peak and when
-    making room (up to two units a read: ~1 GB for Wan2.2-A14B)."""
-    set_host_overhead(monkeypatch, own=0, reserve=0)
-    monkeypatch.setattr(disk_reads, "UNITS_IN_FLIGHT", 1)  # one unit under way: the pool is read when it is alone
-    adopt_payloads_made_at_set_up(monkeypatch)  # the expert moved out at set-up leaves its payloads idle
-    folder, reference = saved
-    pipe = load(folder)
-    cache = tmp_path / "cache"
-    host_budget = smallest_host_budget(pipe, cache) * 5 // 4  # room beside one expert for idle buffers
-    pipe.enable_flextensor_offload(
-        budget=BUDGET, device="cpu", compression="lossless", host_budget=host_budget, cache_dir=cache
+    host_copies = SimpleNamespace(
+        spilled_hosts=lambda: [None] * 3, arrival_bytes=lambda: [0, 40 * MB, 40 * MB], read_unit=read_unit
     )
-    hooks = ChecksHeldBuffers(ft.pipeline_offload(pipe).host_tier.locked_pool)
-    monkeypatch.setattr(disk_reads, "read_hooks", hooks)
-    assert all(torch.equal(wan_latents(pipe), reference) for _ in range(3))
-    assert hooks.checks and all(counted == expected for counted, expected in hooks.checks), hooks.checks
-    assert any(expected > 0 for _, expected in hooks.checks)  # idle buffers beside a read under way: the case
-    pipe.disable_flextensor_offload()
+    job = ReadJob("expert", host_copies, [1, 2], lambda: HowToRead(None, False), pin=False)
+    job.allow(80 * MB)
+    room = PoolRoom(pool, SimpleNamespace(weights_budget=1 << 30), lambda: 0, lambda: [SimpleNamespace(job=job)])
+    threads = SimpleNamespace(submit=lambda fn, *args: threading.Thread(target=fn, args=args).start())
+    reader = threading.Thread(target=job.run, args=(SimpleNamespace(units=threads, pieces=None),))
+    reader.start()
+    assert under_way.wait(timeout=30)
+    assert pool.report()["lent"] == 1 and pool.idle_bytes == 2 * 40 * MB
+    assert job.unbuffered_bytes == 40 * MB and room.held_beyond(0) == 40 * MB
+    release.set()
+    job.wait_for(2)
+    reader.join(timeout=30)
+    assert job.finished and job.unbuffered_bytes == 0 and room.held_beyond(0) == pool.idle_bytes == 40 * MB
 
 
 def test_a_pool_dropped_unclosed_lets_its_buffers_go_as_any_others(calls: DriverCalls) -> None:

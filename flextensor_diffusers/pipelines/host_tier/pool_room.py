@@ -59,8 +59,8 @@ class PoolRoom:
     def held_beyond(self, reserving: int) -> int:
         """The idle buffers beyond what the reads under way reserved for units that hold no buffer yet, and
         ``reserving`` bytes about to be (which those buffers will hold): RAM held that the tier's ``ram_bytes`` does
-        not count. A unit under way holds its buffer already (lent, counted in its reservation): counting it among
-        the units to come left its idle share uncounted, up to two units a read."""
+        not count. A unit under way holds its buffer already (lent, counted in its reservation): counted among the
+        units to come, it would leave as many idle bytes uncounted (up to two units a read)."""
         return max(self.pool.idle_bytes - self._unbuffered_bytes() - reserving, 0)
 
     def _unbuffered_bytes(self) -> int:
