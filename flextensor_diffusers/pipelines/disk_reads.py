@@ -125,7 +125,6 @@ class ReadJob:
         self.running = False  # the reader thread began it
         self.submitted = 0  # reader thread: units of the order handed to a unit thread
         self.begun: set[int] = set()  # positions whose read began on a unit thread: a buffer holds them, or is taken
-        self.landed: set[int] = set()  # positions read (delivered, or freed as the job stopped)
         self.delivered: dict[int, Unit] = {}
         self.delivered_at: dict[int, float] = {}  # when each position was delivered (`clock`)
         self.read_bytes = 0
@@ -278,8 +277,6 @@ class ReadJob:
             if self._in_flight == 0 and self._busy_since is not None:
                 self.read_s += clock() - self._busy_since
                 self._busy_since = None
-            if unit is not None:
-                self.landed.add(unit.index + 1)
             if unit is not None and (self.stopped or self.error is not None):
                 drop = unit
             elif unit is not None:
