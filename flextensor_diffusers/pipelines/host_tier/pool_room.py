@@ -9,13 +9,14 @@ where the budget has room for it. `PoolRoom` says how much, from the tier's own 
   for units they have not begun (those buffers will hold them). They are trimmed to that after every change: a
   component moved out, one about to be packed (the room it takes is not theirs), a switch, a hand-over.
 * **Larger buffers** (one made for the largest payload serves any block) are lent only while the share has room
-  for the difference (`LockedPool.allow_slack`), never while the tier is changing what it counts (`hold`).
+  for the difference (`LockedPool.allow_slack`), never while the tier is changing what it counts (`changing`).
 * **The peak, and making room,** count the idle buffers no reservation will take (`held_beyond`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 from ...engine.locked_pool import LockedPool
 from .placement import TierBudget
@@ -24,8 +25,8 @@ from .records import Reading
 
 class PoolRoom:
     """``pool`` against ``budget``'s share, with the host copies' RAM (``ram_bytes``, reservations and the pool's
-    slack included) and the reads under way (``readings``) as the tier counts them; the tier calls `hold` before a
-    change, `settle` after it, under its lock."""
+    slack included) and the reads under way (``readings``) as the tier counts them; the tier makes each change of
+    what it counts inside `changing`, under its lock."""
 
     def __init__(
         self,
@@ -39,16 +40,17 @@ class PoolRoom:
         self._ram_bytes = ram_bytes
         self._readings = readings
 
-    def hold(self) -> None:
-        """Before a change of the placement or the reads: no buffer larger than its read is lent until `settle`
-        says what room is left (a reader may take one meanwhile)."""
+    @contextlib.contextmanager
+    def changing(self, upcoming: int = 0) -> Iterator[None]:
+        """Around a change of the placement or the reads: meanwhile no buffer larger than its read is lent (a reader
+        may take one); after it, even one that raised, lent buffers may hold beyond their reads what is left of the
+        share, and the idle ones are trimmed to the room less ``upcoming`` (`trim`)."""
         self.pool.allow_slack(0)
-
-    def settle(self, upcoming: int = 0) -> None:
-        """After a change: lent buffers may hold beyond their reads what is left of the share, and the idle ones are
-        trimmed to the room (`trim`)."""
-        self.pool.allow_slack(max(self._budget.weights_budget - self._ram_bytes(), 0))
-        self.trim(upcoming)
+        try:
+            yield
+        finally:
+            self.pool.allow_slack(max(self._budget.weights_budget - self._ram_bytes(), 0))
+            self.trim(upcoming)
 
     def trim(self, upcoming: int = 0) -> None:
         """Free idle buffers beyond what is left of the share less ``upcoming`` (about to be taken otherwise: a

@@ -128,12 +128,10 @@ class HostTier:
     def add(self, name: str, handle: OffloadHandle) -> None:
         """Track a component just packed (in RAM): find its weight files, then move others to disk if
         it does not fit with them."""
-        with self._lock:
-            self._pool_room.hold()
+        with self._lock, self._pool_room.changing():
             handle.host.compressed.locked_pool = self.locked_pool
             self.locked_pool.expect(e.payload.numel() for e in handle.host.encoded.values())
             self._placement.add(name, handle)
-            self._pool_room.settle()
 
     def check_fits(self) -> None:
         """Once every component is added: refuse a host budget too small for their host copies as kept
@@ -143,10 +141,8 @@ class HostTier:
 
     def room_for_packing(self, nbytes: int) -> None:
         """Before a component of ``nbytes`` is packed: move others to disk until it fits."""
-        with self._lock:
-            self._pool_room.hold()
+        with self._lock, self._pool_room.changing(upcoming=nbytes):
             self._placement.make_room(set(), nbytes)
-            self._pool_room.settle(upcoming=nbytes)
 
     def bring_in(self, handle: OffloadHandle) -> None:
         """Before ``handle`` becomes active (the one before is released): the previous component's read
@@ -154,12 +150,8 @@ class HostTier:
         or goes on from its read ahead, and it becomes active at once (its units arrive through the
         gate). Then the read aheads of the components expected next start or go on (`ReadAheads.after`)."""
         started = disk_reads.clock()
-        with self._lock:
-            self._pool_room.hold()
-            try:
-                self._bring_in(handle, started)
-            finally:
-                self._pool_room.settle()
+        with self._lock, self._pool_room.changing():
+            self._bring_in(handle, started)
 
     def _bring_in(self, handle: OffloadHandle, started: float) -> None:
         """`bring_in`'s work, under the lock."""
@@ -206,10 +198,9 @@ class HostTier:
 
     def _room_freed(self, active: str) -> None:
         """A payload of ``active`` was handed over: the read ahead of the next component goes on into its room."""
-        self._pool_room.hold()
-        self._aheads.top_up(active)
-        self._placement.note_peak()
-        self._pool_room.settle()
+        with self._pool_room.changing():
+            self._aheads.top_up(active)
+            self._placement.note_peak()
 
     def _finish_hand_over(self) -> None:
         if self._hand_over is not None:
@@ -236,11 +227,10 @@ class HostTier:
         disk as it was), and check the weight files of components waiting in them, which removal reads their
         weights back from (`Placement.check_files_for_removal`)."""
         with self._lock:
-            self._pool_room.hold()
-            self._finish_hand_over()
-            self._read_back.give_up()  # first: a read ahead queued behind it is then skipped at once
-            self._aheads.give_up_all()
-            self._pool_room.settle()
+            with self._pool_room.changing():
+                self._finish_hand_over()
+                self._read_back.give_up()  # first: a read ahead queued behind it is then skipped at once
+                self._aheads.give_up_all()
             self._placement.check_files_for_removal()
 
     def close(self) -> None:
