@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -206,8 +207,10 @@ def test_idle_buffers_are_counted_as_held_while_a_read_holds_its_own(calls: Driv
         host_memory.unpin_in_place(view)
     under_way, release = threading.Event(), threading.Event()
 
-    def read_unit(position: int, host: object, pin: bool, read: object, pieces: object) -> SimpleNamespace:
-        buffer, _ = pool.take(40 * MB)
+    def read_unit(
+        position: int, host: object, pin: bool, read: object, pieces: object, buffered: Callable[[], None]
+    ) -> SimpleNamespace:
+        buffer, _ = pool.take(40 * MB, buffered)
         under_way.set()
         release.wait(timeout=30)
         return SimpleNamespace(index=position - 1, nbytes=40 * MB, host=buffer)

@@ -509,16 +509,23 @@ class CompressedCopies:
         self.encoded[index] = dataclasses.replace(self.encoded[index], payload=self.file.map()[index])
         self.waiting = self.waiting | {index}  # a new set: readers on other threads iterate the old one
 
-    def read_payload(self, index: int, pin: bool, reader: PieceReader = SERIAL) -> tuple[torch.Tensor, bool]:
+    def read_payload(
+        self, index: int, pin: bool, reader: PieceReader = SERIAL, buffered: Callable[[], None] = lambda: None
+    ) -> tuple[torch.Tensor, bool]:
         """Unit ``index``'s waiting payload in a RAM buffer (one the `locked_pool` lends, page-locked as the pool's
         are; else a new one, page-locked when ``pin``: in place where CUDA allows, else a pinned copy; True when lent
         or locked in place: its owner gives it back with ``unpin_in_place``), read from
-        the file in pieces on ``reader``'s threads and checked against its checksum. Changes nothing here: runs on a
-        reader thread while the model waits or computes."""
+        the file in pieces on ``reader``'s threads and checked against its checksum; ``buffered`` is told once the
+        buffer is had (under the pool's lock: `LockedPool.take`). Changes nothing here: runs on a reader thread while
+        the model waits or computes."""
         assert self.file is not None
         nbytes = self.file.records[index].payload_nbytes
         pool = self.locked_pool
-        buffer, lent = pool.take(nbytes) if pool is not None else (host_buffer(nbytes), False)
+        if pool is not None:
+            buffer, lent = pool.take(nbytes, buffered)
+        else:
+            buffer, lent = host_buffer(nbytes), False
+            buffered()
         try:
             self.file.read_payload(index, buffer, reader)
         except BaseException:

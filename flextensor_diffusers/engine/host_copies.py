@@ -646,7 +646,13 @@ class HostCopies:
         return [u.host for u in self.positions]
 
     def read_unit(
-        self, position: int, host: object, pin: bool, read: ReadInto | None = None, reader: PieceReader = SERIAL
+        self,
+        position: int,
+        host: object,
+        pin: bool,
+        read: ReadInto | None = None,
+        reader: PieceReader = SERIAL,
+        buffered: Callable[[], None] = lambda: None,
     ) -> Unit:
         """One spilled unit's bytes in a new RAM buffer, as a copy of the unit for `take_unit`: from
         ``read(position, buffer, reader)`` when given, else copied from its stand-in ``host``; in pieces on
@@ -655,12 +661,14 @@ class HostCopies:
         of the model: runs on any thread, while the model waits or computes.
 
         Compressed only, the unit's payload is read from the payload file instead (checked against its
-        checksum): the copy returned holds it as ``host``, its size as ``nbytes``."""
+        checksum): the copy returned holds it as ``host``, its size as ``nbytes``. ``buffered`` is told once the
+        new buffer is had (`CompressedCopies.read_payload`)."""
         unit = self.positions[position]
         if self.compressed_only:
-            payload, locked = self.compressed.read_payload(unit.index, pin, reader)
+            payload, locked = self.compressed.read_payload(unit.index, pin, reader, buffered)
             return dataclasses.replace(unit, host=payload, nbytes=payload.numel(), pinned_in_place=locked)
         buffer = host_buffer(unit.nbytes)
+        buffered()
         if read is not None:
             read(position, buffer, reader)
         elif not isinstance(host, torch.Tensor):  # a stand-in is sliced per tensor only

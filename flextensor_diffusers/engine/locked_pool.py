@@ -134,10 +134,12 @@ class LockedPool:
         with self._mutex:
             self._slack_room = max(nbytes, 0)
 
-    def take(self, nbytes: int) -> tuple[torch.Tensor, bool]:
+    def take(self, nbytes: int, lent: Callable[[], None] = lambda: None) -> tuple[torch.Tensor, bool]:
         """A buffer for a read of ``nbytes``, as a tensor of exactly ``nbytes``: an idle one that fits, else a new
         one page-locked now. True when it is lent (its owner gives it back with `host_memory.unpin_in_place`); False
-        when a new one could not be locked: the caller then owns an ordinary buffer, and the pool forgets it."""
+        when a new one could not be locked: the caller then owns an ordinary buffer, and the pool forgets it.
+        ``lent`` is called under the pool's lock as the buffer is lent (or given as an ordinary one), so that what
+        `idle_beyond` counts never sees the buffer both idle and taken, nor neither."""
         with self._mutex:
             usable = [b for b in self._idle if self._may_lend(b.capacity, nbytes)]
             best = min(usable, key=lambda b: b.capacity, default=None)
@@ -145,6 +147,7 @@ class LockedPool:
                 self._idle.remove(best)
                 self._slack_room -= slack_of(best.capacity, nbytes)
                 self.counts.reused += 1
+                lent()
                 return self._lend(best.whole, nbytes), True
             capacity = self.new_capacity(nbytes)
             capacity = capacity if slack_of(capacity, nbytes) <= self._slack_room else rounded(nbytes)
@@ -155,9 +158,11 @@ class LockedPool:
         if not self._lock_buffer(whole):
             with self._mutex:
                 self._slack_room += slack_of(capacity, nbytes)
+                lent()
             return whole[:nbytes], False
         with self._mutex:
             self.counts.locked += 1
+            lent()
             return self._lend(whole, nbytes), True
 
     def new_capacity(self, nbytes: int) -> int:
@@ -244,6 +249,12 @@ class LockedPool:
     def idle_bytes(self) -> int:
         with self._mutex:
             return self._idle_bytes()
+
+    def idle_beyond(self, claimed: Callable[[], int]) -> int:
+        """The idle buffers' bytes beyond ``claimed()`` (what reads not yet lent a buffer will take), both read
+        under the pool's lock, which `take`'s ``lent`` is told under: the two agree at every moment."""
+        with self._mutex:
+            return max(self._idle_bytes() - claimed(), 0)
 
     def report(self) -> dict[str, int]:
         """`LockedPoolCounts`, and what the pool holds now: buffers lent and idle, their bytes, and the lent ones'

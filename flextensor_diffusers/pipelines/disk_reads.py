@@ -124,7 +124,7 @@ class ReadJob:
         self.taken_bytes = 0  # main thread: of those, what the host copies adopted (counted there)
         self.running = False  # the reader thread began it
         self.submitted = 0  # reader thread: units of the order handed to a unit thread
-        self.begun: set[int] = set()  # positions whose read began on a unit thread: a buffer holds them, or is taken
+        self.buffered: set[int] = set()  # positions whose read has its buffer (`unbuffered_bytes`)
         self.delivered: dict[int, Unit] = {}
         self.delivered_at: dict[int, float] = {}  # when each position was delivered (`clock`)
         self.read_bytes = 0
@@ -154,14 +154,14 @@ class ReadJob:
 
     @property
     def unbuffered_bytes(self) -> int:
-        """Of ``reserved_bytes``, those of units whose read has not begun, in the whole pages their buffers will take:
-        reserved, but no buffer holds them yet. A unit counts as begun from just before its read takes its buffer
-        (`_read_one`), so for that moment the buffer it is about to take is counted twice, never not at all."""
+        """Of ``reserved_bytes``, those of units whose read has no buffer yet, in the whole pages their buffers will
+        take. A read is told it has its buffer under the locked pool's lock as the pool lends it
+        (`LockedPool.take`), so that `LockedPool.idle_beyond` sees each buffer idle or taken, never both or neither."""
         with self._cond:
             if self.stopped or self.finished or self.error is not None:
                 return 0
             allowed = self.order[: self.units_within(self.allowed)]
-            return self._pages_of([p for p in allowed if p not in self.begun])
+            return self._pages_of([p for p in allowed if p not in self.buffered])
 
     def _pages_of(self, positions: list[int]) -> int:
         """The whole pages the buffers of ``positions`` take."""
@@ -256,10 +256,11 @@ class ReadJob:
 
     def _read_one(self, position: int, pieces: PieceReader) -> None:
         assert self.how is not None
-        with self._cond:
-            self.begun.add(position)  # before its buffer is taken (`unbuffered_bytes`)
         hosts = self.host_copies
-        read = functools.partial(hosts.read_unit, position, self.hosts[position], self.pin, self.how.read, pieces)
+        buffered = functools.partial(self._buffered, position)
+        read = functools.partial(
+            hosts.read_unit, position, self.hosts[position], self.pin, self.how.read, pieces, buffered
+        )
         try:
             unit = read_hooks.read(self, position, read)
         except BaseException as exc:
@@ -268,6 +269,11 @@ class ReadJob:
             self._landed(None)
             return
         self._landed(unit)
+
+    def _buffered(self, position: int) -> None:
+        """The read of ``position`` has its buffer (told under the locked pool's lock, `unbuffered_bytes`)."""
+        with self._cond:
+            self.buffered.add(position)
 
     def _landed(self, unit: Unit | None) -> None:
         """A unit read ended (``unit`` None: it failed): deliver it, or free it when the job was stopped."""

@@ -63,7 +63,7 @@ class PoolRoom:
         ``reserving`` bytes about to be (which those buffers will hold): RAM held that the tier's ``ram_bytes`` does
         not count. A unit under way holds its buffer already (lent, counted in its reservation): counted among the
         units to come, it would leave as many idle bytes uncounted (up to two units a read)."""
-        return max(self.pool.idle_bytes - self._unbuffered_bytes() - reserving, 0)
+        return max(self.pool.idle_beyond(self._unbuffered_bytes) - reserving, 0)
 
     def _unbuffered_bytes(self) -> int:
         return sum(r.job.unbuffered_bytes for r in self._readings())
