@@ -6,8 +6,8 @@ hand-overs make no driver call. But a buffer kept idle is RAM the host copies no
 where the budget has room for it. `PoolRoom` says how much, from the tier's own counts:
 
 * **Idle buffers** are kept up to the room left in the host copies' share, plus what the reads under way reserved
-  for units they have not begun (those buffers will hold them). They are trimmed to that after every change: a
-  component moved out, one about to be packed (the room it takes is not theirs), a switch, a hand-over.
+  for units whose reads have no buffer yet (those buffers will hold them). They are trimmed to that after every
+  change: a component moved out, one about to be packed (the room it takes is not theirs), a switch, a hand-over.
 * **Larger buffers** (one made for the largest payload serves any block) are lent only while the share has room
   for the difference (`LockedPool.allow_slack`), never while the tier is changing what it counts (`changing`).
 * **The peak, and making room,** count the idle buffers no reservation will take (`held_beyond`).
