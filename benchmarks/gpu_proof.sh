@@ -15,8 +15,9 @@
 #                $TIERS_WARMUP_STEPS the warm-up's (default as many as the measured one's, so that its first switch
 #                follows a generation as long as itself, as in back-to-back generations of one length)
 #                                                             -> $OUT/tiers_<card>.json, .log
-#   setup        tiers_bench.py's set-up block on the 40-block stack: raw, FlexTensor, compressed first, from the
-#                payload file and encoded between forwards, each started only with $PHASE_MIN_S (default 50) s of the
+#   setup        tiers_bench.py's set-up block on the 40-block stack: raw, FlexTensor, compressed first (the default:
+#                encoded between forwards), from the payload file, and encoded before set-up returns
+#                (compressed_first_at_setup), each started only with $PHASE_MIN_S (default 50) s of the
 #                limit left; $SETUP_RUNS: a comma list of them; $SETUP_REPEATS: raw and the cached set-up that many
 #                more times, in turns (each figure then the median)
 #                                                             -> $OUT/tiers_setup_<card>.json, .log

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -63,11 +64,18 @@ class PayloadArrival:
     def __init__(
         self,
         cache: PayloadCache,
-        records: dict[int, CacheRecord],
+        records: dict[int, CacheRecord] | Callable[[], dict[int, CacheRecord]],
         pin: bool,
         check: Callable[[int, EncodedUnit], str | None] | None = None,
     ) -> None:
-        self._cache, self._records, self._pin, self._check = cache, records, pin, check
+        """``records``: the file's records, its header checked; or what checks it and returns them (empty: no usable
+        file), called when the reads begin, so that a set-up that encodes between forwards where there is no usable
+        file reads nothing of the file before it returns (`found_no_file` then says so)."""
+        self._opener = records if callable(records) else None
+        self._records: dict[int, CacheRecord] = {} if callable(records) else records
+        self._cache, self._pin, self._check = cache, pin, check
+        #: The header was checked as the reads began, and there is no usable file: nothing is read.
+        self.found_no_file = False
         self._pieces = ThreadPoolExecutor(PACK_THREADS, thread_name_prefix="flextensor-arrive-piece")
         self._reader = PieceReader(self._pieces, PACK_THREADS)
         # each payload read in pieces by all threads, so few at once; but a check on the CPU (a fresh encoding)
@@ -75,11 +83,29 @@ class PayloadArrival:
         in_flight = UNITS_IN_FLIGHT if check is None else PACK_THREADS
         self._pool = ThreadPoolExecutor(in_flight, thread_name_prefix="flextensor-arrive")
         self._futures: dict[int, Future[ArrivingPayload]] | None = None  # None: not begun
+        # `begin` runs on the packing thread, `abandon` on the model's (an edit, removal): never both at once
+        self._beginning = threading.Lock()
+
+    @property
+    def checked(self) -> bool:
+        """The file's header was checked (at set-up, or as the reads began) and found usable."""
+        return bool(self._records)
 
     def begin(self) -> PayloadArrival:
         """Start the reads (no thread runs before: a set-up that does not wait for them begins them once the raw
-        copies are packed, `CompressedCopies.begin_arrival`); a second call does nothing."""
-        if self._futures is None:
+        copies are packed, `CompressedCopies.begin_arrival`); a second call, or one after `abandon`, does nothing.
+        A header left to check is checked first: no usable file reads nothing (`found_no_file`)."""
+        with self._beginning:
+            if self._futures is not None:
+                return self
+            if self._opener is not None:
+                self._records = self._opener()
+                if not self._records:
+                    self.found_no_file = True  # set before the futures: ``done`` then implies it is known
+                    self._shutdown(wait=False)
+                    self._futures = {}
+                    return self
+                self._cache.mark_reading()
             self._futures = {index: self._pool.submit(self._read, index) for index in sorted(self._records)}
         return self
 
@@ -110,12 +136,36 @@ class PayloadArrival:
 
     def abandon(self) -> None:
         """Stop: reads not started are not made; those under way end and their buffers are dropped (unlocked)."""
-        self._shutdown(wait=True)
-        self._futures = {}
+        with self._beginning:
+            self._shutdown(wait=True)
+            self._futures = {}
 
     def _shutdown(self, wait: bool) -> None:
         self._pool.shutdown(wait=wait, cancel_futures=True)  # first: a unit under way waits for its pieces
         self._pieces.shutdown(wait=wait)
+
+
+def encoder_room(nbytes: int, held: int = 0) -> int:
+    """The device memory encoding a unit of ``nbytes`` takes beside ``held`` bytes, the allocator's slack included
+    (`codec.device_encoding_need`, which counts every byte as coded)."""
+    need = held + device_encoding_need(nbytes)
+    return need + int(need * ALLOCATION_SLACK)
+
+
+def refuse_without_room(nbytes: int, held: int, budget_bytes: int | None, device: torch.device) -> None:
+    """Raise `BudgetError` when encoding a unit of ``nbytes`` on ``device`` beside the ``held`` bytes the process
+    holds there would go over the budget (`encoder_room`)."""
+    if budget_bytes is None or not nbytes:
+        return
+    need = encoder_room(nbytes, held)
+    if need > budget_bytes:
+        raise BudgetError(
+            f"background_encoding=True compresses the weights on {device} between forwards, which needs "
+            f"{format_bytes(need)} of device memory there, over the budget of {format_bytes(budget_bytes)}"
+            f": pass a budget of at least {need} bytes, or compression='none' (--compression none) to stream "
+            "the weights raw",
+            required_bytes=need,
+        )
 
 
 class EncodingBetweenForwards:
@@ -137,10 +187,10 @@ class EncodingBetweenForwards:
         self._device = device
         self._pin = pin
         self._budget_bytes = budget_bytes
-        self._needs = [device_encoding_need(job.nbytes) for job in jobs]  # device memory each job's encoding takes
+        self._nbytes = [job.nbytes for job in jobs]
         self._next = 0  # jobs[:_next] are encoded
         if device.type == "cuda":  # one unit alone over the budget: refused at set-up, before anything is packed
-            self._check_room(held=0)
+            refuse_without_room(max(self._nbytes, default=0), 0, budget_bytes, device)
         self._made: dict[int, ArrivingPayload] = {}
         self._failure: str | None = None
 
@@ -173,30 +223,13 @@ class EncodingBetweenForwards:
         except Exception as exc:  # the model streams raw: `take` says why
             self._failure = first_line(exc)
 
-    def _check_room(self, held: int) -> None:
-        """Raise `BudgetError` when encoding the largest of the units left beside the ``held`` bytes the process
-        holds on the device would go over the budget (`codec.device_encoding_need`, which counts every byte as
-        coded)."""
-        left = self._needs[self._next :]
-        if self._budget_bytes is None or not left:
-            return
-        need = held + max(left)
-        need += int(need * ALLOCATION_SLACK)
-        if need > self._budget_bytes:
-            raise BudgetError(
-                f"background_encoding=True compresses the weights on {self._device} between forwards, which needs "
-                f"{format_bytes(need)} of device memory there, over the budget of {format_bytes(self._budget_bytes)}"
-                f": pass a budget of at least {need} bytes, or compression='none' (--compression none) to stream "
-                "the weights raw",
-                required_bytes=need,
-            )
-
     def _on_device(self, jobs: list[EncodeJob]) -> Iterator[tuple[int, ArrivingPayload | None]]:
         """Each of ``jobs``' units through the device encoder, in order, with its payload (None: not worth it);
         refused first when that would take the process over the budget. Closed early, the unit under way is
         dropped; the encoder's working memory goes back to the device either way (the next forward's slots are
         allocated anew, as after set-up)."""
-        self._check_room(held=torch.cuda.memory_allocated(self._device))
+        left = max(self._nbytes[self._next :], default=0)
+        refuse_without_room(left, torch.cuda.memory_allocated(self._device), self._budget_bytes, self._device)
         encoder = DeviceEncoder(
             self._device, lock=self._pin, keep=lambda _encoded: True, budget_bytes=self._budget_bytes, refuse=False
         )

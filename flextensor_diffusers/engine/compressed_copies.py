@@ -235,12 +235,22 @@ class CompressedCopies:
 
     # ------------------------------------------------------------------------------------ arriving after set-up
 
-    def start_arrival(self, cache: PayloadCache, pin: bool) -> bool:
+    def start_arrival(self, cache: PayloadCache, pin: bool, else_encode: bool = False) -> bool:
         """Set-up from the payload file without waiting for it: its header is checked here, and its payloads are
         read on threads (`PayloadArrival`) from `begin_arrival` on, while the model already runs raw, and kept once
         all arrived (`adopt_arrival`), each to be proven at its first decoded load. False, nothing started, when
-        the file is missing or refused."""
+        the file is missing or refused.
+
+        ``else_encode`` (set-up encodes between forwards where there is no usable file): nothing of the file is
+        read here, not even its header (on the H100 a set-up that checked it took 1.14× raw's, call V); it is
+        checked as the reads begin, and a missing or refused file turns into encoding between forwards at the
+        next forward's start or end (`encode_if_no_file`). Always True."""
         self.release()
+        if else_encode:
+            self.file, self.pinned = cache, pin
+            self._arrival = PayloadArrival(cache, functools.partial(self._usable_records, cache), pin)
+            cache.mark_opening()
+            return True
         records = self._usable_records(cache)
         if not records:
             return False
@@ -268,6 +278,17 @@ class CompressedCopies:
         if cache is not None:
             cache.mark_encoding()
 
+    def encode_if_no_file(self) -> bool:
+        """The payload file checked as its reads began (`start_arrival` with ``else_encode``) was missing or refused:
+        encode between forwards instead (`start_encoding`), and say so. Called on the model's thread at each
+        forward's start and end, and by `adopt_arrival`; nothing when the header is not checked yet, or was
+        usable."""
+        arrival = self._arrival
+        if not (isinstance(arrival, PayloadArrival) and arrival.found_no_file):
+            return False
+        self.start_encoding(self.file, self.pinned)
+        return True
+
     @property
     def encoding_between_forwards(self) -> bool:
         """Units are left to encode between the model's forwards (`start_encoding`)."""
@@ -292,7 +313,11 @@ class CompressedCopies:
     def adopt_arrival(self) -> bool:
         """Keep the payloads read or made since set-up (the model inactive), every one unproven; True when kept. A
         read that failed keeps none: the file is refused and deleted (the next set-up encodes again), the model
-        streams raw; so does a failed encoding, with a warning. Payloads made here are then written to the file."""
+        streams raw; so does a failed encoding, with a warning. Payloads made here are then written to the file.
+        A file found missing or refused as its reads began (after the caller's `encode_if_no_file`) keeps none:
+        the units are encoded between forwards from now on."""
+        if self.encode_if_no_file():
+            return False
         arrival, self._arrival = self._arrival, None
         assert arrival is not None
         payloads, failure = arrival.take()
@@ -320,8 +345,11 @@ class CompressedCopies:
         the file's status and a warning), or the copies are dropped (None)."""
         arrival, self._arrival = self._arrival, None
         if arrival is not None:
+            checked = not isinstance(arrival, PayloadArrival) or arrival.checked
             arrival.abandon()
-            if why is not None and arrival.in_file and self.file is not None:
+            if why is not None and not checked:
+                logger.warning("%s came before the payload file was checked: the model streams raw", why)
+            elif why is not None and arrival.in_file and self.file is not None:
                 self.file.refuse(f"{why} came while it was being read", then="the model streams raw")
             elif why is not None:
                 logger.warning("%s came while the weights were being compressed: the model streams them raw", why)

@@ -180,8 +180,11 @@ class OffloadConfig:
             (on its device, each gap for about as long as the forward before it took: `arrivals`), while it
             streams raw, and once all are encoded they are kept at the next forward's start,
             each proven byte for byte at its first decoded load before planned loads decode it (as payloads read
-            from the file are), and the file is written (``compression_cache``). False (the default) encodes every
-            unit before set-up returns, on the GPU where there is one.
+            from the file are), and the file is written (``compression_cache``); with ``compression_cache`` set-up
+            then reads nothing of the file (it is checked once packing is over, and encoding begins there when it
+            is missing or refused). False encodes every unit before set-up returns (on the GPU where there is one)
+            when there is no file. None (the default): True on CUDA wherever it can be (`setup.encodes_between_
+            forwards`: the encoder's room for one unit within the budget), else False.
         verify_loads: check on the device, before and after every unit call, that the bytes the unit computes
             with are its weights (`load_checks`): a wrong load raises instead of giving a wrong output, at the
             next forward, at ``handle.check_loads()``, or at the end of a pipeline's generation. Costs two reads
@@ -210,7 +213,7 @@ class OffloadConfig:
     cache_dir: str | Path | None = None
     active_after_setup: bool = True
     progressive_packing: bool = True
-    background_encoding: bool = False
+    background_encoding: bool | None = None
     verify_loads: bool = False
 
     def __post_init__(self) -> None:

@@ -287,6 +287,7 @@ class OffloadHandle:
             except FlexTensorError:
                 self._depth = 0
                 raise
+        self.host.compressed.encode_if_no_file()  # the payload file, checked after set-up, was missing or refused
         if self.host.compressed.arrived:  # the payload file's copies, read since set-up: measured from now on
             self._take_arrived_payloads()
         if not self.active:
@@ -330,6 +331,7 @@ class OffloadHandle:
         if self._depth == 0:
             self.phases.current.end()
             self._end_unit_done()
+            self.host.compressed.encode_if_no_file()
             if self.host.compressed.encoding_between_forwards:
                 self._encode_between_forwards()
 

@@ -279,6 +279,11 @@ class PayloadCache:
         """Set-up did not wait for the file: its payloads are being read while the model runs raw."""
         self.status = "being read while the model runs raw"
 
+    def mark_opening(self) -> None:
+        """Set-up read nothing of the file: it is checked once packing is over, then read, or (missing or refused)
+        written once the weights are compressed between forwards."""
+        self.status = "checked once packing is over: read then, or written after compressing while the model runs raw"
+
     def mark_encoding(self) -> None:
         """Set-up found no file and did not wait for the encoder: the file is written once every unit is encoded."""
         self.status = "not written yet: the weights are being compressed while the model runs raw"

@@ -89,8 +89,8 @@ def enable_offload(pipe: Any, options: RecipeOptions, device: torch.device, shar
         typed["compression_cache"] = True
     if options.verify_loads is not None:
         typed["verify_loads"] = options.verify_loads
-    if options.background_encoding:
-        typed["background_encoding"] = True
+    if options.background_encoding is not None:
+        typed["background_encoding"] = options.background_encoding
     pipe.enable_flextensor_offload(
         budget=options.budget,
         profile_dir=options.profile_dir,

@@ -66,7 +66,7 @@ class RecipeOptions:
     compression: str = "none"
     raw_copies: str | None = None  # None: the offload's choice ("disk" under a host budget with compression)
     compression_cache: bool = False
-    background_encoding: bool = False
+    background_encoding: bool | None = None  # None: the offload's choice (on a GPU where it can be)
     verify_loads: bool | None = None  # None: the offload's choice (on under a host tier with compression on a GPU)
     profile_dir: Path | None = Path("profiles")
     device: str | None = None
@@ -228,10 +228,12 @@ def add_memory(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--background-encoding",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="with --compression lossless and no compressed copies to read (--compression-cache): start at once "
         "and compress the blocks on the GPU between the forwards of the first generations, which stream them raw "
-        "meanwhile, instead of compressing every block first (not with a sized --host-budget)",
+        "meanwhile, instead of compressing every block first (not with a sized --host-budget). Default: on a GPU "
+        "whose budget holds the encoder's room for one block, without a sized --host-budget; else off",
     )
     parser.add_argument(
         "--verify-loads",
