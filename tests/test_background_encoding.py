@@ -246,7 +246,7 @@ def test_ctrl_c_while_units_are_encoded_between_forwards_goes_on_at_the_next_for
 
 @pytest.mark.parametrize(
     ("cache", "said"),
-    [(False, "came while the weights were being compressed"), (True, "came before the payload file was checked")],
+    [(False, "came while the weights were being compressed"), (True, "came before any payload was read or made")],
 )
 def test_an_edit_while_units_are_encoded_keeps_none_of_their_payloads(tmp_path, caplog, cache, said) -> None:
     """Right after set-up: without the file the units are being encoded; with it, the file is not checked yet."""

@@ -87,8 +87,9 @@ class PayloadArrival:
         self._beginning = threading.Lock()
 
     @property
-    def checked(self) -> bool:
-        """The file's header was checked (at set-up, or as the reads began) and found usable."""
+    def usable(self) -> bool:
+        """The file's header was checked (at set-up, or as the reads began) and found usable: its payloads are
+        read, or to be."""
         return bool(self._records)
 
     def begin(self) -> PayloadArrival:

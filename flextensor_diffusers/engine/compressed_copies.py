@@ -345,10 +345,10 @@ class CompressedCopies:
         the file's status and a warning), or the copies are dropped (None)."""
         arrival, self._arrival = self._arrival, None
         if arrival is not None:
-            checked = not isinstance(arrival, PayloadArrival) or arrival.checked
+            usable = not isinstance(arrival, PayloadArrival) or arrival.usable
             arrival.abandon()
-            if why is not None and not checked:
-                logger.warning("%s came before the payload file was checked: the model streams raw", why)
+            if why is not None and not usable:  # the file not checked yet, or found missing or refused
+                logger.warning("%s came before any payload was read or made: the model streams raw", why)
             elif why is not None and arrival.in_file and self.file is not None:
                 self.file.refuse(f"{why} came while it was being read", then="the model streams raw")
             elif why is not None:
