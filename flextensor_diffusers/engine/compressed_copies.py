@@ -235,22 +235,12 @@ class CompressedCopies:
 
     # ------------------------------------------------------------------------------------ arriving after set-up
 
-    def start_arrival(self, cache: PayloadCache, pin: bool, else_encode: bool = False) -> bool:
+    def start_arrival(self, cache: PayloadCache, pin: bool) -> bool:
         """Set-up from the payload file without waiting for it: its header is checked here, and its payloads are
         read on threads (`PayloadArrival`) from `begin_arrival` on, while the model already runs raw, and kept once
         all arrived (`adopt_arrival`), each to be proven at its first decoded load. False, nothing started, when
-        the file is missing or refused.
-
-        ``else_encode`` (set-up encodes between forwards where there is no usable file): nothing of the file is
-        read here, not even its header (on the H100 a set-up that checked it took 1.14× raw's, call V); it is
-        checked as the reads begin, and a missing or refused file turns into encoding between forwards at the
-        next forward's start or end (`encode_if_no_file`). Always True."""
+        the file is missing or refused."""
         self.release()
-        if else_encode:
-            self.file, self.pinned = cache, pin
-            self._arrival = PayloadArrival(cache, functools.partial(self._usable_records, cache), pin)
-            cache.mark_opening()
-            return True
         records = self._usable_records(cache)
         if not records:
             return False
@@ -258,6 +248,16 @@ class CompressedCopies:
         self._arrival = PayloadArrival(cache, records, pin)
         cache.mark_reading()
         return True
+
+    def start_arrival_else_encoding(self, cache: PayloadCache, pin: bool) -> None:
+        """As `start_arrival`, for a set-up that encodes between forwards where there is no usable file: nothing of
+        the file is read here, not even its header (on the H100 a set-up that checked it took 1.14× raw's, call V).
+        It is checked as the reads begin, and a missing or refused file turns into encoding between forwards at the
+        next forward's start or end (`encode_if_no_file`)."""
+        self.release()
+        self.file, self.pinned = cache, pin
+        self._arrival = PayloadArrival(cache, functools.partial(self._usable_records, cache), pin)
+        cache.mark_opening()
 
     def begin_arrival(self) -> None:
         """Begin reading the payload file `start_arrival` checked (nothing when none is to be read, or already
@@ -279,7 +279,7 @@ class CompressedCopies:
             cache.mark_encoding()
 
     def encode_if_no_file(self) -> bool:
-        """The payload file checked as its reads began (`start_arrival` with ``else_encode``) was missing or refused:
+        """The payload file checked as its reads began (`start_arrival_else_encoding`) was missing or refused:
         encode between forwards instead (`start_encoding`), and say so. Called on the model's thread at each
         forward's start and end, and by `adopt_arrival`; nothing when the header is not checked yet, or was
         usable."""

@@ -145,11 +145,13 @@ class SetUp:
         background = encodes_between_forwards(h.config, h.device, h.budget_bytes, h.units)
         if background:
             h.host.compressed.budget_bytes = h.budget_bytes  # the device encoder's bound
-            if h.cuda:  # one unit over the budget: refused now, not at the forward that finds no payload file
-                refuse_without_room(largest_to_encode(h.units), 0, h.budget_bytes, h.device)
         if may_read_payloads_later(h.config):
             self.payload_cache = self._payload_cache()  # named before packing moves tensors
-            if h.host.compressed.start_arrival(self.payload_cache, pin, else_encode=background):
+            if background:  # the file checked once packing is over: read then, or (missing, refused) encoded
+                if h.cuda:  # one unit over the budget: refused now, not at the forward that finds no payload file
+                    refuse_without_room(largest_to_encode(h.units), 0, h.budget_bytes, h.device)
+                h.host.compressed.start_arrival_else_encoding(self.payload_cache, pin)
+            if background or h.host.compressed.start_arrival(self.payload_cache, pin):
                 h.host.start_progressive_packing(pin, self._packed_then_read_payloads)
                 self._finish(shared)
                 return
