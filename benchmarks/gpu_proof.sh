@@ -19,7 +19,7 @@
 #                encoded between forwards), from the payload file, and encoded before set-up returns
 #                (compressed_first_at_setup), each started only with $PHASE_MIN_S (default 50) s of the
 #                limit left; $SETUP_RUNS: a comma list of them; $SETUP_REPEATS: raw and the cached set-up that many
-#                more times, in turns (each figure then the median)
+#                more times, in turns, each repeat set-up and the first forward only (each figure then the median)
 #                                                             -> $OUT/tiers_setup_<card>.json, .log
 # Each step runs under its own time limit (seconds, env STEP_LIMIT_S, default 420; the tests' own TESTS_LIMIT_S
 # when set) so that one hung step cannot take the whole call; the code's commit is written to $OUT/code.txt.

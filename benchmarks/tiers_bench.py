@@ -203,7 +203,7 @@ SETUP_WORKLOAD = "17f_480x272"
 #: The runs ``--setup-repeats`` runs again, in turns, right after the cached one: the targets compare these two,
 #: and one run of each in a different state of the machine (page cache, write-back) was not enough to. A repeat
 #: measures set-up and the first forward only (``--first-step-only``): the first run of each has shown the forwards
-#: after it, and the repeats' time goes to more pairs (call X: the cached run took 75 s, 25 s of them its steady part).
+#: after it, and the repeats' time goes to more pairs (call Y: the first cached run took 67 s, its repeats 42–45 s).
 REPEATED_SETUP_RUNS = ("raw", "compressed_cached")
 
 
