@@ -6,7 +6,7 @@ video+audio transformer, connectors, video and audio VAEs; random bf16 weights),
 steps without guidance (memory, not quality, is measured; default: the outpainting recipe's steps for
 the size, stated in the JSON), the VAE decode (``output_type="pt"``: the decoded video stays on the GPU,
 diffusers' VAE tiling on unless ``--vae-tiling off``) and the mp4, written 32 frames at a time: each chunk
-made uint8 and YUV 4:2:0 on the GPU (`reports.video.uint8_chunks`, `Mp4Writer.write_tensor`, the same
+made uint8 and YUV 4:2:0 on the GPU (`media.video.uint8_chunks`, `Mp4Writer.write_tensor`, the same
 bytes as the NumPy path) so that the video never sits on the host as float32 (at 2 000 frames of 1280x704
 that would be 21.6 GB, twice over inside diffusers' ``output_type="np"``).
 
@@ -208,7 +208,7 @@ class Bench:
         Returns the JSON record and, for a completed trial, what stays in memory (``latents``, and the
         ``frames`` as uint8 when ``keep``; the ``first`` and ``last`` frames always)."""
         from flextensor_diffusers.engine import BudgetError
-        from flextensor_diffusers.reports.video import Mp4Writer, uint8_chunks
+        from flextensor_diffusers.media.video import Mp4Writer, uint8_chunks
 
         args = self.args
         record: dict[str, Any] = {"mode": mode, "frames": frames, "video_s": seconds_of(frames), "cap_bytes": self.cap}
@@ -562,7 +562,7 @@ def parser() -> argparse.ArgumentParser:
 
 def workload_of(args: argparse.Namespace) -> dict[str, Any]:
     """What every trial of this search runs (a resumed file must have measured the same)."""
-    from flextensor_diffusers.reports.video import WRITE_CHUNK_FRAMES
+    from flextensor_diffusers.media.video import WRITE_CHUNK_FRAMES
 
     return {
         "pipeline": "LTX2ConditionPipeline",

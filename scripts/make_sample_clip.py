@@ -16,7 +16,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flextensor_diffusers.reports.video import write_mp4
+from flextensor_diffusers.media.video import write_mp4
 
 OUT = Path(__file__).resolve().parents[1] / "assets" / "clips" / "sample.mp4"
 FRAMES, HEIGHT, WIDTH, FPS = 97, 352, 640, 24

@@ -15,11 +15,11 @@ import pytest
 from flextensor_diffusers import __main__ as entry
 from flextensor_diffusers.engine.config import parse_bytes
 from flextensor_diffusers.engine.errors import BudgetError, HostBudgetError
+from flextensor_diffusers.media.video import write_mp4
 from flextensor_diffusers.pipelines.offload import format_report
 from flextensor_diffusers.recipes import common, cosmos_transfer25, ltx2_outpaint, wan22_t2v
 from flextensor_diffusers.recipes.options import OptionsError, budget_note, budget_suggestion
 from flextensor_diffusers.reports import compare
-from flextensor_diffusers.reports.video import write_mp4
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {"wan22_t2v": wan22_t2v, "ltx2_outpaint": ltx2_outpaint, "cosmos_transfer25": cosmos_transfer25}

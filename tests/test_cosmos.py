@@ -13,9 +13,9 @@ pytest.importorskip("torchvision", reason="Cosmos' ControlNet resizes its paddin
 pytest.importorskip("cv2", reason="the edge control uses OpenCV")
 
 from flextensor_diffusers.engine import FlexTensorError
+from flextensor_diffusers.media.video import read_mp4, write_mp4
 from flextensor_diffusers.recipes import cosmos_transfer25 as recipe
 from flextensor_diffusers.recipes.models import build_pipeline
-from flextensor_diffusers.reports.video import read_mp4, write_mp4
 
 SOURCE = np.zeros((5, 32, 32, 3), dtype=np.uint8)
 for i in range(5):  # a white square moving right

@@ -10,11 +10,11 @@ import torch
 from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
 
 import flextensor_diffusers as ft
+from flextensor_diffusers.media.video import read_mp4, to_uint8_frames, write_mp4
 from flextensor_diffusers.recipes import ltx2_outpaint
 from flextensor_diffusers.recipes.ltx2_outpaint import LTX2OutpaintPipeline, place_on_canvas
 from flextensor_diffusers.recipes.models import build_pipeline, load_config
 from flextensor_diffusers.recipes.options import OptionsError
-from flextensor_diffusers.reports.video import read_mp4, to_uint8_frames, write_mp4
 
 
 def generate(pipe):
@@ -154,7 +154,7 @@ def test_outpaint_recipe_writes_the_canvas_video(tmp_path) -> None:
 def test_outpaint_recipe_streams_the_bytes_of_the_whole_video_written_on_the_host(tmp_path, monkeypatch) -> None:
     """The recipe keeps the decoded video on the device and writes it in uint8 chunks (here 4, 4 and 1 frames),
     pasting the source per chunk: the same mp4 bytes as the whole float video made uint8, pasted and written."""
-    from flextensor_diffusers.reports import video
+    from flextensor_diffusers.media import video
 
     monkeypatch.setattr(video, "WRITE_CHUNK_FRAMES", 4)
     clip, out = tmp_path / "source.mp4", tmp_path / "out.mp4"

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flextensor_diffusers.reports.video import Mp4Writer, read_mp4, to_uint8_frames, write_mp4, write_mp4_frames
+from flextensor_diffusers.media.video import Mp4Writer, read_mp4, to_uint8_frames, write_mp4, write_mp4_frames
 
 ROOT = Path(__file__).resolve().parents[1]
 FRAMES = np.random.default_rng(0).integers(0, 256, size=(5, 34, 48, 3), dtype=np.uint8)
@@ -123,7 +123,7 @@ def test_frames_made_uint8_and_yuv_as_tensors_write_the_same_mp4_bytes(tmp_path)
     rounding and integer colour conversion as the NumPy path, so the same bytes; odd sizes cropped alike."""
     import torch
 
-    from flextensor_diffusers.reports.video import float_to_uint8, rgb_to_yuv420p, rgb_to_yuv420p_tensor
+    from flextensor_diffusers.media.video import float_to_uint8, rgb_to_yuv420p, rgb_to_yuv420p_tensor
 
     video = torch.rand(6, 35, 47, 3, generator=torch.Generator().manual_seed(1)) * 1.2 - 0.1
     video[0, 0, :8, 0] = (torch.arange(8) + 0.5) / 255  # ties: round half to even in both

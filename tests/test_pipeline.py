@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import flextensor_diffusers as ft
+from flextensor_diffusers.media.video import read_mp4
 from flextensor_diffusers.recipes import wan22_t2v
 from flextensor_diffusers.recipes.models import build_pipeline
 from flextensor_diffusers.recipes.options import OptionsError
-from flextensor_diffusers.reports.video import read_mp4
 from tests.models import (
     TINY_WAN_ARGV,
     assert_same,

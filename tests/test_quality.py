@@ -14,8 +14,9 @@ import pytest
 import torch
 from PIL import Image
 
-from flextensor_diffusers.reports import files, quality
-from flextensor_diffusers.reports.video import read_mp4, write_mp4
+from flextensor_diffusers.media import files
+from flextensor_diffusers.media.video import read_mp4, write_mp4
+from flextensor_diffusers.reports import quality
 from tests.fakes import open_that_stops, st_lpips_without_ipython
 
 RNG = np.random.default_rng(0)
@@ -128,7 +129,7 @@ def test_same_frames_encode_to_the_same_bytes_wherever_they_lie_in_memory(tmp_pa
 
 
 def test_colour_conversion_round_trips_within_rounding() -> None:
-    from flextensor_diffusers.reports.video import rgb_to_yuv420p, yuv420p_to_rgb
+    from flextensor_diffusers.media.video import rgb_to_yuv420p, yuv420p_to_rgb
 
     flat = np.repeat(np.repeat(VIDEO[0, ::2, ::2], 2, axis=0), 2, axis=1)  # constant over each 2x2 block
     back = yuv420p_to_rgb(rgb_to_yuv420p(flat), *flat.shape[:2])

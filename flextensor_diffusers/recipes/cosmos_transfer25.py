@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..engine.errors import FlexTensorError
-from ..reports.video import probe_mp4, read_mp4
+from ..media.video import probe_mp4, read_mp4
 from . import common
 from .models import ASSETS, build_pipeline, load_pipeline
 from .options import (

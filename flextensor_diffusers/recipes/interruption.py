@@ -4,7 +4,7 @@ A command (a recipe, or compare) keeps a `RunProgress`: the files it means to wr
 and the files written so far. A ``KeyboardInterrupt`` anywhere in the run becomes an `Interrupted`, still a
 ``KeyboardInterrupt`` for Python callers, whose message is that line; the command line prints it alone and
 exits with 130 (128 + SIGINT, what a shell reports for a process stopped by Ctrl-C). Files are written whole
-or not at all (`reports.files`), so "not written" means the path holds what it held before, or nothing.
+or not at all (`media.files`), so "not written" means the path holds what it held before, or nothing.
 """
 
 from __future__ import annotations

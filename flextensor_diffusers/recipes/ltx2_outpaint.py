@@ -30,7 +30,7 @@ from diffusers.pipelines.ltx2.pipeline_ltx2_condition import retrieve_latents
 from diffusers.utils.torch_utils import randn_tensor
 
 from ..engine.errors import FlexTensorError
-from ..reports.video import VideoInfo, probe_mp4, read_mp4
+from ..media.video import VideoInfo, probe_mp4, read_mp4
 from . import common
 from .models import ASSETS, build_pipeline, load_pipeline
 from .options import (
