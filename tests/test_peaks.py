@@ -12,6 +12,7 @@ import torch
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import peaks
 from flextensor_diffusers.engine.profiler import Clock, Profiler
+from tests.clocks import ManualClock
 
 MiB = 2**20
 
@@ -131,14 +132,6 @@ def test_a_cpu_device_is_refused_naming_the_fix() -> None:
         ft.max_memory_allocated("cpu")
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-
 def test_a_profiling_forward_measures_its_own_activations_and_hides_no_earlier_peak(counters: FakeCounters) -> None:
     """The profiler resets torch's counter as a profiling forward begins (its activations are what the forward
     allocates beyond the handle's own bytes, however large an earlier peak was); the process's peak keeps the
@@ -146,7 +139,7 @@ def test_a_profiling_forward_measures_its_own_activations_and_hides_no_earlier_p
     counters.allocate(900 * MiB)  # another component's peak, before this forward
     counters.free(900 * MiB)
     counters.allocate(40 * MiB)  # the handle's weights on the device
-    profiler = Profiler(torch.device("cuda", 0), Clock(torch.device("cuda", 0), now=FakeClock().now))
+    profiler = Profiler(torch.device("cuda", 0), Clock(torch.device("cuda", 0), now=ManualClock()))
     profiler.start_forward(True, own_bytes=40 * MiB)
     counters.allocate(12 * MiB)  # the forward's activations
     counters.free(12 * MiB)
