@@ -8,7 +8,9 @@ first on ``sys.path``, so ``import bench_common`` finds this module.
 The budget is a ceiling (issue 24): every run that offloads under a GPU budget records ``budget_bytes``,
 ``peak_allocated_bytes`` and ``peak_within_budget`` through `PeakWatch.check`, which also prints a line for
 a run that went over. A watch is started right before the run's offload set-up, so that its peak covers
-set-up, profiling and the steady forwards.
+set-up, profiling and the steady forwards. Its peaks are `flextensor_diffusers.engine.peaks` windows: the
+profiling forwards reset torch's counter, and a peak read from torch's counter alone would miss everything
+before the last of them (issue 46: LTX-2 trials under an 80 GB cap reported 24 GB).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ WORKLOADS = {
 WHOLE_RUN = "offload set-up, profiling and steady forwards"
 #: What the peak of a run measured by `flextensor_diffusers.reports.compare` or a recipe's summary covers.
 GENERATION_ONLY = (
-    "the measured generation only (compare and the recipes reset the counter when it starts: set-up and the "
+    "the measured generation only (compare and the recipes measure from its start: set-up and the "
     "profiling generation are not covered)"
 )
 #: Budget for a handle that must not be limited (the probe that measures activations before budgets are set).
@@ -211,36 +213,40 @@ class PeakWatch:
     """Peak allocated device memory from its creation on; None on the CPU.
 
     Create it right before a run's offload set-up. `part` reads the peak of the part that ended and starts
-    the next (the steady forwards, say); `peak` stays the whole run's, because every reset of the
-    allocator's counter during the run is made here. Nothing else in the run may reset it.
+    the next (the steady forwards, say); `peak` stays the whole run's. Both are windows of
+    `flextensor_diffusers.engine.peaks`, so the resets of torch's counter that the engine (profiling forwards),
+    the recipes and compare make during the run hide nothing from them; a reset with torch's own
+    ``reset_peak_memory_stats`` would, and nothing in a run may make one.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._parts: list[int] = []
-        self._reset()
+        self._whole: ft.engine.PeakWindow | None = None
+        self._part: ft.engine.PeakWindow | None = None
+        if self.cuda:
+            sync(device)
+            self._whole = ft.engine.open_window(device)
+            self._part = self._whole
 
     @property
     def cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def _reset(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-
     def part(self) -> int | None:
         """The peak since the last part ended (or since creation); a new part starts."""
-        if not self.cuda:
+        if self._part is None:
             return None
-        self._parts.append(torch.cuda.max_memory_allocated(self.device))
-        self._reset()
-        return self._parts[-1]
+        sync(self.device)
+        peak = self._part.peak()
+        self._part = ft.engine.open_window(self.device)
+        return peak
 
     @property
     def peak(self) -> int | None:
-        if not self.cuda:
+        if self._whole is None:
             return None
-        return max([*self._parts, torch.cuda.max_memory_allocated(self.device)])
+        sync(self.device)
+        return self._whole.peak()
 
     def check(self, label: str, budget_bytes: int | None, scope: str = WHOLE_RUN) -> dict[str, Any]:
         return check_budget(label, budget_bytes, self.peak, scope)

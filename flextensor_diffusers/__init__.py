@@ -19,8 +19,10 @@ from .engine import (
     PatternError,
     ProfileMismatchError,
     SharedHostMemory,
+    max_memory_allocated,
     offload,
     offload_shared,
+    reset_peak_memory_stats,
 )
 from .pipelines import FlexTensorPipelineMixin, PipelineOffload, attach_to_diffusers, pipeline_offload
 
@@ -49,7 +51,9 @@ __all__ = [
     "SharedHostMemory",
     "__version__",
     "attach_to_diffusers",
+    "max_memory_allocated",
     "offload",
     "offload_shared",
     "pipeline_offload",
+    "reset_peak_memory_stats",
 ]

@@ -1,5 +1,14 @@
+"""The ``device`` fixture (cpu, and cuda where there is one), a device state of its own for every GPU test, and
+``--order`` to run the tests in another order (reverse, or shuffled with a seed) without a plugin."""
+
+from __future__ import annotations
+
+import random
+
 import pytest
 import torch
+
+from tests.device_state import settle_cuda
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),
@@ -14,3 +23,40 @@ DEVICES = [
 @pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> str:
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def cuda_state_of_its_own(request: pytest.FixtureRequest) -> None:
+    """A GPU test starts from a device state of its own (`settle_cuda`), so that what it measures does not depend
+    on the tests run before it."""
+    if request.node.get_closest_marker("gpu") is not None:
+        settle_cuda()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--order",
+        default="default",
+        help="test order: default, reverse, or shuffle:SEED (files and the tests in each file shuffled; each file's "
+        "tests stay together, so that its module fixtures are set up once)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    order = config.getoption("--order")
+    if order == "default":
+        return
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(str(item.path), []).append(item)
+    groups = list(files.values())
+    if order == "reverse":
+        groups = [group[::-1] for group in groups[::-1]]
+    elif order.startswith("shuffle:"):
+        shuffler = random.Random(int(order.removeprefix("shuffle:")))
+        shuffler.shuffle(groups)
+        for group in groups:
+            shuffler.shuffle(group)
+    else:
+        raise pytest.UsageError(f"--order {order!r}: use default, reverse or shuffle:SEED")
+    items[:] = [item for group in groups for item in group]

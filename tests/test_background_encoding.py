@@ -7,7 +7,6 @@ next set-up."""
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +21,7 @@ from flextensor_diffusers.engine.codec import Segment, device_encoding_need
 from flextensor_diffusers.engine.device_encoding import EncodeJob
 from flextensor_diffusers.engine.payload_cache import PayloadCache
 from flextensor_diffusers.engine.setup import encodes_between_forwards
+from tests.clocks import ManualClock, drive_handles_by
 from tests.models import Stack, assert_same, snapshot
 from tests.test_compression import make, planned_from_fixed_figures
 from tests.test_payload_arrival import (
@@ -137,20 +137,24 @@ def test_a_payload_made_wrong_is_caught_at_its_first_decoded_load(tmp_path, monk
     assert not list(tmp_path.glob("*.payloads"))  # not kept for the next run: it encodes again
 
 
+@pytest.mark.parametrize(("forward_s", "per_gap"), [(0.45, 4), (0.25, 2), (0.05, 1)])
 def test_units_are_encoded_only_between_forwards_each_gap_for_about_as_long_as_the_forward_before(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, forward_s: float, per_gap: int
 ) -> None:
     """Nothing is encoded at set-up nor during a forward; after each forward, units are encoded until the next would
-    end after as long as that forward took (made slow here: forwards 0.45 s, units 0.1 s: four a gap, fewer when
-    the encoder's own time on a busy machine adds to the units', never all twelve at once)."""
+    end after as long as that forward took, and at least one. The handle's clock moves only when the test says:
+    ``forward_s`` a forward, 0.1 s a unit encoded, so each gap encodes exactly ``per_gap`` of the twelve units
+    (0.45 s: after four, a fifth would end at 0.5 s; 0.05 s: one, though it ends after the forward's time)."""
+    clock = ManualClock()
+    drive_handles_by(monkeypatch, clock)
     real = arrivals.EncodingBetweenForwards._on_host
 
-    def slow(jobs: list[EncodeJob]) -> Iterator[tuple[int, object]]:
+    def taking_a_tenth_of_a_second_each(jobs: list[EncodeJob]) -> Iterator[tuple[int, object]]:
         for made in real(jobs):
-            time.sleep(0.1)
+            clock.advance(0.1)
             yield made
 
-    monkeypatch.setattr(arrivals.EncodingBetweenForwards, "_on_host", staticmethod(slow))
+    monkeypatch.setattr(arrivals.EncodingBetweenForwards, "_on_host", staticmethod(taking_a_tenth_of_a_second_each))
     torch.manual_seed(0)
     model, x = Stack(dim=256, depth=12, dtype=torch.bfloat16).eval(), torch.randint(0, 50, (2, 16))
     with torch.inference_mode():
@@ -159,16 +163,16 @@ def test_units_are_encoded_only_between_forwards_each_gap_for_about_as_long_as_t
     encoding = handle.host.compressed._arrival
     encoded_when_a_forward_began: list[int] = []
     model.blocks[0].register_forward_pre_hook(lambda *_: encoded_when_a_forward_began.append(encoding.encoded_units))
-    model.blocks[0].register_forward_pre_hook(lambda *_: time.sleep(0.45))
+    model.blocks[0].register_forward_pre_hook(lambda *_: clock.advance(forward_s))
     encoded_after: list[int] = []
+    forwards = -(-12 // per_gap)
     with torch.inference_mode():
-        for _ in range(3):
+        for _ in range(forwards):
             assert torch.equal(model(x), reference)
             encoded_after.append(encoding.encoded_units)
     assert encoded_when_a_forward_began == [0, *encoded_after[:-1]]  # none during a forward
-    gaps = [after - before for before, after in zip([0, *encoded_after], encoded_after, strict=False)]
-    assert all(2 <= gap <= 5 for gap in gaps), gaps
-    assert handle.setup_times.compress >= 1e3 * 0.1 * encoded_after[-1]  # the gaps, summed, in the report
+    assert encoded_after == [min(12, per_gap * k) for k in range(1, forwards + 1)]
+    assert handle.setup_times.compress == pytest.approx(1e3 * 0.1 * 12)  # the gaps, summed, in the report
     handle.remove()
 
 
@@ -315,12 +319,13 @@ def test_a_pipeline_host_budget_with_an_option_that_holds_raw_copies_is_refused_
 def test_a_pipeline_encodes_while_it_generates_bitwise_and_writes_its_payload_files(tmp_path, monkeypatch) -> None:
     """The tiny Wan2.2 pipeline, compression encoded in the background and no payload files yet: enable returns
     with nothing encoded, generations stay bitwise while the experts' blocks are encoded and once each payload is
-    proven, and the files are written for the next enable, which reads them."""
-    import time
-
+    proven, and the files are written for the next enable, which reads them. The handles' clock stands still (no
+    forward takes any time by it, nor any unit's encoding), so each gap encodes every unit left: the first gap of
+    each component encodes all its blocks, whatever the machine's speed."""
     from flextensor_diffusers.recipes.models import build_pipeline
     from tests.models import wan_latents
 
+    drive_handles_by(monkeypatch, ManualClock())
     planned_from_fixed_figures(monkeypatch, compute_ms=10.0)
     pipe = build_pipeline("wan22_t2v", "tiny")
     reference = wan_latents(pipe)
@@ -330,7 +335,6 @@ def test_a_pipeline_encodes_while_it_generates_bitwise_and_writes_its_payload_fi
     assert not transformer.host.encoded and transformer.payload_cache.describe().startswith("checked once packing")
     for _ in range(4):
         assert torch.equal(wan_latents(pipe), reference)
-        time.sleep(0.05)
     compressed = transformer.host.compressed
     assert compressed.encoded and not compressed.unproven and not compressed.arriving
     pipe.disable_flextensor_offload()  # waits for the files written in the background
@@ -377,7 +381,7 @@ def test_on_a_gpu_units_are_encoded_between_forwards_within_the_budget_bitwise()
     assert_same(before, model)
     budget = refused.value.required_bytes + 4 * unit
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    ft.reset_peak_memory_stats()  # the package's: the profiling forwards' resets of torch's counter are folded in
     handle = ft.offload(model, gpu_budget=budget, **options)
     try:
         assert not handle.host.encoded
@@ -388,7 +392,7 @@ def test_on_a_gpu_units_are_encoded_between_forwards_within_the_budget_bitwise()
         assert compressed.encoded and not compressed.unproven and not compressed.arriving
         assert handle.plan is not None and handle.plan.compressed
         torch.cuda.synchronize()
-        assert torch.cuda.max_memory_allocated() <= budget
+        assert ft.max_memory_allocated() <= budget
     finally:
         handle.remove()
     assert_same(before, model)

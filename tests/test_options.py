@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import Phase
 from flextensor_diffusers.engine.planner import Call, WorkloadProfile, memory_needed, plan_residency
+from tests.clocks import ManualClock, drive_handles_by
 from tests.models import Stack, assert_same, device_headroom, snapshot
 
 BASE = 14_848  # fp32 Stack(dim=32): tied embedding + pos buffer, outside units
@@ -188,27 +187,41 @@ def test_measure_stalls_off_keeps_numerics_and_records_no_stall(device: str) -> 
 
 
 class PausingStack(Stack):
-    """A `Stack` whose forward waits ``pause_s`` on the host before each block but the first: time between unit
-    calls that no load explains, as a host thread holding the calling thread back would make."""
+    """A `Stack` whose forward pauses ``pause_s`` on the host before each block but the first, by the test's clock
+    (`ManualClock`): time between unit calls that no load explains, as a host thread holding the calling thread back
+    would make. Each block's own compute takes ``compute_s`` by the same clock, and the host ``outside_s`` before
+    and after the blocks."""
 
-    pause_s = 0.0
+    def __init__(self, clock: ManualClock, pause_s: float, dim: int = 32, depth: int = 4) -> None:
+        super().__init__(dim=dim, depth=depth)
+        self.clock, self.pause_s = clock, pause_s
+        for block in self.blocks:  # inside the unit's call
+            block.norm.register_forward_pre_hook(lambda *_: clock.advance(COMPUTE_S))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.clock.advance(OUTSIDE_S)
         x = self.embed(tokens) + self.pos[:, : tokens.shape[1]]
         for i, block in enumerate(self.blocks):
             if i:
-                time.sleep(self.pause_s)
+                self.clock.advance(self.pause_s)
             x = block(x)
         for _ in range(self.repeat):
             x = self.blocks[1](x)
+        self.clock.advance(OUTSIDE_S)
         return self.head(x)
 
 
-def between_units_ms(device: str, pause_s: float) -> tuple[float, int]:
-    """Six forwards of a streamed 4-block `PausingStack`: the time between unit calls and the steady forwards."""
+COMPUTE_S = 0.002  # a block's compute, by the test's clock
+OUTSIDE_S = 0.5  # before the first block and after the last: no unit's neighbour
+
+
+def between_units_ms(device: str, pause_s: float, monkeypatch) -> tuple[float, int]:
+    """Six forwards of a streamed 4-block `PausingStack`, the handle driven by the test's clock: the time between
+    unit calls and the steady forwards."""
+    clock = ManualClock()
+    drive_handles_by(monkeypatch, clock)
     torch.manual_seed(0)
-    model, x = PausingStack(dim=32, depth=4), torch.randint(0, 50, (2, 16))
-    model.pause_s = pause_s
+    model, x = PausingStack(clock, pause_s), torch.randint(0, 50, (2, 16))
     budget = BASE + 3 * unit_bytes(device) + headroom(device, model, x)
     handle = ft.offload(model, include_patterns=BLOCKS, gpu_budget=budget, device=device)
     run(model, x, 6, device)
@@ -217,14 +230,15 @@ def between_units_ms(device: str, pause_s: float) -> tuple[float, int]:
     return stats.between_units_ms, stats.measured_forwards
 
 
-def test_time_between_unit_calls_shows_a_host_that_falls_behind(device: str) -> None:
+def test_time_between_unit_calls_shows_a_host_that_falls_behind(device: str, monkeypatch) -> None:
     """``between_units_ms`` counts the steady forwards' time from one unit's compute to the next one's, which no
-    stall counts: three 50 ms host pauses a forward show in full, and without them it stays far below."""
-    paused, forwards = between_units_ms(device, 0.05)
+    stall counts: three 50 ms host pauses a forward show in full, and nothing else does (neither the blocks' own
+    compute nor the time before the first block and after the last); without them it is none."""
+    paused, forwards = between_units_ms(device, 0.05, monkeypatch)
     assert forwards >= 3
-    assert paused >= 0.9 * forwards * 3 * 50
-    unpaused, _ = between_units_ms(device, 0.0)
-    assert unpaused < 0.2 * paused
+    assert paused == pytest.approx(forwards * 3 * 50)
+    unpaused, _ = between_units_ms(device, 0.0, monkeypatch)
+    assert unpaused == 0.0
 
 
 # ------------------------------------------------------------------------------------ set_budget

@@ -13,6 +13,8 @@ from torch import nn
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import Phase, payload_cache
+from flextensor_diffusers.engine.arrivals import PayloadArrival
+from flextensor_diffusers.engine.host_copies import HostCopies
 from flextensor_diffusers.engine.payload_cache import PayloadCache
 from tests.models import assert_same, snapshot
 from tests.test_compression import make, planned_from_fixed_figures
@@ -91,7 +93,8 @@ def test_a_set_up_from_the_payload_file_runs_raw_at_once_and_decodes_once_each_p
 def test_the_payload_file_is_read_only_once_the_raw_copies_are_packed(tmp_path, monkeypatch) -> None:
     """Set-up checks the file's header and reads no payload: the reads begin when progressive packing ends (the
     first forward adopts the last unit), so that they share nothing with set-up and packing; then each payload is
-    read once, and an edit after the reads began keeps none of them."""
+    read once, and an edit after the reads began keeps none of them. No read can start before `PayloadArrival.begin`
+    (it submits them all), so the test watches that call, and whether packing was over when it came."""
     write_the_file(tmp_path)
     reads: list[int] = []
     real = PayloadCache.read_checked
@@ -101,15 +104,26 @@ def test_the_payload_file_is_read_only_once_the_raw_copies_are_packed(tmp_path, 
         return real(cache, index, *args)
 
     monkeypatch.setattr(PayloadCache, "read_checked", counted)
+    packing_over_at_begin: list[bool] = []  # one entry a call of `begin`
+    hosts: list[HostCopies] = []
+    real_begin = PayloadArrival.begin
+
+    def watched_begin(arrival: PayloadArrival) -> PayloadArrival:
+        packing_over_at_begin.append(bool(hosts) and hosts[0]._progressive is None)
+        return real_begin(arrival)
+
+    monkeypatch.setattr(PayloadArrival, "begin", watched_begin)
     model, x = make(torch.bfloat16)
     with torch.inference_mode():
         reference = model(x)
     handle = offload_cached(model, tmp_path)
-    time.sleep(0.3)  # room for threads, had any been started
+    hosts.append(handle.host)
+    assert packing_over_at_begin == [] and handle.host.compressed._arrival._futures is None  # not begun
     assert reads == [] and handle.host._progressive is not None and handle.host.compressed.arriving
     with torch.inference_mode():
         assert torch.equal(model(x), reference)
     assert handle.host._progressive is None  # packing over: the reads have begun
+    assert packing_over_at_begin == [True]
     outs = run_until_payloads_are_taken(handle, model, x)
     assert all(torch.equal(out, reference) for out in outs)
     assert sorted(reads) == sorted(u.index for u in handle.units) == sorted(handle.host.compressed.encoded)

@@ -5,7 +5,6 @@ offload, interrupt a forward) sees a unit half packed or loses an edit."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -84,10 +83,12 @@ def test_packing_holds_at_most_a_window_of_units_ahead_of_their_use(monkeypatch)
     handle = offload(model, "cpu")
     packing = handle.host._progressive
     assert packing is not None
-    deadline = time.monotonic() + 30
-    while len(packing._ready) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)  # a thread that would pack beyond the window has had time to
+    with packing._cond:  # woken at each unit packed
+        assert packing._cond.wait_for(lambda: len(packing._ready) == 2, timeout=60)
+        # A unit is handed to a thread only by `_submit_more`, under this lock, at set-up and at each adoption or
+        # failure; none came yet (both packed units wait to be adopted): what was handed out is all there will be.
+        adopted = len(handle.host.positions) - len(packing.pending)
+        assert packing._next == adopted + 2 and not packing._failed
     assert len(packing._ready) == 2 and len(packing.pending) >= 7  # the base adopted, maybe one block
     waiting = [handle.host.positions[p] for p in packing.pending]
     storages = [packed.tensor.untyped_storage().data_ptr() for unit in waiting for packed in unit.tensors]

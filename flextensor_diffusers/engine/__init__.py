@@ -2,8 +2,10 @@
 
 Its public face: `offload` / `offload_shared` and the `OffloadHandle` they return (its public methods and
 properties), the handle's ``host`` (`HostCopies`: where every unit's host bytes are, `HostCopies.where`, and
-the verbs that move them between RAM and disk), `OffloadConfig`, the typed errors, `OffloadStats`, and the pure
-planner (`plan_residency`, `simulate`). Other modules are the engine's own.
+the verbs that move them between RAM and disk), `OffloadConfig`, the typed errors, `OffloadStats`, the pure
+planner (`plan_residency`, `simulate`), and the process's true peaks of device memory (`peaks`:
+`max_memory_allocated`, `max_memory_reserved`, `reset_peak_memory_stats`, `open_window`). Other modules are the
+engine's own.
 """
 
 from .config import OffloadConfig, format_bytes, parse_bytes
@@ -21,6 +23,7 @@ from .errors import (
 from .handle import OffloadHandle, offload, offload_shared
 from .host_copies import HostCopies, HostPlaces
 from .load_checks import LoadCheckError
+from .peaks import PeakWindow, max_memory_allocated, max_memory_reserved, open_window, reset_peak_memory_stats
 from .phases import Phase
 from .planner import Call, Plan, WorkloadProfile, plan_residency, simulate
 from .shared_host import SharedHostMemory
@@ -42,15 +45,20 @@ __all__ = [
     "OffloadStateError",
     "OffloadStats",
     "PatternError",
+    "PeakWindow",
     "Phase",
     "Plan",
     "ProfileMismatchError",
     "SharedHostMemory",
     "WorkloadProfile",
     "format_bytes",
+    "max_memory_allocated",
+    "max_memory_reserved",
     "offload",
     "offload_shared",
+    "open_window",
     "parse_bytes",
     "plan_residency",
+    "reset_peak_memory_stats",
     "simulate",
 ]

@@ -205,12 +205,13 @@ class EncodingBetweenForwards:
         """How many units were encoded so far (kept or not worth it)."""
         return self._next
 
-    def encode_for(self, seconds: float) -> None:
-        """Encode the next units for about ``seconds`` (at least one), on the caller's thread. Interrupted (Ctrl-C),
-        the unit under way is encoded again at the next call."""
+    def encode_for(self, seconds: float, now: Callable[[], float] = time.perf_counter) -> None:
+        """Encode the next units for about ``seconds`` (at least one) by the clock ``now`` (the handle's, which
+        measured the forward), on the caller's thread. Interrupted (Ctrl-C), the unit under way is encoded again at
+        the next call."""
         if self.done:
             return
-        started = time.perf_counter()
+        started = now()
         encode = self._on_device if self._device.type == "cuda" else self._on_host
         try:
             with contextlib.closing(encode(self._jobs[self._next :])) as units:
@@ -218,7 +219,7 @@ class EncodingBetweenForwards:
                     if made is not None:
                         self._made[index] = made
                     self._next += 1
-                    elapsed = time.perf_counter() - started
+                    elapsed = now() - started
                     if elapsed + elapsed / count > seconds:  # the next unit would end after the gap's time
                         break
         except Exception as exc:  # the model streams raw: `take` says why

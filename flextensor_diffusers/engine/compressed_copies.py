@@ -294,11 +294,11 @@ class CompressedCopies:
         """Units are left to encode between the model's forwards (`start_encoding`)."""
         return isinstance(self._arrival, EncodingBetweenForwards) and not self._arrival.done
 
-    def encode_between_forwards(self, seconds: float) -> None:
-        """After a forward, the model's device memory given back: encode the next units for about ``seconds``
-        (`EncodingBetweenForwards.encode_for`)."""
+    def encode_between_forwards(self, seconds: float, now: Callable[[], float]) -> None:
+        """After a forward, the model's device memory given back: encode the next units for about ``seconds`` by the
+        clock ``now`` (`EncodingBetweenForwards.encode_for`)."""
         assert isinstance(self._arrival, EncodingBetweenForwards)
-        self._arrival.encode_for(seconds)
+        self._arrival.encode_for(seconds, now)
 
     @property
     def arriving(self) -> bool:

@@ -156,7 +156,7 @@ class OffloadHandle:
         self.counters = {"discovery": 0, "profiling": 0, "steady": 0, "desyncs": 0, "plans": 0, "activations": 0}
         self.measured_forwards = 0
         self._depth = 0  # nesting of entry calls (AutoencoderKL.forward calls encode and decode)
-        self._workload_started = 0.0  # when the outermost entry call began (perf_counter)
+        self._workload_started = 0.0  # when the outermost entry call began (`Clock.seconds`)
         self._pos = 0  # unit calls so far in the current workload call
         self._open_unit: int | None = None  # the unit being called now (units never nest)
         self.clock = Clock(self.device)
@@ -277,7 +277,7 @@ class OffloadHandle:
         self._depth += 1
         if self._depth > 1:  # inside another entry call of this model: one workload
             return
-        self._workload_started = time.perf_counter()
+        self._workload_started = self.clock.seconds()
         if self.phase is Phase.OVER_BUDGET and not self.defer_budget_errors:
             self._depth = 0
             raise self.planning.shortfall_error()
@@ -339,13 +339,13 @@ class OffloadHandle:
         """``background_encoding``: the workload is over; encode the next units for as long as it took (so the raw
         forwards meanwhile run at least half as fast), its device memory given back first on CUDA, since the
         device encoder may take the whole budget (the next forward takes it back: `activate`)."""
-        gap_started = time.perf_counter()
+        gap_started = self.clock.seconds()
         if self.cuda:
             self.release()
         try:
-            self.host.compressed.encode_between_forwards(gap_started - self._workload_started)
+            self.host.compressed.encode_between_forwards(gap_started - self._workload_started, self.clock.seconds)
         finally:
-            gap_ms = 1e3 * (time.perf_counter() - gap_started)
+            gap_ms = 1e3 * (self.clock.seconds() - gap_started)
             self.setup_times.compress = (self.setup_times.compress or 0.0) + gap_ms
 
     def _end_unit_done(self) -> None:

@@ -4,6 +4,14 @@ A profiling forward loads every streamed unit on demand into the one profiling s
 the compute stream, each load (for a compressed unit: its copy and its decode apart), each unit's
 compute and the gaps between units; the allocator's peak gives the activation memory. Several
 profiling forwards of the same order are averaged.
+
+The activation peak of a forward is read from torch's process-wide peak counter, which has to be reset when the
+forward begins: read without a reset it would give any larger peak from before (another component's, the
+caller's). That reset goes through `peaks.open_window`, which keeps the value it takes from the counter, so that
+`peaks.max_memory_allocated` (``flextensor_diffusers.max_memory_allocated``, the handle's stats and the pipeline's
+report) still gives the process's true peak; torch's own counter, after a generation that profiled, covers only
+the time since the last profiling forward began. Profiling forwards of several handles, one after the other or one
+inside another, each read their own window. Steady forwards reset nothing.
 """
 
 from __future__ import annotations
@@ -15,19 +23,29 @@ from typing import Any
 
 import torch
 
+from . import peaks
 from .planner import Call, WorkloadProfile
 
 
 class Clock:
-    """Timestamps on a stream: CUDA timing events (pooled), or the wall clock on the CPU."""
+    """Timestamps on a stream: CUDA timing events (pooled), or the host's clock on the CPU.
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+    ``now`` (seconds) is the host's clock: `time.perf_counter` unless given. Given, it also marks the streams of a
+    CUDA device, in place of events: tests drive the engine with a clock that moves only when they say, so that
+    what it measures is known exactly."""
+
+    def __init__(self, device: torch.device, now: Callable[[], float] | None = None) -> None:
+        self.cuda = device.type == "cuda" and now is None
+        self.now = now or time.perf_counter
         self._pool: list[torch.cuda.Event] = []
+
+    def seconds(self) -> float:
+        """The host's clock: for host-side intervals (a workload's duration), on any device."""
+        return self.now()
 
     def mark(self, stream: torch.cuda.Stream | None = None) -> Any:
         if not self.cuda:
-            return time.perf_counter()
+            return self.now()
         event = self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)
         event.record(stream)
         return event
@@ -98,16 +116,18 @@ class Profiler:
         self._open: OpenCall | None = None
         self._forward_start: Any = None
         self._own_bytes = 0
+        self._window: peaks.PeakWindow | None = None  # the profiling forward's peak (CUDA)
 
     def start_forward(self, profiling: bool, own_bytes: int = 0) -> None:
         """``own_bytes``: the device memory the handle holds (its weights' copies). Everything else the
         process has allocated at the peak counts as this workload's *activations*: its temporaries, and
         tensors alive when it starts (the caller's inputs, a pipeline's latents and prompt embeddings, other
-        models, library workspaces). The budget bounds the process's whole peak, so it has to hold them all."""
+        models, library workspaces). The budget bounds the process's whole peak, so it has to hold them all.
+        The peak is this forward's own: a window opened now (`peaks.open_window`, see the module docstring)."""
         self.observed, self._marks, self._open = [], [], None
         if profiling:
             if self.cuda:
-                torch.cuda.reset_peak_memory_stats(self.device)
+                self._window = peaks.open_window(self.device)
                 self._own_bytes = own_bytes
             self._forward_start = self.clock.mark()
 
@@ -144,8 +164,9 @@ class Profiler:
     def end_forward(self) -> ProfiledRun:
         end = self.clock.mark()
         if self.cuda:
+            assert self._window is not None, "end_forward without a profiling start_forward"
             torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device) - self._own_bytes
+            peak = self._window.peak() - self._own_bytes
         else:
             peak = 0  # the CPU allocator keeps no peak; planning on the CPU ignores activations
         calls, load_ms, load_bytes, decode_ms = [], 0.0, 0, {}

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
+from . import peaks
 from .config import format_bytes
 from .phases import Phase
 
@@ -42,6 +41,8 @@ class OffloadStats:
     stall_ms: float = 0.0
     between_units_ms: float = 0.0  # steady forwards' time between unit calls (`schedule.TransferTotals`)
     measured_forwards: int = 0
+    #: The process's peak on the device since it started or since `flextensor_diffusers.reset_peak_memory_stats`,
+    #: the profiling forwards' resets folded in (`peaks.max_memory_allocated`); None on the CPU.
     peak_allocated_bytes: int | None = None
     plan: dict[str, Any] | None = None
     setup_ms: dict[str, float] = field(default_factory=dict)  # layout, pack (with pinning), hooks (compress)
@@ -128,7 +129,7 @@ def collect_stats(handle: OffloadHandle) -> OffloadStats:
         stall_ms=handle.totals.stall_ms,
         between_units_ms=handle.totals.between_units_ms,
         measured_forwards=handle.measured_forwards,
-        peak_allocated_bytes=torch.cuda.max_memory_allocated(handle.device) if handle.cuda else None,
+        peak_allocated_bytes=peaks.max_memory_allocated(handle.device) if handle.cuda else None,
         plan=handle.plan.summary() if handle.plan else None,
         setup_ms=handle.setup_times.as_dict(),
         payload_cache=handle.payload_cache.describe() if handle.payload_cache is not None else None,

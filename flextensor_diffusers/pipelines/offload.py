@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine import OffloadConfig, OffloadHandle, Phase, format_bytes, offload_shared
+from ..engine import OffloadConfig, OffloadHandle, Phase, format_bytes, max_memory_allocated, offload_shared
 from ..engine.boundaries import refuse_whole_model_compile
 from ..engine.cache_files import RawCacheFile
 from ..engine.config import cache_folder, is_auto, parse_bytes, resolve_budget, resolve_device
@@ -174,7 +174,8 @@ class PipelineOffload:
         return {
             "device": str(self.device),
             "budget_bytes": self.budget_bytes,
-            "peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
+            # the true peak: the profiling forwards' resets of torch's counter folded in (`engine.peaks`)
+            "peak_allocated_bytes": max_memory_allocated(self.device) if cuda else None,
             "vae_tiling": self.vae_tiling,
             "component_switches": self.switches,
             # what the process holds in host RAM now, anonymous and page-locked (what a host budget bounds)

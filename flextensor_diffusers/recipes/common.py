@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ..engine import Phase, format_bytes
+from ..engine import Phase, format_bytes, open_window
 from ..engine.config import resolve_budget
 from ..engine.errors import BudgetError, FlexTensorError, HostBudgetError
 from ..engine.setup_threads import progress_bars
@@ -139,16 +139,17 @@ class Timed:
 
 
 def timed(device: torch.device, fn: Callable[[], Any]) -> Timed:
-    """Run ``fn`` with peak-memory counters reset; wall time after device synchronisation."""
+    """Run ``fn``; wall time after device synchronisation, and the peak allocated memory of its run (a window of
+    its own, `engine.peaks`: the profiling forwards' resets are folded in)."""
+    window = None
     if device.type == "cuda":
         synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        window = open_window(device)
     start = time.perf_counter()
     output = fn()
     synchronize(device)
     seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return Timed(seconds=seconds, peak_allocated_bytes=peak, output=output)
+    return Timed(seconds=seconds, peak_allocated_bytes=window.peak() if window else None, output=output)
 
 
 def workload_key(pipe: Any, device: torch.device, **shape: Any) -> str:

@@ -33,6 +33,7 @@ import torch
 
 from ..engine.config import format_bytes, parse_bytes
 from ..engine.errors import BudgetError
+from ..engine.peaks import PeakWindow, open_window
 from ..engine.setup_threads import progress_bars
 from ..media import files
 from ..media.video import read_mp4, to_uint8_frames, write_mp4
@@ -50,7 +51,9 @@ class Recorder:
     """Stage and step boundaries of one generation: times, allocated memory, per-stage peaks, latents.
 
     A stage is the component running (text encoder, transformer, ...) or the VAE decode; at each
-    change the allocator's peak since the last change is kept for the stage that ended.
+    change the allocator's peak since the last change is kept for the stage that ended (a `PeakWindow` per stage,
+    the profiling forwards' resets folded in); ``reserved_peak`` is the caching allocator's over the whole
+    generation.
     """
 
     def __init__(self, pipe: Any, device: torch.device) -> None:
@@ -61,6 +64,9 @@ class Recorder:
         self.step_ends: list[float] = []
         self.latents: torch.Tensor | None = None
         self.stage_peaks: dict[str, int] = {}
+        self.reserved_peak: int | None = None
+        self._generation: PeakWindow | None = None  # from `start`
+        self._stage: PeakWindow | None = None  # from the current stage's start
         self._hooks = []
         self._start = time.perf_counter()
         for name, module in pipe.components.items():
@@ -86,11 +92,11 @@ class Recorder:
 
     def _switch(self, stage: str) -> None:
         """Close the current stage (keep its peak) and open ``stage``."""
-        if self.cuda:
+        if self.cuda and self._stage is not None:
             torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
+            peak = self._stage.peak()
             self.stage_peaks[self.stage] = max(self.stage_peaks.get(self.stage, 0), peak)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            self._stage = open_window(self.device)
         self.stage = stage
 
     def _enter(self, name: str) -> Any:
@@ -118,12 +124,15 @@ class Recorder:
         self.stage_peaks = {}
         self.stage = "start"
         if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+            self._generation = open_window(self.device)
+            self._stage = open_window(self.device)
         self._sample("start")
 
     def finish(self) -> dict[str, int]:
         """Close the last stage; the peak allocated bytes of every stage (empty on the CPU)."""
         self._switch("done")
+        if self._generation is not None:
+            self.reserved_peak = self._generation.reserved_peak()
         return dict(self.stage_peaks)
 
     def on_step_end(self, pipe: Any, step: int, timestep: Any, kwargs: dict) -> dict:
@@ -199,7 +208,7 @@ def run_generation(recipe: Any, pipe: Any, options: RecipeOptions, device: torch
         "mean_step_s": round(float(np.mean(steps)), 4) if steps else None,
         "peak_allocated_bytes": max(stage_peaks.values()) if stage_peaks else generation.peak_allocated_bytes,
         "stage_peak_allocated_bytes": stage_peaks,
-        "peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
+        "peak_reserved_bytes": recorder.reserved_peak,
         "memory_timeline": recorder.samples,
         "frames": to_uint8_frames(generation.output[0]),
         "latents": recorder.latents,
