@@ -5,6 +5,7 @@ copies go back to their payload file as each unit is done, and the next expert's
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from types import SimpleNamespace
@@ -95,16 +96,19 @@ def record_room_at_switches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, 
 
 def count_payload_file_mappings(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """How many times each payload file is mapped from now on (`PayloadCache.map`, which units let go become views
-    of): filled in as the test runs."""
-    mapped: dict[str, int] = {}
-    real = torch.from_file
+    of; it maps the file through the descriptor it checked): filled in as the test runs."""
+    from flextensor_diffusers.engine import payload_cache
 
-    def counted(path: str, *args: object, **kwargs: object) -> torch.Tensor:
+    mapped: dict[str, int] = {}
+    real = payload_cache.map_descriptor
+
+    def counted(fd: int, *args: object, **kwargs: object) -> torch.Tensor:
+        path = os.readlink(f"/proc/self/fd/{fd}")
         if path.endswith(".payloads"):
             mapped[path] = mapped.get(path, 0) + 1
-        return real(path, *args, **kwargs)
+        return real(fd, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "from_file", counted)
+    monkeypatch.setattr(payload_cache, "map_descriptor", counted)
     return mapped
 
 

@@ -4,7 +4,8 @@ A component whose host copies leave RAM and whose bytes are nowhere else (weight
 waits in one cache file: every unit at a 512-byte aligned offset, in position order (the base first). The file
 is written to a temporary name and renamed once complete, so a full disk or a Ctrl-C leaves no half-written
 file at its name; its name carries the process id, and the process deletes it when offload is removed, or at
-exit.
+exit. Every file here is made and opened again as `private_files` says (new, 0600, never through a link, in a
+folder of this user's that `config.cache_folder` checked).
 
 `RawCacheFile` is the other kind: the raw home of a model kept compressed only (``raw_copies="disk"``), written
 unit by unit while set-up encodes, through a shared mapping. Each unit's room is reserved on disk
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .errors import FlexTensorError
+from .private_files import create_new, fresh_file, map_descriptor, map_own_file, temporary_name
 from .units import ALIGNMENT, Unit, align
 
 #: Cache files this process wrote. Their owners delete them when offload is removed; a process that exits
@@ -46,11 +48,12 @@ def file_offsets(units: list[Unit]) -> list[int]:
 
 
 def write_cache_file(path: Path, units: list[Unit], hosts: list[torch.Tensor]) -> None:
-    """Write ``hosts`` (each unit's host bytes) to ``path`` at `file_offsets`, whole or not at all."""
+    """Write ``hosts`` (each unit's host bytes) to ``path`` at `file_offsets`, whole or not at all: to a new
+    private file at a name of its own (`private_files.temporary_name`), renamed over ``path`` once complete."""
     offsets = file_offsets(units)
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp = temporary_name(path)
     try:
-        with open(tmp, "wb") as file:
+        with open(tmp, "wb", opener=create_new) as file:
             for host, offset in zip(hosts, offsets, strict=False):
                 file.seek(offset)
                 file.write(memoryview(host.numpy()))
@@ -70,7 +73,9 @@ def write_cache_file(path: Path, units: list[Unit], hosts: list[torch.Tensor]) -
 class RawCacheFile:
     """The raw bytes of a model's units kept compressed, in one file at ``where`` (each unit at its
     `file_offsets` offset), written as set-up goes: a `raw_homes.RawHome`. The file is created sparse at
-    once and each unit's room reserved when it arrives; it is deleted when offload is removed, or at exit."""
+    once, new and private (`private_files.fresh_file`: whatever was at ``where`` is replaced, never followed),
+    mapped through its descriptor, and each unit's room reserved when it arrives; it is deleted when offload
+    is removed, or at exit."""
 
     def __init__(self, where: Path, units: list[Unit]) -> None:
         self.where = where
@@ -81,13 +86,12 @@ class RawCacheFile:
     def _open(self) -> torch.Tensor:
         if self._mapped is None:
             try:
-                self._fd = os.open(self.where, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                self._fd = fresh_file(self.where)
                 _WRITTEN.add(self.where)
                 os.ftruncate(self._fd, max(self._offsets[-1], 1))
             except OSError as exc:
                 raise self._error(exc) from exc
-            size = max(self._offsets[-1], 1)
-            self._mapped = torch.from_file(str(self.where), shared=True, size=size, dtype=torch.uint8)
+            self._mapped = map_descriptor(self._fd, max(self._offsets[-1], 1), shared=True)
         return self._mapped
 
     def _error(self, exc: OSError) -> FlexTensorError:
@@ -130,9 +134,13 @@ class RawCacheFile:
 
 
 def map_cache_file(path: Path, units: list[Unit]) -> list[torch.Tensor]:
-    """Each unit's bytes as a view of a shared mapping of the cache file at ``path``."""
+    """Each unit's bytes as a view of a shared mapping of the cache file at ``path``, opened without following a
+    link and checked to be this user's regular file (`private_files.map_own_file`)."""
     offsets = file_offsets(units)
-    mapped = torch.from_file(str(path), shared=True, size=max(offsets[-1], 1), dtype=torch.uint8)
+    try:
+        mapped = map_own_file(path, max(offsets[-1], 1), shared=True)
+    except OSError as exc:  # a link or another user's file at its name: never mapped
+        raise FlexTensorError(f"cannot map the weight cache {path} ({exc}): choose another cache_dir") from exc
     return [mapped[offset : offset + unit.nbytes] for unit, offset in zip(units, offsets, strict=False)]
 
 

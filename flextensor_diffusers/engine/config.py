@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .errors import BudgetError, FlexTensorError, NoCudaDeviceError
+from .private_files import CACHE_FOLDER, default_cache_folder, private_folder
 
 if TYPE_CHECKING:
     from .shared_host import SharedHostMemory
@@ -166,7 +165,10 @@ class OffloadConfig:
         compression_cache: with compression, write the compressed copies to a file in ``cache_dir`` the
             first time and read them back on later set-ups of the same weights instead of encoding
             (`payload_cache`); every payload read is decoded and compared with the weights first.
-        cache_dir: the folder for cache files (default: ``flextensor-cache`` in the temp dir).
+        cache_dir: the folder for cache files (default: this user's cache folder,
+            ``~/.cache/flextensor-diffusers`` or under ``$XDG_CACHE_HOME``, made 0700). Refused before
+            anything is packed when it is a symbolic link, belongs to another user or can be written by
+            other users; every file in it is made 0600 (`private_files`).
         active_after_setup: take device memory at the end of set-up. A pipeline passes False: its
             components take device memory one at a time, when each first runs.
         progressive_packing: without compression or shared weights, set-up returns while the raw host
@@ -263,16 +265,15 @@ class OffloadConfig:
         `__post_init__` allows with compression only)."""
         return self.compression != "none" and self.raw_copies == "disk"
 
+    @property
+    def writes_cache_files(self) -> bool:
+        """Set-up writes files in ``cache_dir``: the payload file (``compression_cache``) or the raw cache file
+        (``raw_copies="disk"``). The folder is then checked before anything is packed (`SetUp.run`)."""
+        return self.compression != "none" and (self.compression_cache or self.raw_copies == "disk")
+
 
 def cache_folder(cache_dir: str | Path | None) -> Path:
-    """The folder for cache files (created); refused at once when it cannot be written."""
-    folder = Path(cache_dir) if cache_dir is not None else Path(tempfile.gettempdir()) / "flextensor-cache"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise FlexTensorError(
-            f"cannot create the weight cache folder {folder} ({exc}): pass another cache_dir"
-        ) from exc
-    if not os.access(folder, os.W_OK):
-        raise FlexTensorError(f"the weight cache folder {folder} is not writable: pass another cache_dir")
-    return folder
+    """The folder for cache files: ``cache_dir``, else this user's cache folder (`private_files.default_cache_folder`),
+    made 0700 when missing; refused at once, naming ``cache_dir``, when it is a symbolic link, belongs to another
+    user, can be written by other users, or cannot be written (`private_files.private_folder`)."""
+    return private_folder(cache_dir if cache_dir is not None else default_cache_folder(), CACHE_FOLDER)

@@ -34,9 +34,12 @@ import logging
 import mmap
 import os
 import weakref
+from pathlib import Path
 from typing import Protocol
 
 import torch
+
+from .private_files import fresh_file, open_own_file
 
 logger = logging.getLogger(__name__)
 
@@ -99,13 +102,15 @@ def host_buffer(nbytes: int) -> torch.Tensor:
     return _owned_view(region, nbytes, HUGE_PAGE if huge else 1)
 
 
-def shared_file_buffer(path: str | os.PathLike[str], nbytes: int) -> torch.Tensor:
-    """The first ``nbytes`` of the file at ``path`` (created, or extended with zeros, when shorter) as a uint8
-    CPU tensor on a shared mapping of it, owned like `host_buffer`'s: writes reach the file and every
-    process that maps it, and a lock on it is undone before it is unmapped."""
+def shared_file_buffer(path: str | os.PathLike[str], nbytes: int, create: bool = True) -> torch.Tensor:
+    """The first ``nbytes`` of the file at ``path`` as a uint8 CPU tensor on a shared mapping of it, owned like
+    `host_buffer`'s: writes reach the file and every process that maps it, and a lock on it is undone before it
+    is unmapped. ``create``: a new file of zeros, private to this user, replacing whatever was at ``path``
+    (`private_files.fresh_file`); else the existing one, opened without following a link and checked to be this
+    user's (`private_files.open_own_file`), extended with zeros when shorter."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = fresh_file(Path(path)) if create else open_own_file(path, os.O_RDWR)
     try:
         if os.fstat(fd).st_size < nbytes:
             os.ftruncate(fd, nbytes)

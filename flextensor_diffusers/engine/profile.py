@@ -3,6 +3,10 @@
 A profile lets a later run skip discovery and profiling. It is only reused when it describes the
 same model (names, shapes and dtypes of every tensor, and the same units), the same device, and the
 same workload (shapes and dtypes of the inputs); otherwise the reason is given.
+
+A ``profile_dir`` is read and written only when it is a folder of this user's that other users cannot write
+(`private_files`; made 0700 when missing): a profile written by someone else would plan this user's budget.
+Each profile is written to a new 0600 file (``mkstemp``) and renamed over its name.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch import nn
 
 from .errors import ProfileMismatchError
 from .planner import Call, WorkloadProfile
+from .private_files import PROFILE_FOLDER, check_private_folder, private_folder
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +159,8 @@ class ProfileStore:
         self.device = device
         self.profile_file = Path(profile) if profile is not None else None
         self.profile_dir = Path(profile_dir) if profile_dir is not None else None
+        if self.profile_dir is not None and os.path.lexists(self.profile_dir):  # before packing: refused at once
+            check_private_folder(self.profile_dir, PROFILE_FOLDER)
         self.reprofile = reprofile
         self.known: dict[str, SavedProfile] = {}
         #: The ``profile`` file, checked at once against this model (the workload is checked at first use).
@@ -214,6 +221,8 @@ class ProfileStore:
         self.known[signature] = saved
         path = self.path_for(signature)
         if path is not None:
+            if self.profile_dir is not None:
+                private_folder(self.profile_dir, PROFILE_FOLDER)
             saved.save(path)
             logger.info("saved profile %s", path)
         return saved

@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -130,10 +131,13 @@ class SetUp:
         self.boundaries = Boundaries()
         self.payload_cache: PayloadCache | None = None  # compression_cache: the file of the compressed copies
         self._raw_home = raw_home  # raw_copies="disk": where raw bytes go (None: a cache file in cache_dir)
+        self._folder: Path | None = None  # `cache_folder`, checked once
         self._state_dict_hooks: list[Any] = []
 
     def run(self) -> None:
         h = self.handle
+        if h.config.writes_cache_files:  # a cache_dir refused before anything is packed: the model as it was
+            self._cache_folder()
         shared = h.config.shared_host
         if shared is not None:
             self._open_shared(shared)
@@ -229,13 +233,19 @@ class SetUp:
         """The raw home of ``raw_copies="disk"`` when the caller gave none: a cache file in ``cache_dir``."""
         h = self.handle
         name = f"{type(h.model).__name__}-{h.fingerprint['sha256'][:16]}-{os.getpid()}-{id(h):x}.raw"
-        return RawCacheFile(cache_folder(h.config.cache_dir) / name, h.host.positions)
+        return RawCacheFile(self._cache_folder() / name, h.host.positions)
 
     def _payload_cache(self) -> PayloadCache:
         """This model's payload file: named by its structure and sampled bytes of every unit."""
         h = self.handle
         key = weights_key(h.fingerprint["sha256"], h.units)
-        return PayloadCache(cache_folder(h.config.cache_dir), type(h.model).__name__, key)
+        return PayloadCache(self._cache_folder(), type(h.model).__name__, key)
+
+    def _cache_folder(self) -> Path:
+        """``cache_dir`` (or this user's cache folder), made and checked once (`config.cache_folder`)."""
+        if self._folder is None:
+            self._folder = cache_folder(self.handle.config.cache_dir)
+        return self._folder
 
     def _hook(self) -> None:
         """Route the model's calls, its entry methods' and its units' through the handle; edit methods run

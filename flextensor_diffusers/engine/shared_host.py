@@ -10,6 +10,10 @@ process; the physical pages are shared), so host RAM holds the weights once, not
 Protocol: the creator writes ``manifest.json`` last, after every unit is filled, so a process
 that attaches either finds complete weights for the same model or a clear error. Use
 `offload_shared` under ``torch.distributed``: it orders creator, barrier, followers.
+
+The processes are this user's: the folder is made 0700 by the creator and refused by every process when it is a
+link, another user's or writable by others (``/dev/shm`` is writable by all); its files are new, 0600, never made
+nor opened through a link (`private_files`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,14 @@ import torch
 
 from .errors import FlexTensorError
 from .host_memory import shared_file_buffer
+from .private_files import (
+    SHARED_FOLDER,
+    check_private_folder,
+    create_new,
+    open_own_file,
+    private_folder,
+    temporary_name,
+)
 
 MANIFEST = "manifest.json"
 
@@ -56,7 +68,7 @@ class SharedHostMemory:
                     f"shared weights need {needed / 2**30:.2f} GiB in {self.dir.parent}, which has "
                     f"{free / 2**30:.2f} GiB free: enlarge it (e.g. docker --shm-size) or pick another root"
                 )
-            self.dir.mkdir(exist_ok=True)
+            private_folder(self.dir, SHARED_FOLDER)
             self._owns_files = True
             return
         if not manifest.exists():
@@ -64,7 +76,9 @@ class SharedHostMemory:
                 f"no shared weights at {self.dir}: the process with create=True must finish offload() first "
                 "(offload_shared() waits for it with torch.distributed.barrier())"
             )
-        theirs = json.loads(manifest.read_text())
+        check_private_folder(self.dir, SHARED_FOLDER)
+        with open(open_own_file(manifest), "rb") as file:
+            theirs = json.loads(file.read())
         if theirs["fingerprint"] != fingerprint or {int(k): v for k, v in theirs["sizes"].items()} != self._sizes:
             raise FlexTensorError(
                 f"the shared weights at {self.dir} were packed from another model or unit selection "
@@ -77,12 +91,14 @@ class SharedHostMemory:
         path = self.dir / f"unit{index + 1}.bin"
         if not self.create and path.stat().st_size != self._sizes[index]:
             raise FlexTensorError(f"{path} is not {self._sizes[index]} bytes: the shared weights are incomplete")
-        return shared_file_buffer(path, self._sizes[index])  # a lock on it cannot outlive the mapping
+        # a lock on it cannot outlive the mapping
+        return shared_file_buffer(path, self._sizes[index], create=self.create)
 
     def publish(self, fingerprint: str) -> None:
         """Creator: every unit is filled; followers may attach."""
-        tmp = self.dir / f"{MANIFEST}.tmp"
-        tmp.write_text(json.dumps({"fingerprint": fingerprint, "sizes": self._sizes, "pid": os.getpid()}))
+        tmp = temporary_name(self.dir / MANIFEST)
+        with open(tmp, "w", opener=create_new) as file:
+            file.write(json.dumps({"fingerprint": fingerprint, "sizes": self._sizes, "pid": os.getpid()}))
         tmp.replace(self.dir / MANIFEST)
 
     def unlink(self) -> None:

@@ -26,12 +26,13 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     block raises (``KeyboardInterrupt`` included). Missing folders on the way to ``path`` are created.
 
     The temporary name keeps ``path``'s suffix, so writers that choose a format by extension (PyAV) still do;
-    it is created with the usual permissions (0666 less the umask), which the rename keeps.
+    it is created new (never an existing name, never through a link) with the usual permissions (0666 less the
+    umask: these are the user's outputs, not the package's cache), which the rename keeps.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.stem}.{secrets.token_hex(4)}{PARTIAL}{path.suffix}")
-    os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666))
     try:
         yield temporary
         with open(temporary, "rb") as written:  # on disk before the name points at it

@@ -330,9 +330,11 @@ def enable(
             share (`auto_host_budget`), so that the process never asks for more than the RAM available.
             With ``shared_host`` it is all in RAM (the processes' one shared copy). ``None``: every host copy
             in RAM, refused before packing when they do not fit in the RAM available.
-        cache_dir: where cache files go (default: a ``flextensor-cache`` folder in the temp dir), for
-            the host tier and for ``raw_copies="disk"`` (with ``compression="lossless"``: the raw host
-            copies wait in a mapped cache file and host RAM holds the compressed copies only).
+        cache_dir: where cache files go (default: this user's cache folder, ``~/.cache/flextensor-diffusers``
+            or under ``$XDG_CACHE_HOME``, made 0700), for the host tier, the payload file and
+            ``raw_copies="disk"`` (with ``compression="lossless"``: the raw host copies wait in a mapped cache
+            file and host RAM holds the compressed copies only). Refused before anything is packed when it is a
+            symbolic link, belongs to another user or can be written by other users; its files are made 0600.
         **config: further `OffloadConfig` fields (``max_slots``, ``profiling_runs``, ...).
 
     Everything is checked before anything is packed; a failure after that undoes all that was set up

@@ -205,7 +205,12 @@ def add_memory(parser: argparse.ArgumentParser) -> None:
         "weight files they were loaded from or in cache files. auto (the default): all in RAM when they fit in "
         "80%% of the RAM available, else a host budget of what the process holds plus that; none: all in RAM",
     )
-    parser.add_argument("--cache-dir", type=Path, help="where cache files go (default: the temp folder)")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        help="where cache files go (default: your own cache folder, ~/.cache/flextensor-diffusers or under "
+        "$XDG_CACHE_HOME, made 0700); a folder that is a symlink, another user's or writable by other users is refused",
+    )
     parser.add_argument(
         "--compression",
         choices=("none", "lossless"),

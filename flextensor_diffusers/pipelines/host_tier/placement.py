@@ -8,9 +8,9 @@ first time and kept there, unwritten again, until an edit.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +20,7 @@ from torch import nn
 
 from ...engine import format_bytes
 from ...engine.errors import FlexTensorError, HostBudgetError
+from ...engine.private_files import default_cache_folder
 from ..host_budget import HostOverhead
 from ..raw_home import WeightFilesHome
 from ..weight_files import WeightSource, component_folders
@@ -223,11 +224,13 @@ class Placement:
 
     def delete_files(self) -> None:
         """Delete the cache files (every handle is removed) and drop from the page cache the weight files'
-        pages the removal read; the default cache folder goes too once it is empty."""
+        pages the removal read; this user's default cache folder (`private_files.default_cache_folder`) goes too
+        once it is empty (``rmdir``: a file another process of the user's put there since keeps it)."""
         for path in self._files:
             path.unlink(missing_ok=True)
         self._files = []
         for source in self.sources.values():
             source.read_done()
-        if not any(self.folder.iterdir()) and self.folder.name == "flextensor-cache":
-            shutil.rmtree(self.folder, ignore_errors=True)
+        if self.folder == default_cache_folder():
+            with contextlib.suppress(OSError):
+                self.folder.rmdir()
