@@ -134,6 +134,16 @@ def set_host_overhead(monkeypatch, own: int, reserve: int) -> None:
     monkeypatch.setattr(host_budget, "HOST_RESERVE_BYTES", reserve)
 
 
+def set_ram_available(monkeypatch, nbytes: int) -> None:
+    """The RAM available to the process (what ``host_budget="auto"`` and the refusal before packing decide from)
+    reads ``nbytes``, as the host's (a module-level name, as `enable` reads it once)."""
+    from flextensor_diffusers.engine.machine_memory import HOST, AvailableMemory, MemoryBound
+    from flextensor_diffusers.pipelines import host_budget
+
+    ram = AvailableMemory((MemoryBound(HOST, "set by the test", max(nbytes, 2**40), nbytes),))
+    monkeypatch.setattr(host_budget, "available_ram", lambda: ram)
+
+
 def enable_with_one_component_in_ram(pipe, budget: int, cache) -> None:
     """Offload with a host budget of the largest component (set `set_host_overhead` to 0 first): Wan2.2's
     experts take turns in RAM, the other waiting in a cache file in ``cache``."""

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from flextensor_diffusers import __main__ as entry
-from flextensor_diffusers.engine.config import parse_bytes
+from flextensor_diffusers.engine.config import format_bytes, parse_bytes
 from flextensor_diffusers.engine.errors import BudgetError, HostBudgetError
 from flextensor_diffusers.media.video import write_mp4
 from flextensor_diffusers.pipelines.offload import format_report
@@ -202,6 +202,9 @@ def test_missing_folders_are_made_and_said_and_an_unplanned_vae_is_explained(tmp
     assert f"wrote {output} (9 frames, 32x32; made the folder {output.parent})\n" in out
     assert out.endswith(f"wrote {summary} (made the folder {summary.parent})\n"), out
     assert info["made_folder"] == str(output.parent) and output.exists() and summary.exists()
+    # the RAM available at enable (the least of the host's, its cgroups' and its rlimits') and where it came from
+    assert info["ram_available_bytes"] > 0 and info["ram_available_source"] in out
+    assert f"RAM available at enable {format_bytes(info['ram_available_bytes'])}: " in out
     assert re.search(r"^vae .* profiling$", out, re.MULTILINE)
     assert "\nphase: vae ran once in this run (a VAE decodes once per generation" in out
     wan22_t2v.main(argv)
@@ -279,6 +282,8 @@ def test_budget_errors_round_the_suggestion_up_and_use_the_flag() -> None:
     )
     line = common.error_line(HostBudgetError("too small", required_bytes=200_000), "auto", "100KB")
     assert line.endswith("the smallest workable host budget is 195.32 KiB; pass --host-budget 195.32KiB")
+    auto = 'host_budget="auto" (--host-budget auto) is 1.00 KiB, ... of the RAM available (...): raise that limit'
+    assert common.error_line(HostBudgetError(auto, required_bytes=200_000), "auto", "auto") == auto  # names the RAM
     assert common.error_line(BudgetError("Pass gpu_budget >= 5"), "5") == "Pass --budget >= 5"
 
 

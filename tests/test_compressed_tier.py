@@ -12,7 +12,7 @@ import torch
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import payload_cache
 from flextensor_diffusers.recipes.models import build_pipeline
-from tests.models import assert_same, set_host_overhead, snapshot, wan_latents
+from tests.models import assert_same, set_host_overhead, set_ram_available, snapshot, wan_latents
 from tests.test_host_tier import digest, load, save
 
 BUDGET = 340_000  # GPU budget: the blocks stream compressed (2 slots with staging room)
@@ -146,7 +146,7 @@ def test_the_default_host_budget_with_compression_keeps_compressed_copies_only_w
     smallest = smallest_host_budget(load(folder), cache)
     pipe = load(folder)
     monkeypatch.setattr(budgets, "anonymous_bytes", lambda: 0)
-    monkeypatch.setattr(budgets, "available_ram_bytes", lambda: int(smallest / budgets.AUTO_HOST_SHARE) + 1)
+    set_ram_available(monkeypatch, int(smallest / budgets.AUTO_HOST_SHARE) + 1)
     pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", compression="lossless", cache_dir=cache)
     state = ft.pipeline_offload(pipe)
     assert state.host_tier is not None and smallest <= state.host_tier.budget <= smallest + 1

@@ -29,6 +29,7 @@ from tests.models import (
     assert_same,
     enable_with_one_component_in_ram,
     set_host_overhead,
+    set_ram_available,
     snapshot,
     wan_latents,
 )
@@ -227,15 +228,16 @@ def test_without_a_host_budget_copies_beyond_the_ram_available_are_refused_befor
     folder, reference = saved
     pipe = load(folder)
     before = snapshot(pipe.transformer)
-    monkeypatch.setattr(host_budget, "available_ram_bytes", lambda: 2**16)
-    refusal = r"of new host RAM but 64.00 KiB is available: leave host_budget at \"auto\" \(--host-budget auto\)"
+    set_ram_available(monkeypatch, 2**16)
+    refusal = r"of new host RAM but 64.00 KiB is available \(the host's RAM \(set by the test\) is .*, 64.00 KiB of it "
+    refusal += r"available\): leave host_budget at \"auto\" \(--host-budget auto\)"
     with pytest.raises(ft.HostBudgetError, match=refusal):
         pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget=None)
     assert ft.pipeline_offload(pipe) is None
     assert_same(before, pipe.transformer)
     with pytest.raises(ft.HostBudgetError, match=refusal):  # with compression too: its sizes are not known yet
         pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget=None, compression="lossless")
-    monkeypatch.setattr(host_budget, "available_ram_bytes", lambda: 2**40)
+    set_ram_available(monkeypatch, 2**40)
     pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", host_budget=None)
     assert torch.equal(wan_latents(pipe), reference)
     pipe.disable_flextensor_offload()
@@ -249,7 +251,7 @@ def test_the_default_host_budget_keeps_all_in_ram_when_it_fits_else_the_rest_wai
     available, the experts taking turns on disk, bitwise. Refused, before packing, where even that is short."""
     folder, reference = saved
     pipe = load(folder)
-    monkeypatch.setattr(host_budget, "available_ram_bytes", lambda: 2**40)
+    set_ram_available(monkeypatch, 2**40)
     pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", cache_dir=tmp_path)
     assert ft.pipeline_offload(pipe).host_tier is None
     sizes = packed_sizes(pipe)
@@ -262,7 +264,7 @@ def test_the_default_host_budget_keeps_all_in_ram_when_it_fits_else_the_rest_wai
     room = max(sizes.values()) + 1
     assert room < sum(sizes.values()) - min(sizes.values())  # one expert at a time
     monkeypatch.setattr(host_budget, "anonymous_bytes", lambda: held)
-    monkeypatch.setattr(host_budget, "available_ram_bytes", lambda: int(room / host_budget.AUTO_HOST_SHARE) + 1)
+    set_ram_available(monkeypatch, int(room / host_budget.AUTO_HOST_SHARE) + 1)
     pipe.enable_flextensor_offload(budget=BUDGET, device="cpu", cache_dir=tmp_path)
     tier = ft.pipeline_offload(pipe).host_tier
     assert tier is not None and tier.budget == held + room and tier.report()["on_disk"]
@@ -275,7 +277,7 @@ def test_the_default_host_budget_keeps_all_in_ram_when_it_fits_else_the_rest_wai
     refusal = r'do not all fit in the RAM available, so host_budget="auto" .* drop raw_copies=\'ram\''
     lossless_raw_in_ram = dict(compression="lossless", raw_copies="ram")
     assert_refused_as_it_was(pipe, ft.FlexTensorError, refusal, budget=BUDGET, device="cpu", **lossless_raw_in_ram)
-    monkeypatch.setattr(host_budget, "available_ram_bytes", lambda: 2**10)
+    set_ram_available(monkeypatch, 2**10)
     smallest = "the smallest workable host budget is"
     assert_refused_as_it_was(pipe, ft.HostBudgetError, smallest, budget=BUDGET, device="cpu", cache_dir=tmp_path)
 

@@ -94,11 +94,12 @@ def is_auto(budget: int | str) -> bool:
 def room_on_device(device: torch.device) -> int:
     """Bytes this process could still allocate on ``device``: what is free on it, and no more than its
     own cap (``torch.cuda.set_per_process_memory_fraction``, which ``mem_get_info`` does not see)
-    leaves above what it has reserved. On the CPU: available RAM."""
+    leaves above what it has reserved. On the CPU: the RAM available (`machine_memory.available_memory`: the least
+    of the host's, its cgroups' room and its rlimits)."""
     if device.type != "cuda":
-        import psutil
+        from .machine_memory import available_memory  # it imports this module
 
-        return psutil.virtual_memory().available
+        return available_memory().nbytes
     free, total = torch.cuda.mem_get_info(device)
     cap = int(total * torch.cuda.get_per_process_memory_fraction(device))
     return min(free, cap - torch.cuda.memory_reserved(device))

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..engine import format_bytes
 from ..engine.errors import HostBudgetError
+from ..engine.machine_memory import AvailableMemory, available_memory
 from ..engine.units import UnitLayout
 
 #: What ``host_budget="auto"`` may take of the RAM available when offload is enabled (the rest is the margin for
@@ -34,11 +35,12 @@ AUTO_HOST_SHARE = 0.8
 HOST_RESERVE_BYTES = 2**30
 
 
-def auto_host_budget() -> int:
+def auto_host_budget(ram: AvailableMemory) -> int:
     """``host_budget="auto"`` as bytes: what the process holds now (its anonymous memory, weights loaded in memory
-    included: packing turns them into host copies) plus `AUTO_HOST_SHARE` of the RAM available now (weights
-    mapped from their files are page cache, part of what is available). Measured before packing."""
-    return anonymous_bytes() + int(available_ram_bytes() * AUTO_HOST_SHARE)
+    included: packing turns them into host copies) plus `AUTO_HOST_SHARE` of ``ram``, the RAM available now
+    (`available_ram`; weights mapped from their files are page cache, part of what is available). Measured before
+    packing."""
+    return anonymous_bytes() + int(ram.nbytes * AUTO_HOST_SHARE)
 
 
 def anonymous_bytes() -> int:
@@ -130,25 +132,41 @@ def check_host_budget(
     overhead: HostOverhead,
     kept_bytes: dict[str, int] | None = None,
     compressed: bool = False,
+    auto_from: AvailableMemory | None = None,
 ) -> None:
     """Refuse a host budget under the largest component's packed weights (plus what the others keep in
     RAM while they wait in their weight files, ``kept_bytes``) next to ``overhead``, naming the smallest
     workable one. ``compressed``: ``component_bytes`` are the least the compressed copies can take
-    (`least_compressed_bytes`), so the figure named is a lower bound."""
+    (`least_compressed_bytes`), so the figure named is a lower bound. ``auto_from``: the RAM available that
+    ``host_budget="auto"`` made this budget of: the message names it, and more RAM as the fix (a larger host
+    budget than the RAM holds would have the kernel kill the process), or ``None``, which checks the RAM itself."""
     kept = kept_bytes or {}
     need = {n: b + sum(kept.get(o, 0) for o in component_bytes if o != n) for n, b in component_bytes.items()}
     name = max(component_bytes, key=lambda n: component_bytes[n])
     smallest = max(need.values()) + overhead.nbytes
-    if host_budget < smallest:
-        raise HostBudgetError(
-            f"host_budget {format_bytes(host_budget)} cannot hold the largest component, {name} "
-            f"({format_bytes(component_bytes[name])}{', compressed, at the very least' if compressed else ''}), "
-            "which must be in RAM while it runs, next to the process's "
-            f"own memory ({format_bytes(overhead.own_bytes)}: Python, torch, CUDA) and a reserve "
-            f"({format_bytes(overhead.reserve_bytes)}) for what it allocates later: the smallest workable host "
-            f"budget is {'at least ' if compressed else ''}{format_bytes(smallest)}",
-            required_bytes=smallest,
+    if host_budget >= smallest:
+        return
+    given = f"host_budget {format_bytes(host_budget)}"
+    if auto_from is not None:
+        given = (
+            f'host_budget="auto" (--host-budget auto) is {format_bytes(host_budget)}, what the process holds plus '
+            f"{AUTO_HOST_SHARE:.0%} of the RAM available ({auto_from.describe()}), and"
         )
+    message = (
+        f"{given} cannot hold the largest component, {name} "
+        f"({format_bytes(component_bytes[name])}{', compressed, at the very least' if compressed else ''}), "
+        "which must be in RAM while it runs, next to the process's "
+        f"own memory ({format_bytes(overhead.own_bytes)}: Python, torch, CUDA) and a reserve "
+        f"({format_bytes(overhead.reserve_bytes)}) for what it allocates later: the smallest workable host "
+        f"budget is {'at least ' if compressed else ''}{format_bytes(smallest)}"
+    )
+    if auto_from is not None:
+        more = "raise that limit or free memory" if auto_from.limited else "free host memory"
+        message += (
+            f"; {more}, or pass host_budget=None (--host-budget none: every host copy in RAM, refused before packing "
+            "where they do not fit)"
+        )
+    raise HostBudgetError(message, required_bytes=smallest)
 
 
 #: The least share of its raw bytes a tensor's compressed copy can take: the codec codes exponents only, and keeps
@@ -166,11 +184,11 @@ def least_compressed_bytes(layout: UnitLayout) -> int:
     return least
 
 
-def available_ram_bytes() -> int:
-    """RAM the kernel can give this process now without swapping (MemAvailable: free and reclaimable pages)."""
-    import psutil
-
-    return int(psutil.virtual_memory().available)
+def available_ram() -> AvailableMemory:
+    """The RAM this process may take now, and where that figure comes from: the least of the host's MemAvailable,
+    its cgroups' room (a container's or job's memory limit) and its rlimits (`engine.machine_memory`). Measured
+    once when offload is enabled; a module-level name, so that tests can set it."""
+    return available_memory()
 
 
 def new_host_bytes(component_bytes: dict[str, int], modules: Iterable[nn.Module]) -> int:
@@ -180,31 +198,73 @@ def new_host_bytes(component_bytes: dict[str, int], modules: Iterable[nn.Module]
     return sum(component_bytes.values()) - anonymous_weight_bytes(modules)
 
 
-def host_copies_fit_in_ram(
+def ram_needed_for_host_copies(
     component_bytes: dict[str, int], modules: Iterable[nn.Module], config: dict[str, Any]
-) -> bool:
-    """``host_budget="auto"`` keeps every host copy in RAM (no tier) when the new memory packing takes, plus
-    `HOST_RESERVE_BYTES`, fits in `AUTO_HOST_SHARE` of the RAM available. With compression the compressed copies
-    come on top of raw copies kept in RAM, of sizes not known before encoding: counted as large as the raw
-    ones (what they never exceed), so that auto never keeps in RAM what may not fit there."""
+) -> int:
+    """The RAM that keeping every host copy in RAM takes: the new memory packing takes plus `HOST_RESERVE_BYTES`.
+    With compression the compressed copies come on top of raw copies kept in RAM, of sizes not known before
+    encoding: counted as large as the raw ones (what they never exceed), so that auto never keeps in RAM what may
+    not fit there."""
     need = new_host_bytes(component_bytes, modules) + HOST_RESERVE_BYTES
     if config.get("compression", "none") != "none" and config.get("raw_copies", "ram") == "ram":
         need += sum(component_bytes.values())
-    return need <= available_ram_bytes() * AUTO_HOST_SHARE
+    return need
 
 
-def check_ram_for_host_copies(component_bytes: dict[str, int], modules: Iterable[nn.Module]) -> None:
+def host_copies_fit_in_ram(need: int, ram: AvailableMemory) -> bool:
+    """``host_budget="auto"`` keeps every host copy in RAM (no tier) when what that takes
+    (`ram_needed_for_host_copies`) fits in `AUTO_HOST_SHARE` of the RAM available."""
+    return need <= ram.nbytes * AUTO_HOST_SHARE
+
+
+def check_ram_for_host_copies(
+    component_bytes: dict[str, int], modules: Iterable[nn.Module], ram: AvailableMemory
+) -> None:
     """With ``host_budget=None`` every host copy is made in RAM: refuse, before anything is packed, when the new
-    memory that takes (`new_host_bytes`) is more than the RAM available, which would end in the kernel killing
-    the process (or in swapping) halfway through the set-up. With compression the compressed copies come on
-    top, of sizes not known before encoding: not counted, so the figure is a lower bound and the check never
+    memory that takes (`new_host_bytes`) is more than ``ram``, the RAM available, which would end in the kernel
+    killing the process (or in swapping) halfway through the set-up. With compression the compressed copies come
+    on top, of sizes not known before encoding: not counted, so the figure is a lower bound and the check never
     refuses what would fit."""
     need = new_host_bytes(component_bytes, modules)
-    available = available_ram_bytes()
-    if need <= available:
+    if need <= ram.nbytes:
         return
     raise HostBudgetError(
-        f"the host copies need {format_bytes(need)} of new host RAM but {format_bytes(available)} is available: "
-        'leave host_budget at "auto" (--host-budget auto), the default, so that the components that do not fit '
-        "wait on disk, or free host memory"
+        f"the host copies need {format_bytes(need)} of new host RAM but {format_bytes(ram.nbytes)} is available "
+        f'({ram.describe()}): leave host_budget at "auto" (--host-budget auto), the default, so that the '
+        "components that do not fit wait on disk, or free host memory" + (" or raise that limit" if ram.limited else "")
     )
+
+
+@dataclass(frozen=True)
+class HostRamDecision:
+    """The RAM available when offload was enabled (``ram``, read once, `available_ram`) and what the host budget
+    asked (``asked``: ``'auto'``, ``None`` or the size given, as typed) kept in RAM: every host copy
+    (``tier_budget_bytes`` None) or, under a host tier, ``tier_weights_bytes`` of the ``packed_bytes``. What the
+    offload report (and so a recipe's summary) says of the host's memory, and what ``"auto"`` logs."""
+
+    ram: AvailableMemory
+    asked: str
+    packed_bytes: int
+    tier_budget_bytes: int | None = None
+    tier_weights_bytes: int | None = None
+
+    def describe(self) -> str:
+        """``the cgroup memory limit (...) is 48.00 GiB, 46.10 GiB of it free: the host copies take 57.50 GiB;
+        host_budget='auto' keeps 36.90 GiB of them in RAM (a host budget of 38.40 GiB) and the rest on disk``."""
+        keeps = f"host_budget={self.asked} keeps them all in RAM"
+        if self.tier_budget_bytes is not None and self.tier_weights_bytes is not None:
+            keeps = (
+                f"host_budget={self.asked} keeps {format_bytes(min(self.tier_weights_bytes, self.packed_bytes))} "
+                f"of them in RAM (a host budget of {format_bytes(self.tier_budget_bytes)}) and the rest on disk"
+            )
+        return f"{self.ram.describe()}: the host copies take {format_bytes(self.packed_bytes)}; {keeps}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ram_available": self.ram.as_dict(),
+            "host_budget": self.asked,
+            "packed_bytes": self.packed_bytes,
+            "tier_budget_bytes": self.tier_budget_bytes,
+            "tier_weights_bytes": self.tier_weights_bytes,
+            "described": self.describe(),
+        }

@@ -27,16 +27,20 @@ from ..engine.cache_files import RawCacheFile
 from ..engine.config import cache_folder, is_auto, parse_bytes, resolve_budget, resolve_device
 from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
 from ..engine.handle import UnitDone
+from ..engine.machine_memory import AvailableMemory
 from ..engine.planner import CUDA_ALLOCATION_GRANULE, smallest_budget
 from ..engine.units import UnitLayout, find_units, plan_layout
+from . import host_budget as budgets
 from .host_budget import (
     HostOverhead,
+    HostRamDecision,
     anonymous_bytes,
     auto_host_budget,
     check_host_budget,
     check_ram_for_host_copies,
     host_copies_fit_in_ram,
     least_compressed_bytes,
+    ram_needed_for_host_copies,
 )
 from .host_tier import HostTier, format_host_tier, kept_in_ram_bytes, offload_order, pipeline_folder
 from .host_tier.hand_over import LastForwardForecast
@@ -88,6 +92,7 @@ class PipelineOffload:
     switches: int = 0
     host_tier: HostTier | None = None
     last_forward: LastForwardForecast | None = None  # with a host tier, for a pipeline with two experts
+    host_ram: HostRamDecision | None = None  # the RAM available at enable, and what the host budget kept in RAM
 
     def forward_begins(self, handle: OffloadHandle, on_plan: bool) -> UnitDone | None:
         """Each forward of a component: the host tier hands its RAM over when the forward is expected to be its
@@ -180,6 +185,7 @@ class PipelineOffload:
             "component_switches": self.switches,
             # what the process holds in host RAM now, anonymous and page-locked (what a host budget bounds)
             "process_host_bytes": anonymous_bytes(),
+            "host_ram": self.host_ram.as_dict() if self.host_ram is not None else None,
             "host_tier": self.host_tier.report() if self.host_tier is not None else None,
             "components": components,
         }
@@ -250,6 +256,11 @@ def format_report(report: dict[str, Any]) -> str:
         f"VAE tiling {'on' if report['vae_tiling'] else 'off'}  switches {report['component_switches']}  "
         f"process host memory {format_bytes(report['process_host_bytes'])}"
     ]
+    if report.get("host_ram"):
+        lines.append(
+            f"RAM available at enable {format_bytes(report['host_ram']['ram_available']['bytes'])}: "
+            + report["host_ram"]["described"]
+        )
     tier = report.get("host_tier")
     if tier:
         lines += format_host_tier(tier)
@@ -327,7 +338,10 @@ def enable(
             far as room allows (see `host_tier`); with compression RAM holds compressed copies only.
             ``"auto"`` (the default): every host copy in RAM when they fit in `AUTO_HOST_SHARE` of the RAM
             available (no tier, nothing on disk); else the tier under what the process holds now plus that
-            share (`auto_host_budget`), so that the process never asks for more than the RAM available.
+            share (`auto_host_budget`), so that the process never asks for more than the RAM available. The RAM
+            available is the least of the host's (MemAvailable), the room under the process's cgroup memory
+            limits (a container's, Slurm job's or systemd unit's) and its rlimits (`budgets.available_ram`); the
+            report says which, and what was kept in RAM.
             With ``shared_host`` it is all in RAM (the processes' one shared copy). ``None``: every host copy
             in RAM, refused before packing when they do not fit in the RAM available.
         cache_dir: where cache files go (default: this user's cache folder, ``~/.cache/flextensor-diffusers``
@@ -343,7 +357,8 @@ def enable(
     request = OffloadRequest.resolve(
         pipeline, budget, device, components, patterns, profile_dir, shared_host, shared_host_root, cache_dir, config
     )
-    tier_bytes = _tier_budget(request, host_budget)
+    ram = budgets.available_ram()  # read once: every decision and message from RAM below takes this figure
+    tier_bytes = _tier_budget(request, host_budget, ram)
     tier = None
     if tier_bytes is not None:
         config = _compressed_only_under_a_host_budget(request.config, auto=is_auto(host_budget))
@@ -360,8 +375,9 @@ def enable(
                 )
         config = _verified_under_a_compressed_tier({**config, "progressive_packing": False}, request.device)
         request = dataclasses.replace(request, config=config)
-        tier = _host_tier(request, tier_bytes)
+        tier = _host_tier(request, tier_bytes, ram if is_auto(host_budget) else None)
     state = PipelineOffload(pipeline=pipeline, device=request.device, budget_bytes=request.budget_bytes, host_tier=tier)
+    state.host_ram = _host_ram_decision(request, host_budget, ram, tier)
     if tier is not None and LastForwardForecast.applies_to(pipeline):
         state.last_forward = LastForwardForecast(pipeline)
     try:
@@ -525,24 +541,19 @@ def _compressed_only_under_a_host_budget(config: dict[str, Any], auto: bool = Fa
     return {**config, "raw_copies": "disk", "compression_cache": True}
 
 
-def _tier_budget(request: OffloadRequest, host_budget: int | str | None) -> int | None:
+def _tier_budget(request: OffloadRequest, host_budget: int | str | None, ram: AvailableMemory) -> int | None:
     """The host tier's budget in bytes for ``host_budget``, or None: every host copy in RAM (``None``, and
-    ``"auto"`` when they fit or the processes share one host copy), refused when they do not fit in the RAM
-    available. A size with ``shared_host`` is refused. Decided before anything is packed."""
+    ``"auto"`` when they fit in ``ram``, the RAM available, or the processes share one host copy), refused when
+    they do not fit in ``ram``. A size with ``shared_host`` is refused. Decided before anything is packed."""
     modules = [request.available[n] for n in request.packed]
     if is_auto(host_budget):
-        if request.shared_host is not None or host_copies_fit_in_ram(request.packed, modules, request.config):
+        need = ram_needed_for_host_copies(request.packed, modules, request.config)
+        if request.shared_host is not None or host_copies_fit_in_ram(need, ram):
             return None
-        budget = auto_host_budget()
-        logger.info(
-            'host_budget="auto": the host copies do not all fit in the RAM available; the host tier keeps them '
-            "under %s, the rest wait on disk",
-            format_bytes(budget),
-        )
-        return budget
+        return auto_host_budget(ram)
     if host_budget is None:
         if request.shared_host is None and request.config.get("raw_copies", "ram") == "ram":
-            check_ram_for_host_copies(request.packed, modules)
+            check_ram_for_host_copies(request.packed, modules, ram)
         return None
     if request.shared_host is not None:
         raise FlexTensorError(
@@ -552,9 +563,27 @@ def _tier_budget(request: OffloadRequest, host_budget: int | str | None) -> int 
     return parse_bytes(host_budget)
 
 
-def _host_tier(request: OffloadRequest, host_bytes: int) -> HostTier:
+def _host_ram_decision(
+    request: OffloadRequest, host_budget: int | str | None, ram: AvailableMemory, tier: HostTier | None
+) -> HostRamDecision:
+    """What the report says of the RAM available and of what the host budget kept in RAM; logged where
+    ``"auto"`` turned the host tier on (the process asks for no more than that RAM, and runs slower)."""
+    decision = HostRamDecision(
+        ram=ram,
+        asked=repr("auto") if is_auto(host_budget) else repr(host_budget),
+        packed_bytes=sum(request.packed.values()),
+        tier_budget_bytes=None if tier is None else tier.budget,
+        tier_weights_bytes=None if tier is None else tier.weights_budget,
+    )
+    if tier is not None and is_auto(host_budget):
+        logger.info("%s", decision.describe())
+    return decision
+
+
+def _host_tier(request: OffloadRequest, host_bytes: int, auto_from: AvailableMemory | None) -> HostTier:
     """The host tier under ``host_bytes``, refused before anything is packed when it is under the smallest
-    workable one. The process's own memory is measured now, before packing turns weights into host copies."""
+    workable one (``auto_from``: the RAM available ``"auto"`` made it of, named in the refusal). The process's own
+    memory is measured now, before packing turns weights into host copies."""
     root = pipeline_folder(request.pipeline)
     packed, available = request.packed, request.available
     overhead = HostOverhead.measure(available[n] for n in packed)  # before packing: the process's own memory
@@ -562,7 +591,7 @@ def _host_tier(request: OffloadRequest, host_bytes: int) -> HostTier:
     compressed = request.config.get("compression", "none") != "none"
     if compressed:  # sizes known once encoded: the least they can be
         packed = {n: least_compressed_bytes(layout) for n, layout in request.layouts.items()}
-    check_host_budget(host_bytes, packed, overhead, kept, compressed)
+    check_host_budget(host_bytes, packed, overhead, kept, compressed, auto_from)
     pin = request.device.type == "cuda" and request.config.get("pin_memory", True)
     return HostTier(
         budget=host_bytes,

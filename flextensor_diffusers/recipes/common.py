@@ -223,6 +223,7 @@ def summary(
     pipe: Any,
 ) -> dict[str, Any]:
     state = pipeline_offload(pipe)
+    ram = state.host_ram.ram if state and state.host_ram else None  # read when offload was enabled
     return {
         "recipe": options.recipe,
         "weights": str(options.model) if options.model else f"random ({options.random_weights})",
@@ -234,6 +235,10 @@ def summary(
         "compile": options.compile,
         "compression": options.compression,
         "host_budget": options.host_budget,
+        # the RAM the process could take at enable (the least of the host's, its cgroups' and its rlimits') and where
+        # that figure came from: what host_budget "auto" and the refusal before packing decided from
+        "ram_available_bytes": ram.nbytes if ram else None,
+        "ram_available_source": ram.describe() if ram else None,
         "frames": options.frames,
         "height": options.height,
         "width": options.width,
@@ -425,6 +430,8 @@ def flag_value(argv: list[str], flag: str, default: str) -> str:
 def error_line(exc: BaseException, budget: str, host_budget: str = "auto") -> str:
     """One line for a deliberate error, in the command line's words (``--budget``, not ``gpu_budget``)."""
     if isinstance(exc, HostBudgetError) and exc.required_bytes is not None:
+        if host_budget.strip().lower() == "auto":  # its refusal names the RAM it came from, and more RAM as the fix
+            return " ".join(str(exc).split())
         fix = budget_suggestion(exc.required_bytes)
         return (
             f"--host-budget {host_budget} cannot hold the largest component, which must be in RAM while it runs, "

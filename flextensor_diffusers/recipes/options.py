@@ -203,7 +203,9 @@ def add_memory(parser: argparse.ArgumentParser) -> None:
         help="the process's host memory (anonymous and page-locked), e.g. 32GiB; its own memory and a 1 GiB reserve "
         "come off the top, the weights' host copies get the rest; components that do not fit wait on disk, in the "
         "weight files they were loaded from or in cache files. auto (the default): all in RAM when they fit in "
-        "80%% of the RAM available, else a host budget of what the process holds plus that; none: all in RAM",
+        "80%% of the RAM available (the least of the host's, the room under the process's cgroup memory limit, as "
+        "a container or Slurm job sets, and its rlimits), else a host budget of what the process holds plus that; "
+        "none: all in RAM",
     )
     parser.add_argument(
         "--cache-dir",
