@@ -17,7 +17,7 @@ import torch
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.recipes.models import build_pipeline
-from tests.models import wan_latents
+from tests.models import enable_with_one_component_in_ram, set_host_overhead, wan_latents
 
 peft = pytest.importorskip("peft")
 from peft.utils import get_peft_model_state_dict  # noqa: E402
@@ -53,15 +53,19 @@ class Lockstep:
     outputs: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
-    def start(cls, before_enable: list[Step], without_lora: bool = False) -> Lockstep:
-        """``without_lora``: the native latents without any LoRA are ``outputs[0]``."""
-        pair = cls(build_pipeline("wan22_t2v", "tiny"), build_pipeline("wan22_t2v", "tiny"))
+    def start(
+        cls, before_enable: list[Step], without_lora: bool = False, device: str = "cpu", enable: Step | None = None
+    ) -> Lockstep:
+        """``without_lora``: the native latents without any LoRA are ``outputs[0]``; ``enable``: how offload is
+        enabled (else at `BUDGET` on ``device``)."""
+        pair = cls(build_pipeline("wan22_t2v", "tiny").to(device), build_pipeline("wan22_t2v", "tiny"))
         if without_lora:
             pair.outputs.append(latents(pair.native))
         for step in before_enable:
             step(pair.native)
             step(pair.offloaded)
-        pair.offloaded.enable_flextensor_offload(budget=BUDGET, device="cpu")
+        budget = BUDGET if device == "cpu" else "64MiB"
+        (enable or (lambda pipe: pipe.enable_flextensor_offload(budget=budget, device=device)))(pair.offloaded)
         pair.compare()
         return pair
 
@@ -169,6 +173,41 @@ def test_fuse_and_unfuse_lora(target: str, when: str, loras: dict) -> None:
     pair.do(lambda pipe: pipe.unfuse_lora(components=[target]))
     pair.do(lambda pipe: pipe.unload_lora_weights())
     pair.finish()
+
+
+def test_adapter_methods_on_an_expert_waiting_on_disk(loras: dict, tmp_path, monkeypatch) -> None:
+    """A host budget of one expert: the LoRA'd second expert waits in a cache file when each method is called."""
+    set_host_overhead(monkeypatch, own=0, reserve=0)
+    enable = lambda pipe: enable_with_one_component_in_ram(pipe, BUDGET, tmp_path)  # noqa: E731
+    pair = Lockstep.start([load("transformer_2", loras["a"], "a")], enable=enable)
+    tier = ft.pipeline_offload(pair.offloaded)
+    steps = [
+        load("transformer_2", loras["b"], "b"),
+        lambda pipe: pipe.set_adapters(["a", "b"], adapter_weights=[0.3, 1.0]),
+        lambda pipe: pipe.delete_adapters("a"),
+        lambda pipe: pipe.unload_lora_weights(),
+    ]
+    for step in steps:
+        tier.handles["transformer"].activate()  # the second expert moves out to disk
+        assert "transformer_2" in tier.host_tier.report()["on_disk"]
+        pair.do(step)
+    pair.finish()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("when", ["loaded after enable", "loaded before enable"])
+def test_adapter_methods_on_cuda(when: str, loras: dict) -> None:
+    loads = [load("transformer_2", loras["a"], "a"), load("transformer", loras["b"], "b")]
+    pair = Lockstep.start(loads if when == "loaded before enable" else [], device="cuda")
+    for step in loads if when == "loaded after enable" else []:
+        pair.do(step)
+    pair.do(lambda pipe: pipe.set_adapters(["a", "b"], adapter_weights=[0.5, 1.5]))
+    pair.do(lambda pipe: pipe.fuse_lora(components=["transformer"], lora_scale=0.75))
+    pair.do(lambda pipe: pipe.unfuse_lora(components=["transformer"]))
+    pair.do(load("transformer_2", loras["a2"], "a", hotswap=True))
+    pair.do(lambda pipe: pipe.delete_adapters("a"))
+    pair.do(lambda pipe: pipe.unload_lora_weights())
 
 
 def test_an_adapter_packed_at_enable_and_unloaded_is_not_taken_for_a_swap(loras: dict) -> None:
