@@ -89,9 +89,7 @@ class PipelineOffload:
     switches: int = 0
     host_tier: HostTier | None = None
     last_forward: LastForwardForecast | None = None  # with a host tier, for a pipeline with two experts
-    call: EnableCall = field(
-        default_factory=lambda: EnableCall(())
-    )  # what `enable` was asked: a pipeline asking the same may join (`join`)
+    call: EnableCall = field(default_factory=EnableCall)  # what `enable` was asked: a pipeline asking the same joins
     joined: list[Any] = field(default_factory=list)  # pipelines made from the same components, sharing this offload
 
     def forward_begins(self, handle: OffloadHandle, on_plan: bool) -> UnitDone | None:
@@ -378,12 +376,9 @@ def enable(
         cache_dir=cache_dir,
         **config,
     )
-    if getattr(pipeline, "_flextensor", None) is None:
-        owners = OWNERS.owners(_weighted_components(pipeline))
-        refuse_unshareable(owners, _weighted_components(pipeline))
-        if owners:
-            owners[0].join(pipeline, call)
-            return owners[0]
+    joined = _join_an_offload(pipeline, call)
+    if joined is not None:
+        return joined
     request = OffloadRequest.resolve(
         pipeline, budget, device, components, patterns, profile_dir, shared_host, shared_host_root, cache_dir, config
     )
@@ -424,6 +419,20 @@ def enable(
     for module in state.components().values():
         OWNERS.claim(module, state)
     return state
+
+
+def _join_an_offload(pipeline: Any, call: EnableCall) -> PipelineOffload | None:
+    """The offload of another pipeline that ``pipeline``'s components belong to, joined (see `sharing`); None when
+    they belong to none, or when offload is enabled on ``pipeline`` already (refused by `OffloadRequest.resolve`)."""
+    if getattr(pipeline, "_flextensor", None) is not None:
+        return None
+    weighted = _weighted_components(pipeline)
+    owners = OWNERS.owners(weighted)
+    refuse_unshareable(owners, weighted)
+    if not owners:
+        return None
+    owners[0].join(pipeline, call)
+    return owners[0]
 
 
 def packing_order(chosen: list[str], declared: list[str]) -> list[str]:

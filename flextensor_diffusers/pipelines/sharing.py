@@ -26,7 +26,7 @@ class EnableCall:
     """The arguments of one ``enable_flextensor_offload`` call, as given: a pipeline joins an offload only when
     asked for the same one (budget, device, patterns, host budget, `OffloadConfig` options...)."""
 
-    arguments: tuple[tuple[str, Any], ...]
+    arguments: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def of(cls, **arguments: Any) -> EnableCall:
