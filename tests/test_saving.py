@@ -66,3 +66,42 @@ def test_state_dict_gives_each_weight_its_own_storage_over_the_host_copy() -> No
     for packed in block.tensors:  # no copy: the host copy's own bytes
         own = state[f"{block.name}.{packed.names[0]}"]
         assert own.data_ptr() == packed.view_of(block.host).data_ptr()
+
+
+def saved_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for path in sorted(folder.rglob("*")):
+        if path.suffix == ".bin":
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+        elif path.suffix == ".safetensors":
+            loaded = load_file(str(path))
+        else:
+            continue
+        out.update({f"{path.parent.name}/{k}": v for k, v in loaded.items()})
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("safe_serialization", [False, True], ids=["torch.save", "safetensors"])
+def test_saving_while_offloaded_on_cuda(tmp_path: Path, safe_serialization: bool) -> None:
+    """The same tensors, each its own storage, as native's on the GPU (a torch.save file records the CPU as their
+    device: they are the host copies); reloaded and offloaded again, the same latents."""
+    native = build_pipeline("wan22_t2v", "tiny").to("cuda")
+    native.save_pretrained(tmp_path / "native", safe_serialization=safe_serialization)
+    pipe = build_pipeline("wan22_t2v", "tiny")
+    pipe.enable_flextensor_offload(budget="64MiB", device="cuda")
+    latents(pipe)
+    for handle in ft.pipeline_offload(pipe).handles.values():
+        handle.wait_until_packed()
+    pipe.save_pretrained(tmp_path / "offloaded", safe_serialization=safe_serialization)
+    written, expected = saved_tensors(tmp_path / "offloaded"), saved_tensors(tmp_path / "native")
+    assert written.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(written[name], tensor), name
+        assert written[name].untyped_storage().nbytes() == tensor.untyped_storage().nbytes(), name
+    reloaded = type(pipe).from_pretrained(tmp_path / "offloaded")
+    reloaded.enable_flextensor_offload(budget="64MiB", device="cuda")
+    assert torch.equal(latents(reloaded), latents(native))
