@@ -137,3 +137,22 @@ def test_lora_fused_while_its_expert_waits_on_disk_is_kept(tmp_path, monkeypatch
     assert torch.equal(generate(pipe), refused_fused)
     pipe.disable_flextensor_offload()
     assert torch.equal(generate(pipe), refused_fused)
+
+
+def test_load_state_dict_with_assign_keeps_streaming_what_it_assigns() -> None:
+    """``load_state_dict(assign=True)`` (what peft's adapter loading calls) puts the given tensors in the model in
+    place of packed ones: those take the given values and their places back, so they keep streaming, and the
+    outputs are the other model's, over steady forwards and after removal."""
+    model, x = make_stack()
+    other, _ = make_stack()
+    torch.manual_seed(2)
+    for p in other.parameters():
+        p.data.add_(torch.randn_like(p) * 0.1)
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=100_000, device="cpu")
+    forward(model, x)
+    packed = [p for p in model.blocks.parameters()]
+    model.load_state_dict({k: v.clone() for k, v in other.state_dict().items()}, assign=True)
+    assert all(a is b for a, b in zip(packed, model.blocks.parameters(), strict=True))  # still the packed ones
+    assert all(torch.equal(forward(model, x), forward(other, x)) for _ in range(3))
+    handle.remove()
+    assert torch.equal(forward(model, x), forward(other, x))

@@ -59,6 +59,9 @@ class DeviceCopies:
         self.loose: list[tuple[torch.Tensor, torch.device]] = [(t, t.device) for t in layout.loose]
         self._packed_ids = {id(p.tensor) for u in host.positions for p in u.tensors} | {id(t) for t, _ in self.loose}
         self.foreign: list[tuple[torch.Tensor, torch.device]] = []
+        #: Packed tensors an edit inside ``editing()`` took out of the model (an adapter unloaded): the model's no
+        #: more, so their absence is not a swap to refuse (`Edits`).
+        self.dropped: set[int] = set()
         self.active = False
         self.buffers = Buffers()
         self.slot_of: list[int | None] = [0] * len(self.units)
@@ -137,7 +140,7 @@ class DeviceCopies:
             if not self.host.offloaded(unit):
                 continue
             for packed in unit.tensors:
-                if id(packed.tensor) not in present:
+                if id(packed.tensor) not in present and id(packed.tensor) not in self.dropped:
                     name = f"{unit.name}.{packed.names[0]}" if unit.index >= 0 else packed.names[0]
                     raise OffloadStateError(
                         f"{name!r} was replaced by another tensor while offloaded, so its new value would "

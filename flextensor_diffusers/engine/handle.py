@@ -67,6 +67,11 @@ UnitDone = Callable[[Unit, "torch.cuda.Event | None"], None]
 _OFFLOADED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
+def is_offloaded(model: nn.Module) -> bool:
+    """Whether ``model`` or a module inside it is part of an offloaded model now."""
+    return any(m in _OFFLOADED for m in model.modules())
+
+
 class OffloadHandle:
     """Streams the units of ``model`` under ``config.gpu_budget``; see the module docstring.
 
@@ -131,7 +136,7 @@ class OffloadHandle:
     @staticmethod
     def _refuse_model(model: nn.Module, config: OffloadConfig) -> None:
         refuse_whole_model_compile(model)
-        if any(m in _OFFLOADED for m in model.modules()):
+        if is_offloaded(model):
             raise OffloadStateError(
                 f"{type(model).__name__} (or a module inside it) is already offloaded: call remove() on "
                 "the existing handle before offloading again"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from .arrivals import encoder_room, refuse_without_room
@@ -32,11 +33,9 @@ from .errors import FlexTensorError
 from .host_copies import PACKING_WINDOW, HostCopies
 from .payload_cache import PayloadCache, weights_key
 from .raw_homes import RawHome
-from .units import Unit, UnitLayout
+from .units import PackedTensor, Unit, UnitLayout
 
 if TYPE_CHECKING:
-    import torch
-
     from .config import OffloadConfig
     from .handle import OffloadHandle
 
@@ -269,7 +268,8 @@ class SetUp:
 
     def _state_dict_hook(self, unit: Unit) -> Callable[..., None]:
         """``state_dict()`` reads host copies, the weights' truth, after an edit made in a device copy reached
-        them; units still arriving from disk are waited for."""
+        them; units still arriving from disk are waited for. Each tensor in a storage of its own, as natively
+        (`own_storage_view`)."""
         h = self.handle
 
         def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -278,8 +278,23 @@ class SetUp:
             h.binding.check(unit)
             host = h.host.host_of(unit)
             for packed in unit.tensors:
-                for rel in packed.names:
-                    if prefix + rel in state_dict:
-                        state_dict[prefix + rel] = packed.view_of(host)
+                names = [prefix + rel for rel in packed.names if prefix + rel in state_dict]
+                if names:
+                    tensor = own_storage_view(packed, host)  # one for all its names: tied names stay tied
+                    state_dict.update(dict.fromkeys(names, tensor))
 
         return hook
+
+
+def own_storage_view(packed: PackedTensor, host: Any) -> torch.Tensor:
+    """``packed``'s bytes in the host copy ``host``, not copied, as a tensor whose storage spans just them.
+
+    Native ``state_dict()`` gives each weight's own storage; a view of the unit's flat buffer would give the whole
+    buffer's. ``torch.save`` writes a tensor's whole storage, once per storage: views would write every unit's
+    buffer, padding included, and a model loaded from that file would find its weights sharing storages (refused
+    by offloading, which cannot pack them apart without un-sharing them). Wrapping the bytes in a storage of their
+    own (``torch.frombuffer``, which keeps the host buffer alive) costs no memory and writes what native writes."""
+    span = host[packed.offset : packed.offset + packed.nbytes]
+    if span.numel():
+        span = torch.frombuffer(span.numpy(), dtype=torch.uint8)
+    return span.view(packed.dtype).as_strided(packed.shape, packed.stride)

@@ -26,7 +26,7 @@ from ..engine.boundaries import refuse_whole_model_compile
 from ..engine.cache_files import RawCacheFile
 from ..engine.config import cache_folder, is_auto, parse_bytes, resolve_budget, resolve_device
 from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
-from ..engine.handle import UnitDone
+from ..engine.handle import UnitDone, is_offloaded
 from ..engine.machine_memory import AvailableMemory
 from ..engine.planner import CUDA_ALLOCATION_GRANULE, smallest_budget
 from ..engine.units import UnitLayout, find_units, plan_layout
@@ -46,6 +46,7 @@ from .host_tier import HostTier, format_host_tier, kept_in_ram_bytes, offload_or
 from .host_tier.hand_over import LastForwardForecast
 from .patterns import patterns_for
 from .raw_home import WeightFilesHome
+from .sharing import OWNERS, EnableCall, SharedOffload, refuse_unshareable
 from .weight_files import component_folders
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ class PipelineOffload:
     host_tier: HostTier | None = None
     last_forward: LastForwardForecast | None = None  # with a host tier, for a pipeline with two experts
     host_ram: HostRamDecision | None = None  # the RAM available at enable, and what the host budget kept in RAM
+    call: EnableCall = field(default_factory=EnableCall)  # what `enable` was asked: a pipeline asking the same joins
+    joined: list[Any] = field(default_factory=list)  # pipelines made from the same components, sharing this offload
 
     def forward_begins(self, handle: OffloadHandle, on_plan: bool) -> UnitDone | None:
         """Each forward of a component: the host tier hands its RAM over when the forward is expected to be its
@@ -120,6 +123,22 @@ class PipelineOffload:
             f"<flextensor offload of {type(self.pipeline).__name__} on {self.device}, budget "
             f"{format_bytes(self.budget_bytes)}, components: {names}; pipe.flextensor_report(as_text=True) for more>"
         )
+
+    def components(self) -> dict[str, nn.Module]:
+        """Every component with weights: those offloaded, and those moved to the device whole."""
+        return {
+            **{name: h.model for name, h in self.handles.items()},
+            **{n: getattr(self.pipeline, n) for n in self.moved},
+        }
+
+    def join(self, pipeline: Any, call: EnableCall) -> None:
+        """``pipeline``, made from this offload's components and asking the same options, shares it (see
+        `sharing`); refused otherwise, before anything changes."""
+        SharedOffload(self, _weighted_components(pipeline), call).check()
+        _guard(pipeline, self)
+        self.joined.append(pipeline)
+        pipeline._flextensor = self
+        logger.info("%s shares the offload of %s's components", type(pipeline).__name__, type(self.pipeline).__name__)
 
     def smallest_budget(self) -> int:
         """The least budget every component can run in: the largest of their minimums (measured
@@ -194,9 +213,10 @@ class PipelineOffload:
         """Remove every handle (weights bit-exact, back where they were) and undo the wrappers."""
         if self.host_tier is not None:
             self.host_tier.stop()  # no read ahead while handles go
-        for name in (END_OF_GENERATION, MOVE):
-            if name in vars(self.pipeline):
-                delattr(self.pipeline, name)
+        for pipeline in [self.pipeline, *self.joined]:
+            for name in (END_OF_GENERATION, MOVE):
+                if name in vars(pipeline):
+                    delattr(pipeline, name)
         for name, handle in self.handles.items():
             module = handle.model
             if isinstance(getattr(module, "_hf_hook", None), _ExecutionDevice):
@@ -211,6 +231,11 @@ class PipelineOffload:
         self.handles = {}
         if self.host_tier is not None:
             self.host_tier.close()
+        for pipeline in [self.pipeline, *self.joined]:  # offload is disabled for every pipeline that shared it
+            if getattr(pipeline, "_flextensor", None) is self:
+                pipeline._flextensor = None
+        self.joined = []
+        OWNERS.release(self)
 
 
 COMPONENT_LEGEND = (
@@ -352,8 +377,25 @@ def enable(
         **config: further `OffloadConfig` fields (``max_slots``, ``profiling_runs``, ...).
 
     Everything is checked before anything is packed; a failure after that undoes all that was set up
-    (`PipelineOffload.disable`), so the pipeline is left as it was.
+    (`PipelineOffload.disable`), so the pipeline is left as it was. A pipeline made from the components of
+    another offloaded one shares its offload when it asks for the same (see `sharing`).
     """
+    call = EnableCall.of(
+        budget=budget,
+        profile_dir=profile_dir,
+        device=device,
+        components=components,
+        patterns=patterns,
+        vae_tiling=vae_tiling,
+        shared_host=shared_host,
+        shared_host_root=shared_host_root,
+        host_budget=host_budget,
+        cache_dir=cache_dir,
+        **config,
+    )
+    joined = _join_an_offload(pipeline, call)
+    if joined is not None:
+        return joined
     request = OffloadRequest.resolve(
         pipeline, budget, device, components, patterns, profile_dir, shared_host, shared_host_root, cache_dir, config
     )
@@ -376,7 +418,9 @@ def enable(
         config = _verified_under_a_compressed_tier({**config, "progressive_packing": False}, request.device)
         request = dataclasses.replace(request, config=config)
         tier = _host_tier(request, tier_bytes, ram if is_auto(host_budget) else None)
-    state = PipelineOffload(pipeline=pipeline, device=request.device, budget_bytes=request.budget_bytes, host_tier=tier)
+    state = PipelineOffload(
+        pipeline=pipeline, device=request.device, budget_bytes=request.budget_bytes, host_tier=tier, call=call
+    )
     state.host_ram = _host_ram_decision(request, host_budget, ram, tier)
     if tier is not None and LastForwardForecast.applies_to(pipeline):
         state.last_forward = LastForwardForecast(pipeline)
@@ -391,7 +435,23 @@ def enable(
         state.disable()
         raise
     pipeline._flextensor = state
+    for module in state.components().values():
+        OWNERS.claim(module, state)
     return state
+
+
+def _join_an_offload(pipeline: Any, call: EnableCall) -> PipelineOffload | None:
+    """The offload of another pipeline that ``pipeline``'s components belong to, joined (see `sharing`); None when
+    they belong to none, or when offload is enabled on ``pipeline`` already (refused by `OffloadRequest.resolve`)."""
+    if getattr(pipeline, "_flextensor", None) is not None:
+        return None
+    weighted = _weighted_components(pipeline)
+    owners = OWNERS.owners(weighted)
+    refuse_unshareable(owners, weighted)
+    if not owners:
+        return None
+    owners[0].join(pipeline, call)
+    return owners[0]
 
 
 def packing_order(chosen: list[str], declared: list[str]) -> list[str]:
@@ -453,6 +513,12 @@ class OffloadRequest:
             raise FlexTensorError(
                 f"unknown component(s) {', '.join(map(repr, unknown))}; this {type(pipeline).__name__} has "
                 f"{', '.join(available)}"
+            )
+        offloaded = [name for name in chosen if is_offloaded(available[name])]
+        if offloaded:  # its tensors view host copies: laid out again, they would look like one shared storage
+            raise OffloadStateError(
+                f"component(s) {', '.join(map(repr, offloaded))} are offloaded already, with a handle of their own: "
+                "call remove() on that handle first"
             )
         device = resolve_device(device)
         budget_bytes = resolve_budget(budget, device)
@@ -660,6 +726,11 @@ def _finish(state: PipelineOffload, vae_tiling: bool | None) -> None:
         logger.info("VAE tiling on (budget %s)", format_bytes(state.budget_bytes))
     else:
         state.vae_tiling = False
+    _guard(pipeline, state)
+
+
+def _guard(pipeline: Any, state: PipelineOffload) -> None:
+    """Shortfalls checked at the end of every generation of ``pipeline``, and ``pipeline.to`` refused."""
     if callable(getattr(pipeline, END_OF_GENERATION, None)):
         setattr(pipeline, END_OF_GENERATION, _checking_budget(getattr(pipeline, END_OF_GENERATION), state))
     setattr(pipeline, MOVE, _refuse_move)

@@ -18,7 +18,7 @@ import math
 import os
 import re
 import tempfile
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -93,12 +93,75 @@ class RecipeOptions:
         return {"auto": None, "on": True, "off": False}[self.vae_tiling]
 
     def as_json(self) -> dict[str, Any]:
-        """The options as JSON values (paths as strings), for summaries and reports."""
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            out[f.name] = str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
-        return out
+        """The options as JSON values (paths as strings, records as objects), for summaries and reports."""
+        return {f.name: json_value(getattr(self, f.name)) for f in fields(self)}
+
+
+def json_value(value: Any) -> Any:
+    """``value`` as JSON can hold it: a path as a string, a tuple as a list, a frozen record as an object."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return [json_value(v) for v in value]
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: json_value(getattr(value, f.name)) for f in fields(value)}
+    return value
+
+
+@dataclass(frozen=True)
+class LoraFile:
+    """One ``--lora PATH[:SCALE]``: a local LoRA file (safetensors) and the weight of its adapter."""
+
+    path: Path
+    scale: float = 1.0
+
+
+#: The one file type ``--lora`` reads: safetensors holds tensors only (a pickle could run code).
+LORA_SUFFIX = ".safetensors"
+
+
+def lora_file(text: str) -> LoraFile:
+    """``--lora PATH[:SCALE]`` checked before anything loads: a number after the last ``:`` (a path ending in
+    ``.safetensors`` has none), a ``.safetensors`` file that exists, whose header reads and names LoRA weights."""
+    path_text, scale = text, 1.0
+    if not text.endswith(LORA_SUFFIX) and ":" in text:
+        path_text, _, scale_text = text.rpartition(":")
+        try:
+            scale = float(scale_text)
+        except ValueError:
+            scale = math.nan
+        if not math.isfinite(scale):
+            raise OptionsError(
+                f"--lora {text}: the LoRA's scale after ':' must be a number: pass e.g. --lora {path_text}:0.8"
+            )
+    path = Path(path_text)
+    if path.suffix.lower() != LORA_SUFFIX:
+        raise OptionsError(f"--lora {path}: LoRAs are read from {LORA_SUFFIX} files: pass --lora PATH{LORA_SUFFIX}")
+    if not path.is_file():
+        raise OptionsError(
+            f"--lora {path}: no such file: pass --lora PATH to a local LoRA file (nothing is downloaded)"
+        )
+    names = safetensors_names(path)
+    if not any("lora" in name for name in names):
+        raise OptionsError(
+            f"--lora {path} holds no LoRA weights (none of its {len(names)} tensors has 'lora' in its name): "
+            "pass a LoRA file, e.g. one saved with save_lora_weights"
+        )
+    return LoraFile(path=path, scale=scale)
+
+
+def safetensors_names(path: Path) -> list[str]:
+    """The tensor names in a safetensors file's header (no tensor is read); a file that does not parse is refused."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    except Exception as exc:  # the parser's own error type, or an OSError
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise OptionsError(
+            f"--lora {path} is not a readable safetensors file ({reason}): pass a LoRA saved as safetensors"
+        ) from None
 
 
 #: What a flag's value is, in its usage and help (argparse would write the flag's name in capitals).

@@ -4,11 +4,15 @@ examples:
   flextensor-wan22-t2v --random-weights tiny
   flextensor-wan22-t2v --random-weights tiny --frames 9 --height 32 --width 32 --steps 2 --output wan-t2v.mp4
   flextensor-wan22-t2v --model /models/Wan2.2-T2V-A14B-Diffusers --budget 24GiB
+  flextensor-wan22-t2v --model /models/Wan2.2-T2V-A14B-Diffusers --lora style.safetensors:0.8
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +21,7 @@ import torch
 from . import common
 from .models import build_pipeline, load_pipeline
 from .options import (
+    LoraFile,
     OptionsError,
     RecipeOptions,
     SizeDefaults,
@@ -24,6 +29,7 @@ from .options import (
     command_name,
     common_values,
     frames_of_form,
+    lora_file,
     multiple_of,
     recipe_parser,
     transformer_config,
@@ -33,19 +39,37 @@ DEFAULTS = {"tiny": SizeDefaults(frames=9, height=32, width=32, steps=2), "full"
 #: Pixels per latent token along height and width: the VAE's 8 times the transformer's patch of 2.
 PIXELS_PER_TOKEN = 16
 TEMPORAL_FACTOR = 4
+#: A LoRA file's tensors for the second expert are named ``transformer_2.…``; all others are the first expert's
+#: (``transformer.…``, or another format diffusers converts to it).
+SECOND_EXPERT = "transformer_2."
 
 
 @dataclass(frozen=True, kw_only=True)
 class WanOptions(RecipeOptions):
     architecture = "wan22_t2v"
+    loras: tuple[LoraFile, ...] = ()
 
 
 def parse_args(argv: list[str] | None = None) -> WanOptions:
     parser = recipe_parser(command_name("wan22_t2v"), __doc__, DEFAULTS)
     parser.set_defaults(prompt="a red fox running through a snowy forest, cinematic")
     parser.add_argument("--fps", type=int, default=16, help="frames per second of the mp4")
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="PATH[:SCALE]",
+        help="load a local LoRA file (.safetensors) into each expert it names (tensors 'transformer_2.…': the "
+        "second; all others: the first), its adapter weighted by SCALE (default 1); repeat for several",
+    )
     add_output(parser, "wan-t2v.mp4")
-    options = WanOptions(**common_values(parser.parse_args(argv), "wan22_t2v", DEFAULTS))
+    ns = parser.parse_args(argv)
+    options = WanOptions(**common_values(ns, "wan22_t2v", DEFAULTS), loras=tuple(lora_file(t) for t in ns.lora))
+    if options.loras and options.gpus > 1:
+        raise OptionsError(
+            f"--lora cannot be combined with --gpus {options.gpus} yet (the ranks attach to one host copy of the "
+            "weights as loaded, without adapters): drop --lora, or run on one GPU"
+        )
     check_geometry(options)
     return options
 
@@ -75,12 +99,69 @@ def check_geometry(options: WanOptions) -> None:
 
 
 def load(options: WanOptions, device: torch.device, attach: bool = False) -> Any:
+    """The pipeline with ``--lora`` files loaded (not when ``attach``: a build on the meta device, for checks)."""
     if options.model is not None:
         from diffusers import WanPipeline
 
-        return load_pipeline(options.model, WanPipeline, dtype=torch.bfloat16)
-    init = common.init_device(options, device, attach)
-    return build_pipeline("wan22_t2v", options.random_weights, seed=options.seed, init_device=init)
+        pipe = load_pipeline(options.model, WanPipeline, dtype=torch.bfloat16)
+    else:
+        init = common.init_device(options, device, attach)
+        pipe = build_pipeline("wan22_t2v", options.random_weights, seed=options.seed, init_device=init)
+    if not attach:
+        load_loras(pipe, options.loras)
+    return pipe
+
+
+class _DropErrors(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
+
+
+@contextlib.contextmanager
+def _failures_said_by_us() -> Iterator[None]:
+    """diffusers logs a LoRA that fails to load as an error before raising; the run's one line says it instead."""
+    logger, quiet = logging.getLogger("diffusers.loaders.peft"), _DropErrors()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+def load_loras(pipe: Any, loras: tuple[LoraFile, ...]) -> None:
+    """Each file's adapter (``lora0``, ``lora1``...) in each expert it names, then every adapter at its scale. A file
+    that does not fit the model, or names none of its layers, stops the run with one line (`OptionsError`)."""
+    from safetensors.torch import load_file
+
+    names = []
+    for index, lora in enumerate(loras):
+        name, tensors = f"lora{index}", load_file(str(lora.path))
+        second = {
+            "transformer." + k[len(SECOND_EXPERT) :]: v for k, v in tensors.items() if k.startswith(SECOND_EXPERT)
+        }
+        first = {k: v for k, v in tensors.items() if not k.startswith(SECOND_EXPERT)}
+        for expert, part in (("transformer", first), ("transformer_2", second)):
+            if not part:
+                continue
+            if getattr(pipe, expert, None) is None:
+                raise OptionsError(f"--lora {lora.path} has weights for {expert}, which this model has not")
+            try:
+                with _failures_said_by_us():
+                    pipe.load_lora_weights(part, adapter_name=name, load_into_transformer_2=expert == "transformer_2")
+            except (ValueError, RuntimeError, KeyError, IndexError) as exc:  # diffusers' and peft's refusals
+                reason = " ".join(str(exc).split())[:200]
+                raise OptionsError(
+                    f"--lora {lora.path} does not fit the model's {expert} ({reason}): pass a LoRA made for these "
+                    "weights"
+                ) from exc
+            if name not in pipe.get_list_adapters().get(expert, []):
+                raise OptionsError(
+                    f"--lora {lora.path}: none of its weights name a layer of the model's {expert}: pass a LoRA made "
+                    "for Wan2.2"
+                )
+        names.append(name)
+    if names:
+        pipe.set_adapters(names, adapter_weights=[lora.scale for lora in loras])
 
 
 def generate(pipe: Any, options: WanOptions, device: torch.device, steps: int, output_type: str, **extra: Any) -> Any:
