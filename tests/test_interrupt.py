@@ -9,6 +9,7 @@ bounded.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,6 +60,14 @@ else:
 TINY = ["--random-weights", "tiny", "--device", "cpu", "-q"]
 
 
+#: What installed libraries print when diffusers imports them (torchao 0.18 under torch 2.14: a deprecation logged
+#: by torch's pytree registry, and diffusers' note that it cannot import torchao's tensor types): not the package's
+#: words, so not counted in the one line a Ctrl-C prints.
+IMPORT_NOISE = re.compile(
+    r"W\d{4} [\d:.]+ +\d+ \S*torch/utils/_pytree\.py:\d+\] |Unable to import `torchao` Tensor objects"
+)
+
+
 @dataclass
 class Finished:
     returncode: int
@@ -91,7 +100,7 @@ def run_and_interrupt(folder: Path, where: str, command: str, argv: list[str]) -
                 reached.set()
 
     def read_stderr() -> None:
-        err.extend(line.rstrip("\n") for line in process.stderr)
+        err.extend(line.rstrip("\n") for line in process.stderr if not IMPORT_NOISE.match(line))
 
     readers = [threading.Thread(target=read_stdout), threading.Thread(target=read_stderr)]
     for reader in readers:
