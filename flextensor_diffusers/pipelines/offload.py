@@ -166,6 +166,8 @@ class PipelineOffload:
                 "unit_bytes": stats.unit_bytes,
                 "transfer_unit_bytes": stats.transfer_unit_bytes,
                 "payload_cache": stats.payload_cache,  # compression_cache: read, written or refused, and where
+                # with compression: per unit, its payload's ratio, or raw and why (quantized bytes are not coded)
+                "unit_compression": {u.name: u.compression for u in stats.units if u.compression is not None} or None,
                 # host copies in RAM now (raw copies, and compressed copies where kept)
                 "host_ram_bytes": handle.host.host_ram_bytes,
                 "load_checks": _load_checks_record(handle),  # verify_loads: comparisons made, faults found
