@@ -35,8 +35,13 @@ from .errors import UnsupportedTensorError
 #: Tensor types that hold their bytes themselves and carry no metadata of their own.
 PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
-#: What a refusal tells the user to do.
-FIX = "exclude its module with exclude_patterns, or dequantize it before offloading"
+#: What a refusal tells the user to do: a refused weight would be packed wherever it sits (an excluded module's
+#: weights are packed with the resident ones), so the fix is in the weight itself.
+FIX = "dequantize it before offloading (or leave the model that holds it out of the offload)"
+#: The fix for tensors that share memory: packing gives every tensor bytes of its own.
+UNSHARE = "give each its own memory (tensor.data = tensor.data.clone()), or dequantize it before offloading"
+#: The fix for a subclass that does not name the tensors it holds.
+NAME_THEM = "name every tensor it computes from in its __tensor_flatten__ / __tensor_unflatten__, or dequantize it"
 
 
 def is_plain(t: torch.Tensor) -> bool:
@@ -102,7 +107,7 @@ class Wrapper:
             held = part.tensor if isinstance(part, Wrapper) else part
             now = getattr(self.tensor, attr, None)
             if now is not held:
-                if not _copy_leaves(now, held):
+                if not copy_leaves(now, held):
                     refused.append(f"{name}.{attr}")
                 setattr(self.tensor, attr, held)
             elif isinstance(part, Wrapper):
@@ -110,20 +115,30 @@ class Wrapper:
         return refused
 
 
-def _copy_leaves(source: object, target: torch.Tensor) -> bool:
-    """Copy ``source``'s leaves into ``target``'s when both flatten alike (paths, shapes, dtypes); else False."""
+def copy_leaves(source: object, target: torch.Tensor) -> bool:
+    """Copy ``source``'s values into ``target``'s leaves where both are alike (`_structure`: types, metadata, leaf
+    shapes and dtypes), which an edit that swapped one for the other left unchanged in meaning; else False."""
     if not isinstance(source, torch.Tensor):
         return False
     try:
-        new, old = flatten(source, "edit").leaves, flatten(target, "edit").leaves
-    except UnsupportedTensorError:
+        alike = _structure(source) == _structure(target)
+    except (UnsupportedTensorError, TypeError, ValueError):  # a ctx that cannot be compared: not alike
         return False
-    alike = [(p, t.shape, t.dtype) for p, t in new] == [(p, t.shape, t.dtype) for p, t in old]
     if alike:
+        new, old = flatten(source, "edit").leaves, flatten(target, "edit").leaves
         with torch._C.DisableTorchFunctionSubclass():
             for (_, src), (_, dst) in zip(new, old, strict=True):
                 dst.copy_(src)
-    return alike
+    return bool(alike)
+
+
+def _structure(t: torch.Tensor) -> object:
+    """What must match for ``t``'s leaves to be copied into another's: its type, its ``ctx`` at every level and its
+    leaves' shapes and dtypes."""
+    if not is_traceable_wrapper_subclass(t):
+        return (type(t), t.shape, t.dtype)
+    attrs, ctx = t.__tensor_flatten__()
+    return (type(t), ctx, t.shape, [(attr, _structure(getattr(t, attr))) for attr in attrs])
 
 
 @dataclass(frozen=True)
@@ -150,7 +165,7 @@ def flatten(t: torch.Tensor, name: str) -> Flattened:
     if len(set(ids)) != len(ids):
         raise UnsupportedTensorError(
             f"{name!r} ({type(t).__name__}) holds one inner tensor under two names: it cannot be laid out as "
-            f"separate tensors; {FIX}"
+            f"separate tensors; {UNSHARE}"
         )
     return Flattened(leaves, wrapper)
 
@@ -190,7 +205,7 @@ def _flatten_wrapper(t: torch.Tensor, name: str) -> Wrapper:
     if unnamed:
         raise UnsupportedTensorError(
             f"{name!r} ({kind}) holds tensor(s) {', '.join(map(repr, unnamed))} that its __tensor_flatten__ does not "
-            f"name, so they could not be streamed; {FIX}"
+            f"name, so they could not be streamed; {NAME_THEM}"
         )
     return Wrapper(tensor=t, inner=inner, origin_device=t.device)
 
@@ -201,17 +216,18 @@ def _check_own_bytes(t: torch.Tensor, name: str) -> None:
     kind = type(t).__name__
     if t.device.type != "meta":
         try:
-            t.untyped_storage().data_ptr()
+            with torch._C.DisableTorchFunctionSubclass():
+                t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError) as exc:
             raise UnsupportedTensorError(
                 f"{name!r} is a {kind}, a tensor subclass with no bytes of its own and no __tensor_flatten__ "
-                f"naming the tensors it computes from; {FIX}"
+                f"naming the tensors it computes from; {NAME_THEM}"
             ) from exc
     held = [key for key, value in vars(t).items() if _holds_tensor(value)]
     if held:
         raise UnsupportedTensorError(
             f"{name!r} is a {kind} holding tensor(s) {', '.join(map(repr, held))} in attributes, which would not be "
-            f"streamed (a wrapper subclass names them with __tensor_flatten__); {FIX}"
+            f"streamed; {NAME_THEM}"
         )
 
 

@@ -52,7 +52,7 @@ from torch import nn
 
 from .errors import FlexTensorError, PatternError, UnsupportedTensorError
 from .host_memory import host_buffer, pin_in_place, unpin_in_place
-from .subclasses import FIX, Flattened, Wrapper, as_type_of, flatten, is_plain
+from .subclasses import UNSHARE, Flattened, Wrapper, as_type_of, copy_leaves, flatten, is_plain
 
 logger = logging.getLogger(__name__)
 
@@ -243,6 +243,24 @@ class Unit:
             values.update(dict.fromkeys(wrapper.names, wrapper.rebuilt(lambda leaf: views[id(leaf)])))
         return values
 
+    def adopt_replaced_subclasses(self) -> list[str]:
+        """After an edit, with the unit viewing its host copy: a subclass weight the edit replaced, in a module
+        (quanto's ``load_state_dict`` makes a new ``QTensor``) or inside another (``weight.qdata = new``), has its
+        values copied into the tensors packed here, which are put back, so the host copy holds the edit. The names
+        of replacements that are not alike (another type, metadata, shape or dtype), put back too: to refuse."""
+        refused = []
+        for wrapper in self.wrappers:
+            for rel in wrapper.names:
+                owner_name, _, attr = rel.rpartition(".")
+                owner = self.module.get_submodule(owner_name)
+                held = owner._parameters if attr in owner._parameters else owner._buffers
+                if held.get(attr) is not wrapper.tensor:
+                    if not copy_leaves(held.get(attr), wrapper.tensor):
+                        refused.append(f"{self.name}.{rel}")
+                    held[attr] = wrapper.tensor
+            refused.extend(wrapper.adopt_replaced(f"{self.name}.{wrapper.names[0]}"))
+        return refused
+
     def bind(self, flat: torch.Tensor) -> None:
         """Point every tensor of the unit at its bytes inside ``flat`` (host buffer, slot or resident copy)."""
         if isinstance(flat, torch.Tensor):  # a stand-in for a spilled host copy has no address of its own
@@ -390,7 +408,7 @@ class _TensorUses:
             if id(leaf) in self.places and holder is not flat.wrapper:
                 raise UnsupportedTensorError(
                     f"{qualified!r} ({type(t).__name__}) computes from a tensor that {self.name[id(leaf)]!r} holds "
-                    f"too: the two could not be streamed as one; {FIX}"
+                    f"too: the two could not be streamed as one; {UNSHARE}"
                 )
             self.places.setdefault(id(leaf), set()).add(place)
             self.tensor[id(leaf)] = leaf
@@ -434,7 +452,7 @@ def _storage_shared(uses: _TensorUses, meta_ok: bool) -> set[int]:
     inner = [tid for tid in shared if tid in uses.within]
     if inner:  # left loose, it would move with .to(): the subclass holding it would not follow
         raise UnsupportedTensorError(
-            f"{uses.name[inner[0]]!r} shares its storage with another tensor, which packing would un-share; {FIX}"
+            f"{uses.name[inner[0]]!r} shares its storage with another tensor, which packing would un-share; {UNSHARE}"
         )
     return shared
 

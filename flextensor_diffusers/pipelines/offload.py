@@ -25,7 +25,7 @@ from ..engine import OffloadConfig, OffloadHandle, Phase, format_bytes, offload_
 from ..engine.boundaries import refuse_whole_model_compile
 from ..engine.cache_files import RawCacheFile
 from ..engine.config import cache_folder, is_auto, parse_bytes, resolve_budget, resolve_device
-from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
+from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError, UnsupportedTensorError
 from ..engine.handle import UnitDone
 from ..engine.planner import CUDA_ALLOCATION_GRANULE, smallest_budget
 from ..engine.units import UnitLayout, find_units, plan_layout
@@ -672,7 +672,11 @@ def _check_setup_budgets(
         module = components[name]
         refuse_whole_model_compile(module)
         units = find_units(module, patterns, excludes or [])
-        layout = plan_layout(module, units, device, meta_ok=meta_ok, canonical=canonical)
+        try:
+            layout = plan_layout(module, units, device, meta_ok=meta_ok, canonical=canonical)
+        except UnsupportedTensorError as exc:  # a weight it cannot stream: the others can go without this one
+            others = [other for other in includes if other != name]
+            raise UnsupportedTensorError(f"{name}: {exc}; or offload the others only: components={others!r}") from exc
         needs[name] = smallest_budget(layout.resident_bytes, [u.nbytes for u in layout.units], granule=granule)
         layouts[name] = layout
     short = {name: need for name, need in needs.items() if need > budget}
