@@ -220,13 +220,13 @@ def _check_own_bytes(t: torch.Tensor, name: str) -> None:
                 t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError) as exc:
             raise UnsupportedTensorError(
-                f"{name!r} is a {kind}, a tensor subclass with no bytes of its own and no __tensor_flatten__ "
+                f"{name!r} ({kind}) is a tensor subclass with no bytes of its own and no __tensor_flatten__ "
                 f"naming the tensors it computes from; {NAME_THEM}"
             ) from exc
     held = [key for key, value in vars(t).items() if _holds_tensor(value)]
     if held:
         raise UnsupportedTensorError(
-            f"{name!r} is a {kind} holding tensor(s) {', '.join(map(repr, held))} in attributes, which would not be "
+            f"{name!r} ({kind}) holds tensor(s) {', '.join(map(repr, held))} in attributes, which would not be "
             f"streamed; {NAME_THEM}"
         )
 

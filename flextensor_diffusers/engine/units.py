@@ -407,8 +407,8 @@ class _TensorUses:
             holder = self.within.get(id(leaf))
             if id(leaf) in self.places and holder is not flat.wrapper:
                 raise UnsupportedTensorError(
-                    f"{qualified!r} ({type(t).__name__}) computes from a tensor that {self.name[id(leaf)]!r} holds "
-                    f"too: the two could not be streamed as one; {UNSHARE}"
+                    f"{qualified!r} ({type(t).__name__}) and {self.name[id(leaf)]!r} hold the same tensor, inside a "
+                    f"tensor subclass and elsewhere: it could not be streamed as one; {UNSHARE}"
                 )
             self.places.setdefault(id(leaf), set()).add(place)
             self.tensor[id(leaf)] = leaf
