@@ -497,6 +497,18 @@ def test_a_pipeline_refuses_the_component_and_names_the_others() -> None:
     assert_same(before, snapshot(pipe.transformer))
 
 
+def test_a_saved_profile_tells_a_quantized_model_from_its_original() -> None:
+    """Same names, shapes and outer dtypes, other bytes and other activations: another fingerprint."""
+    quantization = pytest.importorskip("torchao.quantization")
+    from flextensor_diffusers.engine.profile import model_fingerprint
+
+    original = Stack(dim=64, depth=2, dtype=torch.bfloat16)
+    quantized = copy.deepcopy(original)
+    quantization.quantize_(quantized.blocks, quantization.Int8WeightOnlyConfig())
+    assert model_fingerprint(original, [])["sha256"] == model_fingerprint(copy.deepcopy(original), [])["sha256"]
+    assert model_fingerprint(original, [])["sha256"] != model_fingerprint(quantized, [])["sha256"]
+
+
 # ------------------------------------------------------------------------------------------------ on a GPU
 
 

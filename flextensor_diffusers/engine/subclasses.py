@@ -251,6 +251,19 @@ def storage_leaves(tensors: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]:
             continue
 
 
+def representation(t: torch.Tensor) -> str:
+    """What a saved profile must tell apart beyond a tensor's shape and dtype: '' for a plain tensor, else its type
+    and its leaves' dtypes and shapes (an int8 weight computes and allocates otherwise than its bf16 original, whose
+    outer shape and dtype it shows)."""
+    if is_plain(t):
+        return ""
+    try:
+        leaves = flatten(t, "").leaves
+    except UnsupportedTensorError:
+        return type(t).__qualname__
+    return f"{type(t).__qualname__}[{','.join(f'{path}:{leaf.dtype}{tuple(leaf.shape)}' for path, leaf in leaves)}]"
+
+
 def as_type_of(original: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
     """``view`` (a plain view of a leaf's bytes) as ``original``'s type with its metadata: for a subclass with bytes
     of its own (``GGUFParameter``), what ``state_dict()`` gives for it; ``view`` itself for a plain tensor."""
