@@ -185,6 +185,8 @@ def _flatten_wrapper(t: torch.Tensor, name: str) -> Wrapper:
         attrs, _ = t.__tensor_flatten__()
     except Exception as exc:  # a library's own code: whatever it raises, the weight is refused in one line
         raise UnsupportedTensorError(f"{name!r} ({kind}): its __tensor_flatten__ failed ({exc}); {FIX}") from exc
+    if not attrs:
+        raise UnsupportedTensorError(f"{name!r} ({kind}): its __tensor_flatten__ names no inner tensor; {FIX}")
     inner: dict[str, torch.Tensor | Wrapper] = {}
     for attr in attrs:
         part = getattr(t, attr, None)
