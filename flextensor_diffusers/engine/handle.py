@@ -334,6 +334,7 @@ class OffloadHandle:
         if self._depth == 0 and self.load_checks is not None:
             self.load_checks.end_of_forward()
         if self._depth == 0:
+            self.binding.after_call(self.device_copies.base, self.phase in (Phase.DISCOVERY, Phase.PROFILING))
             self.phases.current.end()
             self._end_unit_done()
             self.host.compressed.encode_if_no_file()
@@ -412,6 +413,7 @@ class OffloadHandle:
 
         def exit_(output: Any) -> None:
             self._open_unit = None
+            self.binding.after_call(self.units[index], self.phase in (Phase.DISCOVERY, Phase.PROFILING))
             slot = self.device_copies.slot_of[index]
             if slot is not None and self.device_copies.buffers.slots:
                 refuse_views_of(self.device_copies.buffers.slots[slot], name, output)

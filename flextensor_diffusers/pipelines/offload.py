@@ -25,7 +25,7 @@ from ..engine import OffloadConfig, OffloadHandle, Phase, format_bytes, max_memo
 from ..engine.boundaries import refuse_whole_model_compile
 from ..engine.cache_files import RawCacheFile
 from ..engine.config import cache_folder, is_auto, parse_bytes, resolve_budget, resolve_device
-from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
+from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError, UnsupportedTensorError
 from ..engine.handle import UnitDone, is_offloaded
 from ..engine.machine_memory import AvailableMemory
 from ..engine.planner import CUDA_ALLOCATION_GRANULE, smallest_budget
@@ -190,6 +190,8 @@ class PipelineOffload:
                 "unit_bytes": stats.unit_bytes,
                 "transfer_unit_bytes": stats.transfer_unit_bytes,
                 "payload_cache": stats.payload_cache,  # compression_cache: read, written or refused, and where
+                # with compression: per unit, its payload's ratio, or raw and why (quantized bytes are not coded)
+                "unit_compression": {u.name: u.compression for u in stats.units if u.compression is not None} or None,
                 # host copies in RAM now (raw copies, and compressed copies where kept)
                 "host_ram_bytes": handle.host.host_ram_bytes,
                 "load_checks": _load_checks_record(handle),  # verify_loads: comparisons made, faults found
@@ -773,7 +775,11 @@ def _check_setup_budgets(
         module = components[name]
         refuse_whole_model_compile(module)
         units = find_units(module, patterns, excludes or [])
-        layout = plan_layout(module, units, device, meta_ok=meta_ok, canonical=canonical)
+        try:
+            layout = plan_layout(module, units, device, meta_ok=meta_ok, canonical=canonical)
+        except UnsupportedTensorError as exc:  # a weight it cannot stream: the others can go without this one
+            others = [other for other in includes if other != name]
+            raise UnsupportedTensorError(f"{name}: {exc}; or offload the others only: components={others!r}") from exc
         needs[name] = smallest_budget(layout.resident_bytes, [u.nbytes for u in layout.units], granule=granule)
         layouts[name] = layout
     short = {name: need for name, need in needs.items() if need > budget}
