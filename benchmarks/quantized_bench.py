@@ -46,8 +46,8 @@ WORKLOAD = "17f_480x272"
 STACK_BUDGET = 2_800_000_000
 CARD_BYTES = 5_000_000_000
 CARD_STEPS = 2
-#: ``--small``: four blocks of dim 256; a budget of about two of their bf16 blocks, so that blocks stream.
-SMALL_SHAPE = bc.StackShape(blocks=4, dim=256, heads=4, ffn=512, small=True)
+#: ``--small``: eight blocks of dim 256 and a budget of about two of their bf16 blocks, so that every form streams.
+SMALL_SHAPE = bc.StackShape(blocks=8, dim=256, heads=4, ffn=512, small=True)
 SMALL_STACK_BUDGET = 3_500_000
 SMALL_CARD_BYTES = 2_000_000
 
