@@ -19,6 +19,7 @@ from .engine import (
     PatternError,
     ProfileMismatchError,
     SharedHostMemory,
+    UnsupportedTensorError,
     offload,
     offload_shared,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "PipelineOffload",
     "ProfileMismatchError",
     "SharedHostMemory",
+    "UnsupportedTensorError",
     "__version__",
     "attach_to_diffusers",
     "offload",

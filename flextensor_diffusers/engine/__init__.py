@@ -17,6 +17,7 @@ from .errors import (
     OffloadStateError,
     PatternError,
     ProfileMismatchError,
+    UnsupportedTensorError,
 )
 from .handle import OffloadHandle, offload, offload_shared
 from .host_copies import HostCopies, HostPlaces
@@ -46,6 +47,7 @@ __all__ = [
     "Plan",
     "ProfileMismatchError",
     "SharedHostMemory",
+    "UnsupportedTensorError",
     "WorkloadProfile",
     "format_bytes",
     "offload",

@@ -57,7 +57,7 @@ class DeviceCopies:
         self.base = layout.base
         #: (tensor, device it came from) for tensors moved with ``.to()`` instead of packed.
         self.loose: list[tuple[torch.Tensor, torch.device]] = [(t, t.device) for t in layout.loose]
-        self._packed_ids = {id(p.tensor) for u in host.positions for p in u.tensors} | {id(t) for t, _ in self.loose}
+        self._packed_ids = {id(t) for u in host.positions for _, t in u.held()} | {id(t) for t, _ in self.loose}
         self.foreign: list[tuple[torch.Tensor, torch.device]] = []
         self.active = False
         self.buffers = Buffers()
@@ -136,9 +136,9 @@ class DeviceCopies:
         for unit in self.host.positions:
             if not self.host.offloaded(unit):
                 continue
-            for packed in unit.tensors:
-                if id(packed.tensor) not in present:
-                    name = f"{unit.name}.{packed.names[0]}" if unit.index >= 0 else packed.names[0]
+            for rel, t in unit.held():
+                if id(t) not in present:
+                    name = f"{unit.name}.{rel}" if unit.index >= 0 else rel
                     raise OffloadStateError(
                         f"{name!r} was replaced by another tensor while offloaded, so its new value would "
                         "never reach the device: make such edits inside handle.editing() (pipelines: the "

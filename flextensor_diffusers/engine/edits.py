@@ -89,6 +89,8 @@ class Edits:
                     continue
                 view.copy_(current)
                 packed.tensor.data = view
+            for wrapper in unit.wrappers:  # a quantized weight's inner tensors swapped for others
+                refused.extend(wrapper.adopt_replaced(f"{unit.name}.{wrapper.names[0]}"))
         if refused:
             raise FlexTensorError(
                 f"an edit changed the shape or dtype of streamed weights ({', '.join(refused[:3])}); they were put "

@@ -266,10 +266,8 @@ class SetUp:
             if unit.host is None:
                 return
             h.binding.check(unit)
-            host = h.host.host_of(unit)
-            for packed in unit.tensors:
-                for rel in packed.names:
-                    if prefix + rel in state_dict:
-                        state_dict[prefix + rel] = packed.view_of(host)
+            for rel, value in unit.values_in(h.host.host_of(unit)).items():
+                if prefix + rel in state_dict:
+                    state_dict[prefix + rel] = value
 
         return hook
