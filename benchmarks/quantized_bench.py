@@ -99,24 +99,26 @@ REPRESENTATIONS = {
 class WholeRunPeak:
     """Peak allocated device memory between entering and leaving, whoever resets the allocator's counter meanwhile.
 
-    The counter is reset once, on entering. While inside, ``torch.cuda.reset_peak_memory_stats`` first folds the
-    peak so far into this record, so that a reset made by the package (its profiler reset the counter before each
-    profiling forward) hides nothing. None on the CPU."""
+    The counter is reset once, on entering (through the package's ``reset_peak_memory_stats`` where it has one, so
+    that the peak it reports starts there too). While inside, ``torch.cuda.reset_peak_memory_stats`` first folds the
+    peak so far into this record: a reset the package makes (its profiler resets the counter before each profiling
+    forward, directly or through its peak windows) hides nothing. None on the CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self._folded = 0
         self._reset = torch.cuda.reset_peak_memory_stats
+        self._start = getattr(ft.engine, "reset_peak_memory_stats", self._reset)
 
     def _folding_reset(self, device: Any = None) -> None:
-        self._folded = max(self._folded, torch.cuda.max_memory_allocated(device or self.device))
+        self._folded = max(self._folded, torch.cuda.max_memory_allocated(self.device if device is None else device))
         self._reset(device)
 
     def __enter__(self) -> WholeRunPeak:
         if self.cuda:
             torch.cuda.synchronize(self.device)
-            self._reset(self.device)
+            self._start(self.device)
             torch.cuda.reset_peak_memory_stats = self._folding_reset
         return self
 
