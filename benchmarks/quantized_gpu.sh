@@ -4,8 +4,8 @@
 # Wheels, once, here (not on the device), from the worktree root; the device lacks torchao as well as diffusers:
 #   bash ../shared/device/fetch-wheels.sh torchao==0.18.0
 # which adds torchao-0.18.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl (3.4 MB, no dependencies)
-# to the base set. torchao 0.18.0 is the release for torch 2.11: its __init__ loads its compiled extensions from
-# torch 2.11.0 on (abi3) and its release dropped the code paths for torch < 2.11; 0.17.0 declares the same floor.
+# to the base set. torchao 0.18.0 fits the device's torch 2.11: its __init__ loads its compiled (abi3) extensions
+# from torch 2.11.0 on, which is its floor (0.17.0 declares the same one); 0.18.0 is also what the dev venv runs.
 #
 # Device call (carry [".whl"]; the device's copy of the tree has no usable .git, so name the commit):
 #   CODE_COMMIT=<git rev-parse HEAD> bash benchmarks/quantized_gpu.sh [all|stack|card] [more bench arguments]
