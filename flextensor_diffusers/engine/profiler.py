@@ -56,6 +56,12 @@ class Clock:
     def done(self, mark: Any) -> bool:
         return mark.query() if self.cuda else True
 
+    def wait(self, mark: Any) -> None:
+        """Return once the work before ``mark`` has run: an event is synchronised on; a host-clock mark (the CPU,
+        or an injected clock) was taken after it already."""
+        if self.cuda:
+            mark.synchronize()
+
     def release(self, *marks: Any) -> None:
         if self.cuda:
             self._pool.extend(marks)
