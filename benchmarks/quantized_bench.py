@@ -14,7 +14,7 @@ whether it completed, its peak, and the floor, the smallest budget the package a
 largest of the components' minimums, with the activations they measured), its parts by the package's own rule,
 and the package's refusal of one byte less. The JSON is written after each row: a run cut off keeps its rows.
 
-    python benchmarks/quantized_bench.py --out quantized_h100.json     # one H100/H200: bash benchmarks/gpu_proof.sh quantized
+    bash benchmarks/gpu_proof.sh quantized                             # on one H100/H200
     python benchmarks/quantized_bench.py --small --out /tmp/q.json     # tiny shapes, on the CPU
 """
 
