@@ -540,7 +540,7 @@ def test_quantized_stack_peak_stays_within_the_smallest_budget_on_cuda(kind: str
         expected = native(tokens)
     del native
     model = make()
-    budget = measured_smallest(model, lambda probe: forwards(probe, tokens, 3), "cuda")
+    budget = measured_smallest(model, lambda probe: forwards(probe, tokens, 3), "cuda", make_probe=make)
     torch.cuda.synchronize()
     ft.reset_peak_memory_stats("cuda")
     handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=budget, device="cuda")

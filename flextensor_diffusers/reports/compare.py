@@ -224,8 +224,9 @@ def _free(device: torch.device) -> None:
 def _cap(device: torch.device, cap: str | None) -> None:
     """Emulate a smaller card: the caching allocator refuses to grow past ``cap``."""
     if cap and device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(cap) / total), device)
+        index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" names none
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(cap) / total), index)
 
 
 def check_cap(flag: str, cap: str | None) -> None:
