@@ -290,7 +290,7 @@ def smallest_card(args: argparse.Namespace, device: torch.device) -> dict[str, A
                 pipe.disable_flextensor_offload()
     finally:
         if device.type == "cuda":
-            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
     record.setdefault("floor_parts", {})
     return record
 
