@@ -145,16 +145,30 @@ class PipelineOffload:
         activations where profiled, else weights outside units + 2 slots)."""
         return max((h.smallest_budget() for h in self.handles.values()), default=0)
 
-    def check_budget(self) -> None:
-        """Raise one `BudgetError` for every component whose profiled workload exceeds the budget."""
+    def budget_error(self) -> BudgetError | None:
+        """One `BudgetError` for every component whose profiled workload exceeds the budget, naming the smallest
+        budget for the whole pipeline (measured activations where profiled, set-up minimums elsewhere); None when
+        none does.
+
+        Every component asks it as each of its workload calls begins (`OffloadHandle.budget_refusal`), so a
+        shortfall measured by a component's profiling forward, inside the generation the user asked for, refuses
+        the very next forward of any component: the generation stops in the step that measured it, not at its end,
+        and the model is left as it was (offload enabled; disable restores every weight). It is asked at the end
+        of every generation too (`_checking_budget`), for a component profiled by its last forward."""
         short = {name: h.shortfall for name, h in self.handles.items() if h.shortfall is not None}
         if not short:
-            return
+            return None
         needs = {name: exc.required_bytes or 0 for name, exc in short.items()}
         need = max(*needs.values(), self.smallest_budget())
-        raise pipeline_budget_error(
+        return pipeline_budget_error(
             self.budget_bytes, need, needs, "weights outside blocks + 2 slots + measured activations", workload=True
         )
+
+    def check_budget(self) -> None:
+        """Raise `budget_error`, if any."""
+        error = self.budget_error()
+        if error is not None:
+            raise error
 
     def check_loads(self) -> None:
         """With ``verify_loads``: raise `LoadCheckError` when a component computed with bytes that are not its
@@ -690,7 +704,7 @@ def _offload_component(state: PipelineOffload, request: OffloadRequest, name: st
     handle.on_activate = state.activate
     if state.last_forward is not None:
         handle.on_forward = state.forward_begins
-    handle.defer_budget_errors = True  # reported for all components at once, by check_budget
+    handle.budget_refusal = state.budget_error  # any component over budget refuses every component's next call
     state.handles[name] = handle
     if tier is not None:
         tier.add(name, handle)
