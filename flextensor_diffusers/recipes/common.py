@@ -347,7 +347,9 @@ def load_for_run(
     """The pipeline, loaded CPU-first, split across ranks and compiled as asked; random weights are first
     checked against the budget on a meta-device build (the smallest workable budget follows from the
     architecture), so a budget that cannot work stops before any weight is made."""
-    if not options.no_offload and options.random_weights is not None:
+    # Not under --quantize: the meta build's weights would be unquantized (torchao's on meta cannot be packed), and
+    # its minimum too high; enabling offload checks the budget against the quantized weights instead.
+    if not options.no_offload and options.random_weights is not None and not getattr(options, "quantize", None):
         with progress.during("checking the budget"):
             check_setup_budget(
                 recipe.load(options, device, attach=True), resolve_budget(options.budget, device), device

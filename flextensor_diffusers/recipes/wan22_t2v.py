@@ -5,10 +5,13 @@ examples:
   flextensor-wan22-t2v --random-weights tiny --frames 9 --height 32 --width 32 --steps 2 --output wan-t2v.mp4
   flextensor-wan22-t2v --model /models/Wan2.2-T2V-A14B-Diffusers --budget 24GiB
   flextensor-wan22-t2v --model /models/Wan2.2-T2V-A14B-Diffusers --lora style.safetensors:0.8
+  flextensor-wan22-t2v --model /models/Wan2.2-T2V-A14B-Diffusers --quantize int8
+  flextensor-wan22-t2v --model /models/Wan2.2-T2V-A14B-Diffusers --gguf high-Q8_0.gguf,low-Q8_0.gguf
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import sys
@@ -20,6 +23,7 @@ import torch
 
 from . import common
 from .models import build_pipeline, load_pipeline
+from .quantized import GgufFiles, check_quantize, gguf_files, load_gguf_transformers, quantize_experts
 from .options import (
     LoraFile,
     OptionsError,
@@ -48,6 +52,8 @@ SECOND_EXPERT = "transformer_2."
 class WanOptions(RecipeOptions):
     architecture = "wan22_t2v"
     loras: tuple[LoraFile, ...] = ()
+    quantize: str | None = None  # torchao weight-only: int8 or fp8
+    gguf: GgufFiles | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> WanOptions:
@@ -62,16 +68,57 @@ def parse_args(argv: list[str] | None = None) -> WanOptions:
         help="load a local LoRA file (.safetensors) into each expert it names (tensors 'transformer_2.…': the "
         "second; all others: the first), its adapter weighted by SCALE (default 1); repeat for several",
     )
+    add_quantized(parser)
     add_output(parser, "wan-t2v.mp4")
     ns = parser.parse_args(argv)
-    options = WanOptions(**common_values(ns, "wan22_t2v", DEFAULTS), loras=tuple(lora_file(t) for t in ns.lora))
-    if options.loras and options.gpus > 1:
-        raise OptionsError(
-            f"--lora cannot be combined with --gpus {options.gpus} yet (the ranks attach to one host copy of the "
-            "weights as loaded, without adapters): drop --lora, or run on one GPU"
-        )
+    values = common_values(ns, "wan22_t2v", DEFAULTS)
+    check_combinations(ns)
+    check_quantize(ns.quantize)
+    options = WanOptions(
+        **values,
+        loras=tuple(lora_file(t) for t in ns.lora),
+        quantize=ns.quantize,
+        gguf=None if ns.gguf is None else gguf_files(ns.gguf),
+    )
     check_geometry(options)
     return options
+
+
+def add_quantized(parser: argparse.ArgumentParser) -> None:
+    """``--quantize`` and ``--gguf``: quantized transformers, streamed as they are."""
+    parser.add_argument(
+        "--quantize",
+        choices=("int8", "fp8"),
+        help="quantize the linears of both experts' blocks after loading (torchao weight-only int8 or float8; "
+        "--lora adapters are loaded first and stay unquantized); needs the quantize extra",
+    )
+    parser.add_argument(
+        "--gguf",
+        metavar="HIGH.gguf[,LOW.gguf]",
+        help="with --model: load the first expert (transformer, high noise) from a local GGUF file, and the second "
+        "(transformer_2) from the file after the comma if there is one, the rest from the model folder; needs the "
+        "gguf extra",
+    )
+
+
+def check_combinations(ns: argparse.Namespace) -> None:
+    """Flags that cannot go together, refused before any file is read."""
+    if ns.gpus > 1:
+        for flag, given in (("--lora", ns.lora), ("--quantize", ns.quantize), ("--gguf", ns.gguf)):
+            if given:
+                raise OptionsError(
+                    f"{flag} cannot be combined with --gpus {ns.gpus} yet (the ranks attach to one host copy of the "
+                    f"weights as built, unmodified): drop {flag}, or run on one GPU"
+                )
+    if ns.gguf is None:
+        return
+    if ns.model is None:
+        raise OptionsError(
+            "--gguf replaces the transformers of a model folder, which gives their architecture and the other "
+            "components: pass --model PATH with it (not --random-weights)"
+        )
+    if ns.quantize is not None:
+        raise OptionsError(f"--gguf loads quantized transformers already: drop --quantize {ns.quantize}")
 
 
 def check_geometry(options: WanOptions) -> None:
@@ -99,16 +146,21 @@ def check_geometry(options: WanOptions) -> None:
 
 
 def load(options: WanOptions, device: torch.device, attach: bool = False) -> Any:
-    """The pipeline with ``--lora`` files loaded (not when ``attach``: a build on the meta device, for checks)."""
+    """The pipeline with ``--gguf`` transformers, ``--lora`` files loaded (not when ``attach``: a build on the meta
+    device, for checks), then ``--quantize``d: all before offload is enabled."""
     if options.model is not None:
         from diffusers import WanPipeline
 
-        pipe = load_pipeline(options.model, WanPipeline, dtype=torch.bfloat16)
+        dtype = torch.bfloat16
+        experts = {} if options.gguf is None else load_gguf_transformers(options.model, options.gguf, dtype)
+        pipe = load_pipeline(options.model, WanPipeline, dtype=dtype, **experts)
     else:
         init = common.init_device(options, device, attach)
         pipe = build_pipeline("wan22_t2v", options.random_weights, seed=options.seed, init_device=init)
     if not attach:
         load_loras(pipe, options.loras)
+    if options.quantize is not None and not attach:
+        quantize_experts(pipe, options.quantize)
     return pipe
 
 
