@@ -84,7 +84,9 @@ def check_gguf_file(path: Path) -> None:
     if path.suffix.lower() != GGUF_SUFFIX:
         raise OptionsError(f"--gguf {path}: transformers are read from {GGUF_SUFFIX} files: pass --gguf PATH.gguf")
     if not path.is_file():
-        raise OptionsError(f"--gguf {path}: no such file: pass --gguf PATH to a local GGUF file (nothing is downloaded)")
+        raise OptionsError(
+            f"--gguf {path}: no such file: pass --gguf PATH to a local GGUF file (nothing is downloaded)"
+        )
     names = gguf_tensor_names(path)
     if not any(marker in names for marker in WAN_MARKERS):
         raise OptionsError(
