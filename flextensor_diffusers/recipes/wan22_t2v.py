@@ -23,7 +23,6 @@ import torch
 
 from . import common
 from .models import build_pipeline, load_pipeline
-from .quantized import GgufFiles, check_quantize, gguf_files, load_gguf_transformers, quantize_experts
 from .options import (
     LoraFile,
     OptionsError,
@@ -38,6 +37,7 @@ from .options import (
     recipe_parser,
     transformer_config,
 )
+from .quantized import GgufFiles, check_quantize, gguf_files, load_gguf_transformers, quantize_experts
 
 DEFAULTS = {"tiny": SizeDefaults(frames=9, height=32, width=32, steps=2), "full": SizeDefaults(81, 480, 832, 40)}
 #: Pixels per latent token along height and width: the VAE's 8 times the transformer's patch of 2.
