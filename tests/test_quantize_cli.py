@@ -1,7 +1,7 @@
 """``--quantize int8|fp8`` and ``--gguf`` in the Wan2.2 recipe: the tiny recipe quantized (torchao) or loaded from a
-GGUF file written here (Q8_0 linears, original Wan names, as diffusers' single-file loader reads them) writes, offloaded,
-the same mp4 bytes as natively with the same quantized weights; LoRAs load first and stay unquantized; a bad value,
-file or combination is one line and exit status 2 before anything loads."""
+GGUF file written here (Q8_0 linears, original Wan names, as diffusers' single-file loader reads them) writes,
+offloaded, the same mp4 bytes as natively with the same quantized weights; LoRAs load first and stay unquantized; a bad
+value, file or combination is one line and exit status 2 before anything loads."""
 
 from __future__ import annotations
 
