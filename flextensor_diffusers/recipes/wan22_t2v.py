@@ -4,6 +4,7 @@ examples:
   flextensor-wan22-t2v --random-weights tiny
   flextensor-wan22-t2v --random-weights tiny --frames 9 --height 32 --width 32 --steps 2 --output wan-t2v.mp4
   flextensor-wan22-t2v --model /models/Wan2.2-T2V-A14B-Diffusers --budget 24GiB
+  flextensor-wan22-t2v --random-weights tiny --quantize int8 --output wan-int8.mp4
   flextensor-wan22-t2v --model /models/Wan2.2-T2V-A14B-Diffusers --lora style.safetensors:0.8
   flextensor-wan22-t2v --model /models/Wan2.2-T2V-A14B-Diffusers --quantize int8
   flextensor-wan22-t2v --model /models/Wan2.2-T2V-A14B-Diffusers --gguf high-Q8_0.gguf,low-Q8_0.gguf
