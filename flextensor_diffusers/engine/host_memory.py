@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import mmap
 import os
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -43,6 +45,10 @@ from .private_files import fresh_file, open_own_file
 
 logger = logging.getLogger(__name__)
 
+#: The largest block glibc's ``malloc`` may place on its heap: its mmap threshold starts at 128 KiB and rises, each
+#: time a mapped block is freed, to that block's size, up to this (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit). Tensors
+#: allocated after such a free (a model built in FP32 and cast, say) may sit on the heap up to this size.
+HEAP_BLOCK_MAX = 32 << 20
 #: Size of a transparent huge page on x86-64 and of its alignment.
 HUGE_PAGE = 2 << 20
 #: Buffers from this size on are huge-page aligned and advised (a smaller one would waste up to one huge page).
@@ -97,9 +103,43 @@ def host_buffer(nbytes: int) -> torch.Tensor:
     pad = HUGE_PAGE if huge else 0
     region = mmap.mmap(-1, nbytes + pad, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge:
-        with contextlib.suppress(OSError):  # a kernel without transparent huge pages: 4 KiB pages, still correct
-            region.madvise(mmap.MADV_HUGEPAGE)
+        _advise_huge_pages(region, nbytes)
     return _owned_view(region, nbytes, HUGE_PAGE if huge else 1)
+
+
+def _advise_huge_pages(region: mmap.mmap, nbytes: int) -> None:
+    """Advise huge pages for the whole huge pages of the buffer `_owned_view` will cut from ``region`` (from its
+    first 2 MiB boundary), and 4 KiB pages for the rest: a huge page over the buffer's last bytes would be
+    resident whole, up to 2 MiB a buffer beyond its bytes (23 MB for a 403 MB model of 12 units on the CPU)."""
+    probe = ctypes.c_uint8.from_buffer(region)
+    start = -ctypes.addressof(probe) % HUGE_PAGE  # a multiple of the 4 KiB page: the mapping starts on one
+    del probe  # the region cannot be closed while a ctypes object exports it
+    whole = nbytes // HUGE_PAGE * HUGE_PAGE
+    with contextlib.suppress(OSError):  # a kernel without transparent huge pages: 4 KiB pages, still correct
+        region.madvise(mmap.MADV_HUGEPAGE, start, whole)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):  # also where the system uses huge pages unasked ("always")
+            region.madvise(mmap.MADV_NOHUGEPAGE, start + whole, len(region) - start - whole)
+
+
+def return_freed_heap() -> None:
+    """Give the pages of the C heap's free blocks back to the system now (glibc's ``malloc_trim``; nothing where
+    the C library has none).
+
+    A freed block on glibc's heap stays in the process's resident memory until the heap's top is free beyond the
+    trim threshold, which rises with the mmap threshold (`HEAP_BLOCK_MAX`): originals freed as their units are
+    adopted, with buffers of the model's forwards allocated above them, stayed resident (on the CPU, 180 MB of a
+    1.1 GB model after two forwards). The call takes milliseconds: once per adopted unit, never per forward."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):  # not glibc
+        return None
 
 
 def shared_file_buffer(path: str | os.PathLike[str], nbytes: int, create: bool = True) -> torch.Tensor:
