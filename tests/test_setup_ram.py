@@ -94,8 +94,8 @@ class WanLike(nn.Module):
 
 
 def build(seed: int) -> WanLike:
-    """Built in FP32 and cast to BF16, as `recipes.models` builds random weights: freeing the FP32 tensors raises
-    glibc's mmap threshold, so the BF16 ones below 32 MiB sit on the C heap (`host_memory.HEAP_BLOCK_MAX`)."""
+    """Built in FP32 and cast to BF16, as `recipes.models` builds random weights: the BF16 tensors then sit on the C
+    heap where the FP32 ones were freed (`host_memory.return_freed_heap`)."""
     torch.manual_seed(seed)
     model = WanLike()
     for t in model.parameters():

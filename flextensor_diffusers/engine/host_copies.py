@@ -48,7 +48,7 @@ from .codec import EncodedUnit
 from .compressed_copies import CompressedCopies
 from .errors import FlexTensorError, OffloadStateError, first_line
 from .file_reads import SERIAL, PieceReader
-from .host_memory import HEAP_BLOCK_MAX, host_buffer, page_locked, pin_in_place, return_freed_heap
+from .host_memory import host_buffer, page_locked, pin_in_place, return_freed_heap
 from .packing_line import PackingLine
 from .raw_homes import RawHome, RawHomes
 from .setup_threads import PACK_THREADS, ThreadedWork
@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 ReadInto = Callable[[int, torch.Tensor, PieceReader], None]
 
 
-#: Adopting a unit whose tensors below `HEAP_BLOCK_MAX` hold this many bytes gives the C heap's free pages back.
+#: Packing a unit of this many bytes gives the C heap's free pages back (`give_back_freed_originals`).
 TRIM_AFTER_BYTES = 1 << 20
 
 #: Units packed ahead of the one the encoder asks for when raw bytes leave RAM as encoding goes (compressed
@@ -93,11 +93,11 @@ class HostPlaces:
 
 
 def give_back_freed_originals(unit: Unit) -> None:
-    """``unit`` was just packed and its original tensors freed: when some were small enough to sit on the C heap
-    (`host_memory.HEAP_BLOCK_MAX`), give the heap's free pages back now (`host_memory.return_freed_heap`), not at
-    its next trim, which may never come (a pipeline built in FP32 and cast, packed before set-up returned on the
-    CPU: 0.5 GB of its originals stayed resident)."""
-    if sum(packed.nbytes for packed in unit.tensors if packed.nbytes < HEAP_BLOCK_MAX) >= TRIM_AFTER_BYTES:
+    """``unit`` was just packed and its original tensors freed: give the C heap's free pages back now
+    (`host_memory.return_freed_heap`), not at the heap's next trim, which may never come. Any original may have sat
+    on the heap, whatever its size (a pipeline built in FP32 and cast, packed before set-up returned on the CPU:
+    0.5 GB of its originals stayed resident, a 66 MB embedding among them)."""
+    if unit.nbytes >= TRIM_AFTER_BYTES:
         return_freed_heap()
 
 
