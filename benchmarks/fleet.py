@@ -40,6 +40,7 @@ def run_shape(per_request: int, replicas: int, recipe_argv: list[str], scratch: 
         devices = ",".join(str(r * per_request + i) for i in range(per_request))
         summary = scratch / f"g{per_request}-r{r}.json"
         cmd = [sys.executable, "-m", RECIPE, *recipe_argv, "--gpus", str(per_request), "--json", str(summary)]
+        cmd += ["--profiling-generation"]  # every step of the measured generation planned
         cmd += ["--output", str(scratch / f"g{per_request}-r{r}.mp4"), "--profile-dir", str(scratch / f"p{r}")]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices} if per_request * replicas > 1 else dict(os.environ)
         procs.append((summary, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)))

@@ -2,6 +2,12 @@
 # One device call of GPU proof: the GPU tests and the chosen benchmarks, each bounded, logs and JSON under $OUT.
 # Usage on the device (carry .whl): bash benchmarks/gpu_proof.sh STEP... where STEP is one of
 #   tests        python3 -m pytest -q -m gpu tests (or $TESTS) -> $OUT/gpu_tests_<card>.log
+#   tests_reverse  the same, test files in reverse order (--order reverse): no test may need another's leftovers
+#                                                             -> $OUT/gpu_tests_reverse_<card>.log
+#   quantized    quantized_bench.py: the 40-block stack at 17 frames under 2.8 GB, bf16/int8/fp8 ($QUANT_ROWS) against
+#                native, each bitwise; then the full pipeline with int8 transformers on an emulated 5 GB card unless
+#                $QUANT_CARD is 0                             -> $OUT/quantized_<card>.json, .log
+#   quantized_card  only that smallest card                   -> $OUT/quantized_card_<card>.json, .log
 #   engine17     engine_bench.py, 17 frames, 3 budgets        -> $OUT/engine17_<card>.json, .log
 #   engine       engine_bench.py, 81 and 17 frames, 3 budgets -> $OUT/engine_<card>.json, .log
 #   compile17    compile_bench.py, 17 frames                  -> $OUT/compile17_<card>.json, .log
@@ -36,6 +42,13 @@ for step in "$@"; do
   case "$step" in
     tests) timeout "${TESTS_LIMIT_S:-$limit}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf ${TESTS:-tests} \
         >"$OUT/gpu_tests_${card}.log" 2>&1 ;;
+    tests_reverse) timeout "${TESTS_LIMIT_S:-$limit}" python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short -rf \
+        --order reverse ${TESTS:-tests} >"$OUT/gpu_tests_reverse_${card}.log" 2>&1 ;;
+    quantized) timeout "$limit" python3 benchmarks/quantized_bench.py --rows "${QUANT_ROWS:-bf16,int8,fp8}" \
+        $([ "${QUANT_CARD:-1}" = 0 ] && echo --skip-smallest-card) --time-limit "${QUANT_TIME_LIMIT_S:-$((limit - 200))}" \
+        --out "$OUT/quantized_${card}.json" >"$OUT/quantized_${card}.log" 2>&1 ;;
+    quantized_card) timeout "$limit" python3 benchmarks/quantized_bench.py --rows "" \
+        --out "$OUT/quantized_card_${card}.json" >"$OUT/quantized_card_${card}.log" 2>&1 ;;
     engine17) timeout "$limit" python3 benchmarks/engine_bench.py --workloads 17f_480x272 --budgets 3 --reps 3 \
         --out "$OUT/engine17_${card}.json" >"$OUT/engine17_${card}.log" 2>&1 ;;
     engine) timeout "$limit" python3 benchmarks/engine_bench.py --budgets 3 --reps 2 \

@@ -166,12 +166,20 @@ def setup_minimum(model: nn.Module, device: str, **config: object) -> int:
     raise AssertionError("a 1-byte budget was accepted")
 
 
-def measured_smallest(model: nn.Module, run: Callable[[nn.Module], object], device: str, **config: object) -> int:
-    """The least budget ``model`` (units ``blocks.*``) streams in once its activations are measured: a copy,
-    offloaded with room to spare, runs ``run(copy)`` (its forwards); then `OffloadHandle.smallest_budget`."""
+def measured_smallest(
+    model: nn.Module,
+    run: Callable[[nn.Module], object],
+    device: str,
+    make_probe: Callable[[], nn.Module] | None = None,
+    **config: object,
+) -> int:
+    """The least budget ``model`` (units ``blocks.*``) streams in once its activations are measured: a copy
+    (``make_probe()`` where a deep copy would not compute alike: diffusers' hooks hold the module they were
+    applied to), offloaded with room to spare, runs ``run(copy)`` (its forwards); then
+    `OffloadHandle.smallest_budget`."""
     import flextensor_diffusers as ft
 
-    probe = copy.deepcopy(model).to("cpu")
+    probe = make_probe() if make_probe is not None else copy.deepcopy(model).to("cpu")
     handle = ft.offload(probe, include_patterns=["blocks.*"], gpu_budget=2**30, device=device, **config)
     run(probe)
     need = handle.smallest_budget()

@@ -198,7 +198,9 @@ def test_missing_folders_are_made_and_said_and_an_unplanned_vae_is_explained(tmp
     argv = [*TINY, "--output", str(output), "--json", str(summary), "--profile-dir", str(profiles)]
     info = wan22_t2v.main(argv)
     out = capsys.readouterr().out
-    assert f"profile in {profiles}: none yet: a short profiling generation first (a new folder)\n" in out
+    inline = "none yet: each component's first forwards profile it, in this generation (a new folder)"
+    assert f"profile in {profiles}: {inline}\n" in out
+    assert "generation " in out and "(profiled in its first forwards: 7 forwards unplanned, included)" in out
     assert f"wrote {output} (9 frames, 32x32; made the folder {output.parent})\n" in out
     assert out.endswith(f"wrote {summary} (made the folder {summary.parent})\n"), out
     assert info["made_folder"] == str(output.parent) and output.exists() and summary.exists()
@@ -209,7 +211,8 @@ def test_missing_folders_are_made_and_said_and_an_unplanned_vae_is_explained(tmp
     assert "\nphase: vae ran once in this run (a VAE decodes once per generation" in out
     wan22_t2v.main(argv)
     out = capsys.readouterr().out
-    assert f"profile in {profiles}: found: no profiling generation\n" in out
+    assert f"profile in {profiles}: found: planned from the first step\n" in out
+    assert "(planned from a saved profile; 1 forward unplanned)" in out  # the VAE's decode, once per generation
     assert f"wrote {output} (9 frames, 32x32; replaced the file that was there)\n" in out
     assert out.endswith(f"wrote {summary} (replaced the file that was there)\n")
 

@@ -27,7 +27,10 @@ def test_report_files_exist_parse_and_identical_outputs_read_as_such(tmp_path, m
     assert len(frames) == 9 and all(f["psnr_db"] == "inf" and f["max_abs"] == 0 for f in frames)
     assert all(f["ssim"] == 1.0 for f in frames)
     assert data["gpu_figures"] == "not available (CPU run)"
-    assert data["runs"]["offloaded"]["profiling_s"] > 0 and len(data["runs"]["native"]["step_s"]) == 2
+    assert len(data["runs"]["native"]["step_s"]) == 2 and len(data["runs"]["offloaded"]["step_s"]) == 2
+    offloaded = data["runs"]["offloaded"]  # profiled inside the recorded generation, as the recipe runs it
+    assert offloaded["profiling_s"] is None and offloaded["profiled_in"] == "generation"
+    assert offloaded["unplanned_forwards"] == 7  # text encoder, each expert: discovery and profiling; the VAE's decode
     note = data["fidelity"]["frames"]["lpips_note"]
     assert note.startswith("LPIPS not computed: ") and "No module named 'IPython'" in note
     assert not [p.name for p in tmp_path.iterdir() if ".partial" in p.name]  # every file renamed into place

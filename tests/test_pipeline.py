@@ -146,11 +146,17 @@ def test_recipe_writes_mp4_and_skips_profiling_next_time(tmp_path, capsys) -> No
     first = wan22_t2v.run(wan22_t2v.parse_args(argv))
     video = read_mp4(tmp_path / "out.mp4")
     assert video.shape == (9, 32, 32, 3)
-    assert first["profiling_generation_s"] is not None
+    assert first["profiling_generation_s"] is None and first["profiled_in"] == "generation"  # no generation before
     second = wan22_t2v.run(wan22_t2v.parse_args(argv))
-    assert second["profiling_generation_s"] is None  # a matching profile existed
+    assert second["profiled_in"] == "saved profile"  # a matching profile existed
     forwards = second["offload_report"]["components"]["transformer"]["forwards"]
     assert forwards["discovery"] == 0 and forwards["profiling"] == 0
+    assert second["unplanned_forwards_by_component"] == {
+        "text_encoder": 0,
+        "transformer": 0,
+        "transformer_2": 0,
+        "vae": 1,
+    }
     assert json.loads((tmp_path / "run.json").read_text())["frames"] == 9
     assert "peak allocated GPU memory n/a (CPU)" in capsys.readouterr().out
 

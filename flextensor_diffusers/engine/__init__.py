@@ -19,6 +19,7 @@ from .errors import (
     OffloadStateError,
     PatternError,
     ProfileMismatchError,
+    UnsupportedTensorError,
 )
 from .handle import OffloadHandle, offload, offload_shared
 from .host_copies import HostCopies, HostPlaces
@@ -50,6 +51,7 @@ __all__ = [
     "Plan",
     "ProfileMismatchError",
     "SharedHostMemory",
+    "UnsupportedTensorError",
     "WorkloadProfile",
     "format_bytes",
     "max_memory_allocated",

@@ -23,10 +23,20 @@ edit made where the tensors pointed since the last comparison:
 
 Writes through ``.data`` (``p.data.add_(x)``) bypass the counters and are not found: make such edits inside
 ``handle.editing()`` (the diffusers integration wraps ``fuse_lora`` and ``load_state_dict`` in it).
+
+**A call that re-points its own tensors is pointed back after it.** Some representations compute from copies they
+make in the call: diffusers' layerwise casting casts each layer's weights up before its forward and back down
+after it, with ``module.to()``, so its tensors end the call viewing new device tensors of their own, not the
+unit's buffer. Those copies would live as long as the unit stays bound (a resident unit: for good), device memory
+that the profiling forward, where every unit is evicted after its call, never sees. Measuring forwards look for
+it after each call (`after_call`, per tensor, so only then); a unit found doing it is pointed back at its buffer
+after every call from then on, so what its call allocates is gone when the call is and the activation peak the
+profiler measures covers it (the base, whose modules are not calls of ours: at the end of each forward).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from enum import Enum
 from operator import attrgetter
@@ -34,6 +44,8 @@ from operator import attrgetter
 import torch
 
 from .units import Unit
+
+logger = logging.getLogger(__name__)
 
 _version = attrgetter("_version")
 
@@ -68,6 +80,7 @@ class Binding:
         self._tensors = [[packed.tensor for packed in unit.tensors] for unit in units]
         self._on: list[torch.Tensor | None] = [None] * len(units)
         self._counts = [self._count(position) for position in range(len(units))]
+        self._repointing: set[int] = set()  # positions of units found re-pointing their tensors in their calls
 
     @staticmethod
     def position(unit: Unit) -> int:
@@ -98,6 +111,29 @@ class Binding:
         """``unit``'s host copy moves to ``host`` (same bytes): tensors viewing the old one follow."""
         if self._on[unit.index + 1] is None:
             self.to_host(unit, host)
+
+    def after_call(self, unit: Unit, measuring: bool) -> None:
+        """``unit``'s call is over (the base's: the forward's). While ``measuring``, look for tensors it re-pointed
+        (`strayed`); a unit found doing so is pointed back at the buffer it views after every call (see the module
+        docstring)."""
+        position = unit.index + 1
+        if measuring and position not in self._repointing and self.strayed(unit):
+            logger.info("%s re-points its weights in its forward (a cast?); pointed back after each call", unit.name)
+            self._repointing.add(position)
+        flat = self._on[position]
+        if position in self._repointing and flat is not None:
+            with torch.no_grad(), torch.inference_mode(False):
+                unit.bind(flat)
+
+    def strayed(self, unit: Unit) -> bool:
+        """Some of ``unit``'s tensors no longer view the device buffer they were pointed at (False while they view
+        the host copy). Per tensor."""
+        flat = self._on[unit.index + 1]
+        if flat is None:
+            return False
+        start = flat.data_ptr()
+        with torch._C.DisableTorchFunctionSubclass():
+            return any(packed.tensor.data_ptr() != start + packed.offset for packed in unit.tensors if packed.nbytes)
 
     def check(self, unit: Unit) -> Edit:
         """Compare ``unit``'s edit counts with the recorded ones and handle an edit found (see the module

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .binding import Binding
-from .codec import decode_into
+from .codec import EncodedUnit, decode_into
 from .errors import OffloadStateError
 from .host_copies import HostCopies
 from .planner import CUDA_ALLOCATION_GRANULE, Plan, allocated
@@ -57,7 +57,7 @@ class DeviceCopies:
         self.base = layout.base
         #: (tensor, device it came from) for tensors moved with ``.to()`` instead of packed.
         self.loose: list[tuple[torch.Tensor, torch.device]] = [(t, t.device) for t in layout.loose]
-        self._packed_ids = {id(p.tensor) for u in host.positions for p in u.tensors} | {id(t) for t, _ in self.loose}
+        self._packed_ids = {id(t) for u in host.positions for _, t in u.held()} | {id(t) for t, _ in self.loose}
         self.foreign: list[tuple[torch.Tensor, torch.device]] = []
         #: Packed tensors an edit inside ``editing()`` took out of the model (an adapter unloaded): the model's no
         #: more, so their absence is not a swap to refuse (`Edits`).
@@ -139,9 +139,9 @@ class DeviceCopies:
         for unit in self.host.positions:
             if not self.host.offloaded(unit):
                 continue
-            for packed in unit.tensors:
-                if id(packed.tensor) not in present and id(packed.tensor) not in self.dropped:
-                    name = f"{unit.name}.{packed.names[0]}" if unit.index >= 0 else packed.names[0]
+            for rel, t in unit.held():
+                if id(t) not in present and id(t) not in self.dropped:
+                    name = f"{unit.name}.{rel}" if unit.index >= 0 else rel
                     raise OffloadStateError(
                         f"{name!r} was replaced by another tensor while offloaded, so its new value would "
                         "never reach the device: make such edits inside handle.editing() (pipelines: the "
@@ -204,16 +204,50 @@ class DeviceCopies:
         pageable, possibly disk-bound copy), else copied from its host copy. Every later use of the staging
         buffer is ordered after these decodes (the schedule's streams wait for this stream when they follow a
         plan)."""
+        encoded = self._decoded_fill(index)
+        if encoded is not None:
+            staging = self.buffers.staging[0][: encoded.payload.numel()]
+            staging.copy_(encoded.payload, non_blocking=True)
+            decode_into(encoded, staging, buffer)
+            return
+        self.host.copy_raw_into(self.units[index], buffer)
+
+    def _decoded_fill(self, index: int) -> EncodedUnit | None:
+        """The compressed copy `_fill_resident` decodes unit ``index`` from, or None where it copies the raw bytes."""
         unit = self.units[index]
         room = self.buffers.staging[0].numel() if self.buffers.staging else 0
         if index in self.host.compressed.proven and not self.host.raw_at_hand(unit):
             encoded = self.host.payload_of(unit)
             if encoded.payload.numel() <= room:
-                staging = self.buffers.staging[0][: encoded.payload.numel()]
-                staging.copy_(encoded.payload, non_blocking=True)
-                decode_into(encoded, staging, buffer)
-                return
-        self.host.copy_raw_into(unit, buffer)
+                return encoded
+        return None
+
+    def fill_bytes(self, index: int) -> int:
+        """What `keep` moves over the link for unit ``index``: its compressed copy, or its raw bytes."""
+        encoded = self._decoded_fill(index)
+        return encoded.payload.numel() if encoded is not None else self.units[index].nbytes
+
+    def keep(self, index: int) -> bool:
+        """Give unit ``index``, streamed under this layout, a device copy of its own, filled now on the current
+        stream and kept until the next layout: its later calls load nothing (an unplanned call of an entry
+        method runs its units once per frame or tile, `phases.Unplanned.keeps`). True: it loaded, as `load_now`
+        answers."""
+        slot = self.slot_of[index]
+        if slot is None:
+            return False
+        unit = self.units[index]
+        if self.slot_owner and self.slot_owner[slot] == index:
+            self.evict(slot)
+            self.slot_owner[slot] = None
+        with torch.no_grad(), torch.inference_mode(False):
+            buffer = aligned_buffer(unit.nbytes, self.device)
+            self._fill_resident(index, buffer)
+            self.binding.to_device(unit, buffer)
+        self.buffers.resident[index] = buffer
+        self.slot_of[index], self._dst[index] = None, None
+        self.loads[index] += 1
+        self.bytes_streamed += unit.nbytes
+        return True
 
     def _allocate_staging(self, num_slots: int) -> None:
         """Per slot, room for the largest payload a load decodes (none without such loads)."""

@@ -113,6 +113,7 @@ class Edits:
                     continue
                 view.copy_(current)
                 packed.tensor.data = view
+            refused.extend(unit.adopt_replaced_subclasses())  # quantized weights swapped for alike ones
         if refused:
             raise FlexTensorError(
                 f"an edit changed the shape or dtype of streamed weights ({', '.join(refused[:3])}); they were put "
@@ -128,9 +129,12 @@ class Edits:
         for unit in self.host.positions:
             if unit.host is None:
                 continue
+            for wrapper in unit.wrappers:  # a quantized weight the edit took out: its leaves go with it
+                if id(wrapper.tensor) not in uses:
+                    self.device.dropped.add(id(wrapper.tensor))
             for packed in unit.tensors:
-                if id(packed.tensor) in uses or id(packed.tensor) in self.device.dropped:
-                    continue
+                if packed.inside or id(packed.tensor) in uses or id(packed.tensor) in self.device.dropped:
+                    continue  # leaves of a quantized weight are held by it, never by the model
                 names = [f"{unit.name}.{rel}" if unit.index >= 0 else rel for rel in packed.names]
                 newcomers = {name: named[name] for name in names if name in named}
                 distinct = {id(t): t for t in newcomers.values()}  # tied names given one tensor stay tied

@@ -47,6 +47,11 @@ class MeasuringOutOfMemoryError(BudgetError, torch.OutOfMemoryError):
     ``torch.OutOfMemoryError`` (what it is: code that catches out-of-memory keeps working)."""
 
 
+class UnsupportedTensorError(FlexTensorError, TypeError):
+    """A weight's representation (a tensor subclass) cannot be streamed bit-exact: refused at set-up, naming the
+    parameter and the fix (`engine.subclasses`)."""
+
+
 class ProfileMismatchError(FlexTensorError):
     """A saved profile was recorded for another model, device, dtype or workload."""
 

@@ -148,8 +148,13 @@ class OffloadHandle:
     def _start_state(self) -> None:
         """What changes from call to call: the phase, counters, the position in the current forward."""
         self.phases = Phases(self, Discovery if self.units else Steady)
-        #: A pipeline reports shortfalls of all its components at once: forwards then go on, on demand.
-        self.defer_budget_errors = False
+        #: Asked as each workload call begins; an error it returns is raised instead of running the call. A pipeline
+        #: refuses every component's calls once any of them is over budget, naming the smallest budget for them all
+        #: (`PipelineOffload.budget_error`). None: this handle refuses its own calls while it is over budget.
+        self.budget_refusal: Callable[[], BudgetError | None] | None = None
+        #: The entry method of the workload call in progress (``forward``, or a VAE's ``decode``, ...): the phases
+        #: keep the units an unplanned entry call loads (`phases.Unplanned.keeps`).
+        self.workload_entry = "forward"
         #: Called with this handle before it takes device memory (a pipeline releases the others).
         self.on_activate: Callable[[OffloadHandle], None] | None = None
         #: Called with this handle as each forward begins, and whether it follows a plan; what it returns for one
@@ -197,7 +202,7 @@ class OffloadHandle:
     @property
     def shortfall(self) -> BudgetError | None:
         """The measured minimum exceeded the budget (phase over budget): the error, raised before the next
-        forward unless ``defer_budget_errors``."""
+        forward (`budget_refusal` may say otherwise)."""
         return self.planning.shortfall
 
     @property
@@ -283,9 +288,10 @@ class OffloadHandle:
         if self._depth > 1:  # inside another entry call of this model: one workload
             return
         self._workload_started = self.clock.seconds()
-        if self.phase is Phase.OVER_BUDGET and not self.defer_budget_errors:
+        refusal = self._budget_refusal()
+        if refusal is not None:
             self._depth = 0
-            raise self.planning.shortfall_error()
+            raise refusal
         if self.load_checks is not None:  # a wrong load an earlier forward made, read back since
             try:
                 self.load_checks.raise_faults(type(self.model).__name__, wait=False)
@@ -303,9 +309,17 @@ class OffloadHandle:
         if self.phase in (Phase.ON_DEMAND, Phase.REMOVED) or not self.units:
             return
         signature = workload_signature(args, kwargs)
+        self.workload_entry = entry
         self.planning.enter_workload(signature if entry == "forward" else f"{entry}:{signature}")
         self.phases.current.start()
         self._ask_unit_done()
+
+    def _budget_refusal(self) -> BudgetError | None:
+        """What refuses the workload call beginning now: ``budget_refusal``'s answer when set, else this handle's own
+        shortfall (over budget)."""
+        if self.budget_refusal is not None:
+            return self.budget_refusal()
+        return self.planning.shortfall_error() if self.phase is Phase.OVER_BUDGET else None
 
     def _ask_unit_done(self) -> None:
         """A forward begins: tell ``on_forward``, which may ask, for a forward on plan, to be told of each unit done
@@ -334,6 +348,7 @@ class OffloadHandle:
         if self._depth == 0 and self.load_checks is not None:
             self.load_checks.end_of_forward()
         if self._depth == 0:
+            self.binding.after_call(self.device_copies.base, self.phase in (Phase.DISCOVERY, Phase.PROFILING))
             self.phases.current.end()
             self._end_unit_done()
             self.host.compressed.encode_if_no_file()
@@ -412,6 +427,7 @@ class OffloadHandle:
 
         def exit_(output: Any) -> None:
             self._open_unit = None
+            self.binding.after_call(self.units[index], self.phase in (Phase.DISCOVERY, Phase.PROFILING))
             slot = self.device_copies.slot_of[index]
             if slot is not None and self.device_copies.buffers.slots:
                 refuse_views_of(self.device_copies.buffers.slots[slot], name, output)

@@ -7,8 +7,8 @@ call and at its end.
 3. **Steady**: the schedule follows the plan; no synchronisation, allocation or per-parameter work.
 4. **Desynced**: a forward left the planned order (other control flow); it finishes on demand and the next
    forward is profiled again.
-5. **Over budget**: the measured minimum exceeds the budget: on demand, and the error is raised before the next
-   forward (a pipeline raises once, for all its components, at the end of the generation).
+5. **Over budget**: the measured minimum exceeds the budget: the error is raised before the next forward (a
+   pipeline raises it before the next forward of any of its components, naming the smallest budget for them all).
 6. **On demand** / **removed**: ``remove()`` stopped half-way, or finished: units load on demand, nothing is
    planned.
 
@@ -23,7 +23,7 @@ import logging
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from .planner import Plan, everything_resident
+from .planner import Plan, allocated, everything_resident
 
 if TYPE_CHECKING:
     from .handle import OffloadHandle
@@ -77,7 +77,21 @@ class PhaseBehaviour:
 
 class Unplanned(PhaseBehaviour):
     """Discovery and profiling lay out every unit resident when all weights take at most
-    `PROFILE_RESIDENT_SHARE` of the budget (a VAE, say: no loads while it is profiled), else one shared slot."""
+    `PROFILE_RESIDENT_SHARE` of the budget (a VAE, say: no loads while it is profiled), else one shared slot.
+
+    An entry method (a VAE's ``decode`` or ``encode``) runs once per generation and calls its units once per frame
+    or tile: through one shared slot, each unit would load as many times, where a native run moves each weight to
+    the device once. Its unplanned calls therefore *keep* each unit they load (`keeps`): the unit gets a device copy
+    of its own, filled at its first call and used by every later one, so that each unit the call runs is loaded
+    once, as natively, and the units it does not run (the encoder's, during a decode) are not loaded at all. Kept
+    copies stay within the same share of the budget as an all-resident layout, so that the activations, not
+    measured yet, keep the rest (past it, units load through the slot on demand, as before); a profiling call
+    counts them as the handle's own memory from the moment each is taken (`Profiler.own_bytes_grow`), so its
+    measured activations are exact. Plans are not made from the sizes alone: the activations, the call order and
+    the compute times are what a plan needs, and only a measured call gives them. ``forward`` workloads (a
+    transformer's, a text encoder's) call each unit once: keeping them would take room from their activations
+    and save no load, so they stay on the slot.
+    """
 
     def layout(self) -> Plan | None:
         h = self.handle
@@ -85,6 +99,18 @@ class Unplanned(PhaseBehaviour):
         if h.resident_weight_bytes + sum(unit_bytes) <= PROFILE_RESIDENT_SHARE * h.budget_bytes:
             return everything_resident(unit_bytes, h.resident_weight_bytes, h.budget_bytes)
         return None
+
+    def keeps(self, index: int, in_workload: bool) -> bool:
+        """Whether unit ``index``, called now in an unplanned workload call, is kept on the device (see the class
+        docstring): an entry method's call, a unit on the slot, and room for it within the share."""
+        h = self.handle
+        if not in_workload or h.workload_entry == "forward":
+            return False
+        copies = h.device_copies
+        if copies.slot_of[index] is None:
+            return False
+        taken = copies.device_bytes + allocated(h.units[index].nbytes, copies.allocation_granule)
+        return taken <= PROFILE_RESIDENT_SHARE * h.budget_bytes
 
 
 class Discovery(Unplanned):
@@ -94,7 +120,10 @@ class Discovery(Unplanned):
         self.handle.profiler.start_forward(False, self.handle.device_copies.device_bytes)
 
     def before_unit(self, index: int, pos: int, in_workload: bool) -> None:
-        super().before_unit(index, pos, in_workload)
+        if self.keeps(index, in_workload):
+            self.handle.device_copies.keep(index)
+        else:
+            super().before_unit(index, pos, in_workload)
         if in_workload:
             self.handle.profiler.observe(index)
 
@@ -121,6 +150,10 @@ class Profiling(Unplanned):
             super().before_unit(index, pos, in_workload)
             return
         copies = h.device_copies
+        if self.keeps(index, in_workload):
+            h.profiler.own_bytes_grow(allocated(h.units[index].nbytes, copies.allocation_granule))
+            h.profiler.before_unit(index, lambda on_staged: copies.keep(index), copies.fill_bytes(index))
+            return
         copies.make_room_for(index)  # before the load is timed: the evicted unit's write-back is not the load's
         h.profiler.before_unit(index, lambda on_staged: copies.load_now(index, on_staged), h.host.transfer_bytes(index))
 

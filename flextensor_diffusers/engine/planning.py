@@ -193,8 +193,7 @@ class Planning:
         start = h.clock.mark()
         scratch.copy_(source, non_blocking=True)
         end = h.clock.mark()
-        if h.cuda:
-            end.synchronize()
+        h.clock.wait(end)
         return source.numel() / max(h.clock.ms(start, end), 1e-6)
 
     @property

@@ -27,6 +27,7 @@ from torch import nn
 from .errors import ProfileMismatchError
 from .planner import Call, WorkloadProfile
 from .private_files import PROFILE_FOLDER, check_private_folder, private_folder
+from .subclasses import representation
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def model_fingerprint(model: nn.Module, unit_names: list[str]) -> dict[str, Any]
     for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
         model.named_buffers(remove_duplicate=False)
     ):
-        digest.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        digest.update(f"{name}:{tuple(t.shape)}:{t.dtype}{representation(t)};".encode())
         dtypes[str(t.dtype)] = dtypes.get(str(t.dtype), 0) + t.numel()
         count += 1
     digest.update(("|".join(unit_names)).encode())

@@ -56,6 +56,12 @@ class Clock:
     def done(self, mark: Any) -> bool:
         return mark.query() if self.cuda else True
 
+    def wait(self, mark: Any) -> None:
+        """Return once the work before ``mark`` has run: an event is synchronised on; a host-clock mark (the CPU,
+        or an injected clock) was taken after it already."""
+        if self.cuda:
+            mark.synchronize()
+
     def release(self, *marks: Any) -> None:
         if self.cuda:
             self._pool.extend(marks)
@@ -117,6 +123,7 @@ class Profiler:
         self._forward_start: Any = None
         self._own_bytes = 0
         self._window: peaks.PeakWindow | None = None  # the profiling forward's peak (CUDA)
+        self._earlier_peak = 0  # activations measured in this forward before the handle's own bytes last grew
 
     def start_forward(self, profiling: bool, own_bytes: int = 0) -> None:
         """``own_bytes``: the device memory the handle holds (its weights' copies). Everything else the
@@ -125,11 +132,22 @@ class Profiler:
         models, library workspaces). The budget bounds the process's whole peak, so it has to hold them all.
         The peak is this forward's own: a window opened now (`peaks.open_window`, see the module docstring)."""
         self.observed, self._marks, self._open = [], [], None
+        self._earlier_peak, self._window = 0, None
         if profiling:
             if self.cuda:
                 self._window = peaks.open_window(self.device)
                 self._own_bytes = own_bytes
             self._forward_start = self.clock.mark()
+
+    def own_bytes_grow(self, nbytes: int) -> None:
+        """The handle is about to take ``nbytes`` more device memory during this profiling forward (a unit kept on
+        the device, `DeviceCopies.keep`): the activations so far are read against what it held until now, and a
+        new window measures the rest against what it holds from now on, so that neither counts the new copy as an
+        activation nor lets it hide one."""
+        if self._window is not None:
+            self._earlier_peak = max(self._earlier_peak, self._window.peak() - self._own_bytes)
+            self._window = peaks.open_window(self.device)
+        self._own_bytes += nbytes
 
     def abandon(self) -> None:
         """The forward did not finish: forget its marks."""
@@ -166,7 +184,7 @@ class Profiler:
         if self.cuda:
             assert self._window is not None, "end_forward without a profiling start_forward"
             torch.cuda.synchronize(self.device)
-            peak = self._window.peak() - self._own_bytes
+            peak = max(self._earlier_peak, self._window.peak() - self._own_bytes)
         else:
             peak = 0  # the CPU allocator keeps no peak; planning on the CPU ignores activations
         calls, load_ms, load_bytes, decode_ms = [], 0.0, 0, {}

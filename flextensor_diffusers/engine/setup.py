@@ -277,11 +277,9 @@ class SetUp:
                 return
             h.binding.check(unit)
             host = h.host.host_of(unit)
-            for packed in unit.tensors:
-                names = [prefix + rel for rel in packed.names if prefix + rel in state_dict]
-                if names:
-                    tensor = own_storage_view(packed, host)  # one for all its names: tied names stay tied
-                    state_dict.update(dict.fromkeys(names, tensor))
+            for rel, value in unit.values_in(host, lambda packed: own_storage_view(packed, host)).items():
+                if prefix + rel in state_dict:
+                    state_dict[prefix + rel] = value
 
         return hook
 

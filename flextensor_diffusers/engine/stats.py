@@ -6,12 +6,14 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import peaks
+from .codec import CODED_DTYPES
 from .config import format_bytes
 from .phases import Phase
 
 if TYPE_CHECKING:
     from .handle import OffloadHandle
     from .planner import Plan
+    from .units import Unit
 
 
 @dataclass
@@ -23,6 +25,7 @@ class UnitStats:
     compute_ms_per_forward: float | None = None  # profiled
     loads: int = 0
     stall_ms: float = 0.0
+    compression: str | None = None  # with compression on: how the unit streams, and why raw where it is
 
 
 @dataclass
@@ -89,7 +92,7 @@ class OffloadStats:
             compute = "" if u.compute_ms_per_forward is None else f"{u.compute_ms_per_forward:.3f}"
             lines.append(
                 f"{u.name:<{width}}  {format_bytes(u.nbytes):>11}  {u.placement:<10} {u.calls_per_forward:>5}  "
-                f"{compute:>10}  {u.loads:>5}  {u.stall_ms:>8.2f}"
+                f"{compute:>10}  {u.loads:>5}  {u.stall_ms:>8.2f}" + (f"  {u.compression}" if u.compression else "")
             )
         return "\n".join(lines)
 
@@ -113,6 +116,7 @@ def collect_stats(handle: OffloadHandle) -> OffloadStats:
             compute_ms_per_forward=compute.get(unit.index),
             loads=copies.loads[unit.index],
             stall_ms=handle.totals.unit_stall_ms[unit.index],
+            compression=_compression(handle, unit) if handle.config.compression != "none" else None,
         )
         for unit in handle.units
     ]
@@ -137,6 +141,33 @@ def collect_stats(handle: OffloadHandle) -> OffloadStats:
         unit_bytes=sum(u.nbytes for u in handle.units),
         units=units,
     )
+
+
+def _compression(handle: OffloadHandle, unit: Unit) -> str:
+    """How ``unit`` streams under compression: its payload's ratio, or raw and why."""
+    compressed = handle.host.compressed
+    encoded = compressed.encoded.get(unit.index)
+    if encoded is not None:
+        return f"compressed {encoded.ratio:.2f}x"
+    if compressed.arriving:
+        return "raw until its payload is read or encoded"
+    return f"raw: {raw_reason(unit)}"
+
+
+def raw_reason(unit: Unit) -> str:
+    """Why a unit judged by the codec streams raw: what share of its bytes the codec codes at all (floating-point
+    exponents of bf16, fp16, fp32). Quantized weights (int8, float8, GGUF blocks) are copied verbatim, so a unit
+    made mostly of them cannot shrink enough to pay for its decode."""
+    total = sum(packed.nbytes for packed in unit.tensors)
+    coded = sum(packed.nbytes for packed in unit.tensors if packed.dtype in CODED_DTYPES)
+    share = coded / total if total else 0.0
+    verbatim = sorted({str(p.dtype).removeprefix("torch.") for p in unit.tensors if p.dtype not in CODED_DTYPES})
+    if share < 0.5:
+        return (
+            f"{1 - share:.0%} of its bytes are {', '.join(verbatim)}, which the codec copies verbatim (it codes "
+            "only bf16/fp16/fp32 exponents): its payload would not be enough smaller to pay for decoding"
+        )
+    return "its payload would not be enough smaller than its bytes to pay for decoding"
 
 
 def _placement(handle: OffloadHandle, layout: Plan | None, index: int) -> str:

@@ -32,6 +32,9 @@ came from, in storage of its own, bit-exact.
 
 Tensors are re-pointed with ``tensor.data = view``: the ``Parameter`` objects themselves never
 change, so tied weights, optimiser references and ``named_parameters()`` all keep working.
+
+A tensor subclass (a quantized weight) is packed through the plain tensors it computes from, each laid out by the
+rules above, and follows them to each device (`subclasses`).
 """
 
 from __future__ import annotations
@@ -40,15 +43,16 @@ import dataclasses
 import difflib
 import fnmatch
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 
 import torch
 from torch import nn
 
-from .errors import FlexTensorError, PatternError
+from .errors import FlexTensorError, PatternError, UnsupportedTensorError
 from .host_memory import host_buffer, pin_in_place, unpin_in_place
+from .subclasses import UNSHARE, Flattened, Wrapper, as_type_of, copy_leaves, flatten, is_plain
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +203,7 @@ class PackedTensor:
     origin_device: torch.device
     origin: Placement
     persistent: bool  # appears in state_dict()
+    inside: bool = False  # a leaf inside a wrapper subclass: no module holds it (`subclasses`)
 
     def view_of(self, flat: torch.Tensor) -> torch.Tensor:
         """This tensor as a view of ``flat`` (a uint8 buffer laid out like the host buffer)."""
@@ -216,13 +221,58 @@ class Unit:
     nbytes: int = 0  # size of the flat buffer (a multiple of ALIGNMENT)
     host: torch.Tensor | None = None  # flat uint8 host buffer, pinned when streaming to CUDA
     pinned_in_place: bool = False  # registered with cudaHostRegister (must be unregistered)
+    wrappers: list[Wrapper] = field(default_factory=list)  # the unit's tensor subclasses held by its modules
+
+    def held(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of each tensor the unit's modules hold: its packed tensors, a subclass in place of its
+        leaves."""
+        plain = [(packed.names[0], packed.tensor) for packed in self.tensors if not packed.inside]
+        return plain + [(wrapper.names[0], wrapper.tensor) for wrapper in self.wrappers]
+
+    def values_in(
+        self, flat: torch.Tensor, view: Callable[[PackedTensor], torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Each name the unit's modules hold a tensor by (tied ones: each), with that tensor's value in ``flat``:
+        a view of it (``view``: how each packed tensor is viewed, by default `PackedTensor.view_of`), of the
+        tensor's type (a subclass rebuilt over views of its leaves). What ``state_dict()`` gives, read from the
+        host copy."""
+        values = {}
+        views = {id(packed.tensor): view(packed) if view else packed.view_of(flat) for packed in self.tensors}
+        for packed in self.tensors:
+            if not packed.inside:
+                value = as_type_of(packed.tensor, views[id(packed.tensor)])
+                values.update(dict.fromkeys(packed.names, value))
+        for wrapper in self.wrappers:
+            values.update(dict.fromkeys(wrapper.names, wrapper.rebuilt(lambda leaf: views[id(leaf)])))
+        return values
+
+    def adopt_replaced_subclasses(self) -> list[str]:
+        """After an edit, with the unit viewing its host copy: a subclass weight the edit replaced, in a module
+        (quanto's ``load_state_dict`` makes a new ``QTensor``) or inside another (``weight.qdata = new``), has its
+        values copied into the tensors packed here, which are put back, so the host copy holds the edit. The names
+        of replacements that are not alike (another type, metadata, shape or dtype), put back too: to refuse."""
+        refused = []
+        for wrapper in self.wrappers:
+            for rel in wrapper.names:
+                owner_name, _, attr = rel.rpartition(".")
+                owner = self.module.get_submodule(owner_name)
+                held = owner._parameters if attr in owner._parameters else owner._buffers
+                if held.get(attr) is not wrapper.tensor:
+                    if not copy_leaves(held.get(attr), wrapper.tensor):
+                        refused.append(f"{self.name}.{rel}")
+                    held[attr] = wrapper.tensor
+            refused.extend(wrapper.adopt_replaced(f"{self.name}.{wrapper.names[0]}"))
+        return refused
 
     def bind(self, flat: torch.Tensor) -> None:
         """Point every tensor of the unit at its bytes inside ``flat`` (host buffer, slot or resident copy)."""
         if isinstance(flat, torch.Tensor):  # a stand-in for a spilled host copy has no address of its own
             assert flat.data_ptr() % ALIGNMENT == 0, f"a flat buffer of {self.name} is not {ALIGNMENT}-byte aligned"
-        for packed in self.tensors:
-            packed.tensor.data = packed.view_of(flat)
+        with torch._C.DisableTorchFunctionSubclass():  # a subclass's __torch_function__ has no say in re-pointing
+            for packed in self.tensors:
+                packed.tensor.data = packed.view_of(flat)
+        for wrapper in self.wrappers:
+            wrapper.follow(getattr(flat, "device", _CPU))
 
 
 # --------------------------------------------------------------------------------------------- finding
@@ -272,6 +322,9 @@ def find_units(model: nn.Module, include: Sequence[str], exclude: Sequence[str] 
     if include and not selected:
         raise PatternError("the include patterns matched only excluded modules: nothing would be streamed")
     return selected
+
+
+_CPU = torch.device("cpu")
 
 
 def _owned_tensors(module: nn.Module) -> Iterable[tuple[str, torch.Tensor, bool]]:
@@ -325,24 +378,46 @@ def plan_layout(
     unit_tensor_ids, base_ids, loose = _assign_tensors(uses, storage_shared, len(selected))
     units = []
     for i, (name, module) in enumerate(selected):
-        unit = _lay_out(Unit(index=i, name=name, module=module), unit_tensor_ids[i], device, canonical)
+        unit = _lay_out(Unit(index=i, name=name, module=module), unit_tensor_ids[i], uses.flat, device, canonical)
         if not unit.tensors:
             raise PatternError(
                 f"unit {name!r} holds no weights of its own (all shared or none): leave it out of the patterns"
             )
         units.append(unit)
-    base = _lay_out(Unit(index=-1, name="(outside units)", module=model), base_ids, device, canonical)
+    base = _lay_out(Unit(index=-1, name="(outside units)", module=model), base_ids, uses.flat, device, canonical)
     return UnitLayout(units=units, base=base, loose=loose)
 
 
 @dataclass
 class _TensorUses:
-    """Every tensor of a model by ``id``, in the order the model's modules hold them: the tensor, its first
-    qualified name (for messages) and the set of units using it (-1: a module outside any unit)."""
+    """Every plain tensor of a model by ``id`` (a subclass's leaves: `subclasses.flatten`), in the order the model's
+    modules hold them: the tensor, its first qualified name (for messages) and the set of units using it (-1: a
+    module outside any unit). ``flat``: each tensor modules hold, by ``id``, flattened; ``within``: the subclass
+    holding a leaf, by the leaf's ``id`` (absent for a tensor modules hold themselves)."""
 
     tensor: dict[int, torch.Tensor] = field(default_factory=dict)
     name: dict[int, str] = field(default_factory=dict)
     places: dict[int, set[int]] = field(default_factory=dict)
+    flat: dict[int, Flattened] = field(default_factory=dict)
+    within: dict[int, Wrapper] = field(default_factory=dict)
+
+    def add(self, t: torch.Tensor, qualified: str, place: int) -> None:
+        """``t``, held by a module as ``qualified`` in ``place``: its leaves used there."""
+        flat = self.flat.get(id(t))
+        if flat is None:
+            flat = self.flat[id(t)] = flatten(t, qualified)
+        for path, leaf in flat.leaves:
+            holder = self.within.get(id(leaf))
+            if id(leaf) in self.places and holder is not flat.wrapper:
+                raise UnsupportedTensorError(
+                    f"{qualified!r} ({type(t).__name__}) and {self.name[id(leaf)]!r} hold the same tensor, inside a "
+                    f"tensor subclass and elsewhere: it could not be streamed as one; {UNSHARE}"
+                )
+            self.places.setdefault(id(leaf), set()).add(place)
+            self.tensor[id(leaf)] = leaf
+            self.name.setdefault(id(leaf), f"{qualified}.{path}" if path else qualified)
+            if flat.wrapper is not None:
+                self.within[id(leaf)] = flat.wrapper
 
 
 def _tensor_uses(model: nn.Module, selected: list[tuple[str, nn.Module]]) -> _TensorUses:
@@ -357,9 +432,7 @@ def _tensor_uses(model: nn.Module, selected: list[tuple[str, nn.Module]]) -> _Te
     for mod_name, module in model.named_modules(remove_duplicate=False):
         place = unit_of_module.get(id(module), -1)
         for local, t, _ in _owned_tensors(module):
-            uses.places.setdefault(id(t), set()).add(place)
-            uses.tensor[id(t)] = t
-            uses.name.setdefault(id(t), f"{mod_name}.{local}" if mod_name else local)
+            uses.add(t, f"{mod_name}.{local}" if mod_name else local, place)
     return uses
 
 
@@ -370,14 +443,21 @@ def _storage_shared(uses: _TensorUses, meta_ok: bool) -> set[int]:
     storages: dict[int, set[int]] = {}
     for tid, t in uses.tensor.items():
         if t.device.type == "meta":
-            if meta_ok:
+            if meta_ok and is_plain(t) and tid not in uses.within:
                 continue
             raise FlexTensorError(
                 f"tensor {uses.name[tid]!r} is on the meta device: load the weights before offloading "
-                "(or attach to weights another process packed: SharedHostMemory(..., create=False))"
+                "(or attach to weights another process packed: SharedHostMemory(..., create=False), which takes "
+                "plain tensors only)"
             )
         storages.setdefault(t.untyped_storage().data_ptr(), set()).add(tid)
-    return {tid for ids in storages.values() if len(ids) > 1 for tid in ids}
+    shared = {tid for ids in storages.values() if len(ids) > 1 for tid in ids}
+    inner = [tid for tid in shared if tid in uses.within]
+    if inner:  # left loose, it would move with .to(): the subclass holding it would not follow
+        raise UnsupportedTensorError(
+            f"{uses.name[inner[0]]!r} shares its storage with another tensor, which packing would un-share; {UNSHARE}"
+        )
+    return shared
 
 
 def _assign_tensors(
@@ -405,39 +485,66 @@ def _assign_tensors(
     return unit_tensor_ids, base_ids, loose
 
 
-def _lay_out(unit: Unit, tensor_ids: set[int], device: torch.device, canonical: bool) -> Unit:
-    """Place each of the unit's tensors (those in ``tensor_ids``), in module order, each in its `room` at the
-    offset ≡ its class on ``device``."""
-    by_id: dict[int, PackedTensor] = {}
+def _lay_out(
+    unit: Unit, tensor_ids: set[int], flat: dict[int, Flattened], device: torch.device, canonical: bool
+) -> Unit:
+    """Place each of the unit's tensors (those in ``tensor_ids``; a subclass's leaves, by ``flat``), in module
+    order, each in its `room` at the offset ≡ its class on ``device``."""
+    by_id: dict[int, PackedTensor | Wrapper] = {}
     offset = 0
     for sub_name, sub in unit.module.named_modules(remove_duplicate=False):
         for local, t, persistent in _owned_tensors(sub):
-            if id(t) not in tensor_ids:
+            leaves, wrapper = flat[id(t)].leaves, flat[id(t)].wrapper
+            if id(leaves[0][1]) not in tensor_ids:  # a subclass's leaves all go where it goes
                 continue
             rel = f"{sub_name}.{local}" if sub_name else local
-            if id(t) in by_id:
+            if id(t) in by_id:  # tied inside the unit
                 by_id[id(t)].names.append(rel)
-                by_id[id(t)].persistent |= persistent
+                if wrapper is None:
+                    by_id[id(t)].persistent |= persistent  # type: ignore[union-attr]
                 continue
-            origin = Placement.native(t)
-            placement = _placement_on(device, canonical, t, origin, f"{unit.name}.{rel}" if unit.index >= 0 else rel)
-            packed = PackedTensor(
-                tensor=t,
-                names=[rel],
-                offset=offset + placement.alignment_class,
-                nbytes=span_nbytes(t.shape, placement.stride, t.element_size()),
-                shape=t.shape,
-                stride=placement.stride,
-                dtype=t.dtype,
-                origin_device=t.device,
-                origin=origin,
-                persistent=persistent,
-            )
-            by_id[id(t)] = packed
-            unit.tensors.append(packed)
-            offset += room(packed.nbytes, t.element_size(), placement, device)
+            if wrapper is not None:
+                by_id[id(t)] = wrapper
+                wrapper.names.append(rel)
+                unit.wrappers.append(wrapper)
+            for path, leaf in leaves:
+                name = f"{rel}.{path}" if path else rel
+                packed, taken = _packed(leaf, name, persistent, wrapper is not None, unit, device, canonical, offset)
+                if wrapper is None:
+                    by_id[id(t)] = packed
+                unit.tensors.append(packed)
+                offset += taken
     unit.nbytes = align(offset)
     return unit
+
+
+def _packed(
+    t: torch.Tensor,
+    rel: str,
+    persistent: bool,
+    inside: bool,
+    unit: Unit,
+    device: torch.device,
+    canonical: bool,
+    offset: int,
+) -> tuple[PackedTensor, int]:
+    """Plain tensor ``t`` (``rel`` in ``unit``) placed from ``offset`` on, and the bytes of its `room`."""
+    origin = Placement.native(t)
+    placement = _placement_on(device, canonical, t, origin, f"{unit.name}.{rel}" if unit.index >= 0 else rel)
+    packed = PackedTensor(
+        tensor=t,
+        names=[rel],
+        offset=offset + placement.alignment_class,
+        nbytes=span_nbytes(t.shape, placement.stride, t.element_size()),
+        shape=t.shape,
+        stride=placement.stride,
+        dtype=t.dtype,
+        origin_device=t.device,
+        origin=origin,
+        persistent=persistent,
+        inside=inside,
+    )
+    return packed, room(packed.nbytes, t.element_size(), placement, device)
 
 
 def _placement_on(device: torch.device, canonical: bool, t: torch.Tensor, origin: Placement, name: str) -> Placement:
@@ -502,7 +609,8 @@ def copy_into(unit: Unit, host: torch.Tensor) -> None:
 def copy_tensor_into(packed: PackedTensor, host: torch.Tensor) -> None:
     """Copy the tensor's values into its place in ``host``: element by element where its layout there is
     dense; else (gaps, repeats: then it kept its native strides) the bytes of its storage span as they are."""
-    source = packed.tensor.data
+    with torch._C.DisableTorchFunctionSubclass():  # a subclass with bytes of its own is copied as plain bytes
+        source = packed.tensor.data.as_subclass(torch.Tensor)
     if is_dense(packed.shape, packed.stride):
         packed.view_of(host).copy_(source)
         return
@@ -539,8 +647,11 @@ def restore_unit(unit: Unit) -> None:
     """
     assert unit.host is not None
     fresh = [_restored(packed, unit.host) for packed in unit.tensors]
-    for packed, t in zip(unit.tensors, fresh, strict=True):
-        packed.tensor.data = t
+    with torch._C.DisableTorchFunctionSubclass():
+        for packed, t in zip(unit.tensors, fresh, strict=True):
+            packed.tensor.data = t
+    for wrapper in unit.wrappers:
+        wrapper.follow(wrapper.origin_device)
     unpin_unit(unit)
     unit.host = None
 

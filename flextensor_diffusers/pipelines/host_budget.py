@@ -23,6 +23,7 @@ from torch import nn
 from ..engine import format_bytes
 from ..engine.errors import HostBudgetError
 from ..engine.machine_memory import AvailableMemory, available_memory
+from ..engine.subclasses import storage_leaves
 from ..engine.units import UnitLayout
 
 #: What ``host_budget="auto"`` may take of the RAM available when offload is enabled (the rest is the margin for
@@ -89,7 +90,7 @@ def anonymous_weight_bytes(modules: Iterable[nn.Module]) -> int:
     starts = [start for start, _ in ranges]
     storages: dict[int, int] = {}
     for module in modules:
-        for tensor in itertools.chain(module.parameters(), module.buffers()):
+        for tensor in storage_leaves(itertools.chain(module.parameters(), module.buffers())):
             if tensor.device.type == "cpu":
                 storage = tensor.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()

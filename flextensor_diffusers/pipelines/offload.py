@@ -25,7 +25,7 @@ from ..engine import OffloadConfig, OffloadHandle, Phase, format_bytes, max_memo
 from ..engine.boundaries import refuse_whole_model_compile
 from ..engine.cache_files import RawCacheFile
 from ..engine.config import cache_folder, is_auto, parse_bytes, resolve_budget, resolve_device
-from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError
+from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError, UnsupportedTensorError
 from ..engine.handle import UnitDone, is_offloaded
 from ..engine.machine_memory import AvailableMemory
 from ..engine.planner import CUDA_ALLOCATION_GRANULE, smallest_budget
@@ -145,16 +145,30 @@ class PipelineOffload:
         activations where profiled, else weights outside units + 2 slots)."""
         return max((h.smallest_budget() for h in self.handles.values()), default=0)
 
-    def check_budget(self) -> None:
-        """Raise one `BudgetError` for every component whose profiled workload exceeds the budget."""
+    def budget_error(self) -> BudgetError | None:
+        """One `BudgetError` for every component whose profiled workload exceeds the budget, naming the smallest
+        budget for the whole pipeline (measured activations where profiled, set-up minimums elsewhere); None when
+        none does.
+
+        Every component asks it as each of its workload calls begins (`OffloadHandle.budget_refusal`), so a
+        shortfall measured by a component's profiling forward, inside the generation the user asked for, refuses
+        the very next forward of any component: the generation stops in the step that measured it, not at its end,
+        and the model is left as it was (offload enabled; disable restores every weight). It is asked at the end
+        of every generation too (`_checking_budget`), for a component profiled by its last forward."""
         short = {name: h.shortfall for name, h in self.handles.items() if h.shortfall is not None}
         if not short:
-            return
+            return None
         needs = {name: exc.required_bytes or 0 for name, exc in short.items()}
         need = max(*needs.values(), self.smallest_budget())
-        raise pipeline_budget_error(
+        return pipeline_budget_error(
             self.budget_bytes, need, needs, "weights outside blocks + 2 slots + measured activations", workload=True
         )
+
+    def check_budget(self) -> None:
+        """Raise `budget_error`, if any."""
+        error = self.budget_error()
+        if error is not None:
+            raise error
 
     def check_loads(self) -> None:
         """With ``verify_loads``: raise `LoadCheckError` when a component computed with bytes that are not its
@@ -190,6 +204,8 @@ class PipelineOffload:
                 "unit_bytes": stats.unit_bytes,
                 "transfer_unit_bytes": stats.transfer_unit_bytes,
                 "payload_cache": stats.payload_cache,  # compression_cache: read, written or refused, and where
+                # with compression: per unit, its payload's ratio, or raw and why (quantized bytes are not coded)
+                "unit_compression": {u.name: u.compression for u in stats.units if u.compression is not None} or None,
                 # host copies in RAM now (raw copies, and compressed copies where kept)
                 "host_ram_bytes": handle.host.host_ram_bytes,
                 "load_checks": _load_checks_record(handle),  # verify_loads: comparisons made, faults found
@@ -688,7 +704,7 @@ def _offload_component(state: PipelineOffload, request: OffloadRequest, name: st
     handle.on_activate = state.activate
     if state.last_forward is not None:
         handle.on_forward = state.forward_begins
-    handle.defer_budget_errors = True  # reported for all components at once, by check_budget
+    handle.budget_refusal = state.budget_error  # any component over budget refuses every component's next call
     state.handles[name] = handle
     if tier is not None:
         tier.add(name, handle)
@@ -773,7 +789,11 @@ def _check_setup_budgets(
         module = components[name]
         refuse_whole_model_compile(module)
         units = find_units(module, patterns, excludes or [])
-        layout = plan_layout(module, units, device, meta_ok=meta_ok, canonical=canonical)
+        try:
+            layout = plan_layout(module, units, device, meta_ok=meta_ok, canonical=canonical)
+        except UnsupportedTensorError as exc:  # a weight it cannot stream: the others can go without this one
+            others = [other for other in includes if other != name]
+            raise UnsupportedTensorError(f"{name}: {exc}; or offload the others only: components={others!r}") from exc
         needs[name] = smallest_budget(layout.resident_bytes, [u.nbytes for u in layout.units], granule=granule)
         layouts[name] = layout
     short = {name: need for name, need in needs.items() if need > budget}

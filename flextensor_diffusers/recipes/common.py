@@ -1,4 +1,4 @@
-"""What every recipe does: the command line, loading, the profiling generation, timing, the summary.
+"""What every recipe does: the command line, loading, where the plans come from, timing, the summary.
 
 A recipe module provides:
 
@@ -8,7 +8,7 @@ A recipe module provides:
   from the options kept on the pipeline (``attach``: build on the meta device, for a rank that
   attaches to another's shared weights);
 - ``generate(pipe, options, device, steps, output_type, **extra)`` and
-  ``profiling_generation(pipe, options, device)``;
+  ``profiling_generation(pipe, options, device)`` (the short generation ``--profiling-generation`` runs first);
 - optionally ``DECODED_ON_DEVICE = True`` (the generation asks for ``output_type="pt"``: the decoded video
   stays on the device and is written to the mp4 in chunks, each made uint8 there, so that a long video never
   sits in host memory whole), ``finish_chunk(pipe, options, pixels, start)`` (with it: edits each uint8
@@ -23,6 +23,7 @@ same functions.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -176,16 +177,42 @@ def remember_profiled(profile_dir: Path | None, key: str, description: dict[str,
 
 #: The counters of `OffloadHandle.stats().forwards` that count forwards (the others count activations, plans).
 FORWARD_PHASES = ("discovery", "profiling", "steady")
+#: The counters of forwards that ran unplanned (units loaded on demand while the order and times were measured).
+UNPLANNED_PHASES = ("discovery", "profiling")
 
 
 def all_steady(pipe: Any) -> bool:
-    """Every component the profiling generation ran has its plan (the VAE, not run by a latents-only
-    generation, profiles itself during the real one and keeps its own profile)."""
+    """Every component that ran has its plan, except one that ran a single forward (the VAE: one decode per
+    generation, none in a latents-only profiling generation), which a generation cannot profile: a process that
+    generates again plans it, and it keeps its own profile in ``--profile-dir`` then."""
     state = pipeline_offload(pipe)
     return state is None or all(
-        h.phase is Phase.STEADY or not any(h.stats().forwards.get(k) for k in FORWARD_PHASES)
-        for h in state.handles.values()
+        h.phase is Phase.STEADY or sum(h.counters[k] for k in FORWARD_PHASES) <= 1 for h in state.handles.values()
     )
+
+
+def unplanned_forwards(pipe: Any) -> dict[str, int]:
+    """Per component, the forwards (and entry calls) that ran unplanned so far: discovery and profiling ones."""
+    state = pipeline_offload(pipe)
+    if state is None:
+        return {}
+    return {name: sum(h.counters[k] for k in UNPLANNED_PHASES) for name, h in state.handles.items()}
+
+
+#: Where a run's plans came from (the summary's ``profiled_in``).
+IN_GENERATION, SAVED_PROFILE, PROFILING_GENERATION = "generation", "saved profile", "profiling generation"
+
+
+@dataclass(frozen=True)
+class ProfileSource:
+    """Where the plans of an offloaded run come from (``where``: `IN_GENERATION`, `SAVED_PROFILE` or
+    `PROFILING_GENERATION`), the profiling generation's seconds when one ran, and the workload's key in
+    ``--profile-dir``'s index with what is written there once it is profiled."""
+
+    where: str
+    profiling_generation_s: float | None
+    key: str
+    description: dict[str, Any]
 
 
 # ---------------------------------------------------------------------------------------- progress
@@ -219,11 +246,17 @@ def summary(
     options: RecipeOptions,
     device: torch.device,
     generation: Timed,
-    profiling_s: float | None,
+    source: ProfileSource | None,
     pipe: Any,
+    unplanned: dict[str, int],
 ) -> dict[str, Any]:
+    """The run's summary (printed, and written to ``--json``). ``profiled_in``: where the plans came from (the
+    generation's own first forwards, a saved profile, a profiling generation; None natively); ``unplanned_forwards``:
+    the generation's forwards that ran unplanned (``unplanned``: per component); ``total_s``: the profiling
+    generation and the generation, what the video cost after set-up."""
     state = pipeline_offload(pipe)
     ram = state.host_ram.ram if state and state.host_ram else None  # read when offload was enabled
+    profiling_s = source.profiling_generation_s if source is not None else None
     return {
         "recipe": options.recipe,
         "weights": str(options.model) if options.model else f"random ({options.random_weights})",
@@ -246,6 +279,10 @@ def summary(
         "seed": options.seed,
         "generation_s": round(generation.seconds, 3),
         "profiling_generation_s": None if profiling_s is None else round(profiling_s, 3),
+        "total_s": round(generation.seconds + (profiling_s or 0.0), 3),
+        "profiled_in": source.where if source is not None else None,
+        "unplanned_forwards": sum(unplanned.values()) if source is not None else None,
+        "unplanned_forwards_by_component": unplanned if source is not None else None,
         "peak_allocated_bytes": generation.peak_allocated_bytes,
         "output": str(options.output),
         "options": options.as_json(),
@@ -255,28 +292,53 @@ def summary(
 
 def offload_and_profile(
     recipe: Any, pipe: Any, options: RecipeOptions, device: torch.device, placement: Placement, progress: RunProgress
-) -> float | None:
-    """Enable offload; run the profiling generation unless a profile of this workload exists. Its seconds."""
+) -> ProfileSource:
+    """Enable offload, and say where its plans will come from: a saved profile of this workload (``--profile-dir``),
+    else the generation itself (each component's first forwards discover and profile it, on demand, and its plan
+    takes over in the same generation; outputs are bitwise either way), or, with ``--profiling-generation``, a
+    short generation run here first. A budget the measured activations do not fit is refused at the next forward
+    of any component (`PipelineOffload.budget_error`), in the first steps, not after the generation."""
     new_folder = options.profile_dir is not None and not options.profile_dir.exists()
     with progress.during("packing and pinning the weights"), stage("packing and pinning weights", options.quiet):
         enable_offload(pipe, options, device, shared_host=placement.shared_host)
-    shape = {"frames": options.frames, "height": options.height, "width": options.width}
-    key = workload_key(pipe, device, **shape, cfg=options.guidance > 1, gpus=placement.rank.world_size)
-    found = profiled_before(options.profile_dir, key)
+    source = profile_source(pipe, options, device, placement.rank.world_size)
+    where = source.where
     if placement.rank.leader:
-        where = options.profile_dir or "nowhere (no --profile-dir)"
-        then = "found: no profiling generation" if found else "none yet: a short profiling generation first"
+        folder = options.profile_dir or "nowhere (no --profile-dir)"
+        then = {
+            SAVED_PROFILE: "found: planned from the first step",
+            PROFILING_GENERATION: "none yet: a short profiling generation first",
+            IN_GENERATION: "none yet: each component's first forwards profile it, in this generation",
+        }[where]
         then += " (a new folder)" if new_folder else ""
         budget = format_bytes(pipeline_offload(pipe).budget_bytes)
-        print(f"offload: budget {budget} on {device}; profile in {where}: {then}")
-    if found:
-        return None
+        print(f"offload: budget {budget} on {device}; profile in {folder}: {then}")
+    if where != PROFILING_GENERATION:
+        return source
     label_generation(pipe, "profiling generation", options.quiet)
     with progress.during("the profiling generation"):
         seconds = timed(device, lambda: recipe.profiling_generation(pipe, options, device)).seconds
-    if all_steady(pipe) and placement.rank.leader:
-        remember_profiled(options.profile_dir, key, {**shape, "recipe": options.recipe})
-    return seconds
+    remember_if_planned(pipe, options, source, placement)
+    return dataclasses.replace(source, profiling_generation_s=seconds)
+
+
+def profile_source(pipe: Any, options: RecipeOptions, device: torch.device, gpus: int) -> ProfileSource:
+    """Where an offloaded pipeline's plans will come from for this workload: a saved profile when ``--profile-dir``'s
+    index holds it, else a profiling generation when ``--profiling-generation`` asks for one, else the generation."""
+    shape = {"frames": options.frames, "height": options.height, "width": options.width}
+    key = workload_key(pipe, device, **shape, cfg=options.guidance > 1, gpus=gpus)
+    if profiled_before(options.profile_dir, key):
+        where = SAVED_PROFILE
+    else:
+        where = PROFILING_GENERATION if options.profiling_generation else IN_GENERATION
+    return ProfileSource(where, None, key, {**shape, "recipe": options.recipe})
+
+
+def remember_if_planned(pipe: Any, options: RecipeOptions, source: ProfileSource, placement: Placement) -> None:
+    """Record the workload in ``--profile-dir``'s index once every component that ran has its plan (`all_steady`):
+    a later run then says it plans from a saved profile (and skips ``--profiling-generation``). The leader only."""
+    if source.where != SAVED_PROFILE and placement.rank.leader and all_steady(pipe):
+        remember_profiled(options.profile_dir, source.key, source.description)
 
 
 def load_for_run(
@@ -299,7 +361,8 @@ def load_for_run(
 
 
 def run_recipe(recipe: Any, options: RecipeOptions) -> dict[str, Any]:
-    """Load, compile, offload (or not), profile once per workload, generate, write the mp4 and the summary.
+    """Load, compile, offload (or not), generate (profiling inside the generation unless a profile of the workload
+    is saved, or ``--profiling-generation`` runs one first), write the mp4 and the summary.
 
     A Ctrl-C anywhere is raised as an `Interrupted` that names the stage and what was and was not written.
     """
@@ -309,17 +372,21 @@ def run_recipe(recipe: Any, options: RecipeOptions) -> dict[str, Any]:
     with progress.interruptible(), progress_bars(not options.quiet):
         device = device_of(options, placement.device)
         pipe = load_for_run(recipe, options, device, placement, progress)
-        profiling_s = None
+        source = None
         if options.no_offload:
             with progress.during("moving the weights to the device"):
                 place_natively(pipe, options, device)
         else:
-            profiling_s = offload_and_profile(recipe, pipe, options, device, placement, progress)
+            source = offload_and_profile(recipe, pipe, options, device, placement, progress)
         label_generation(pipe, "generation", options.quiet)
+        before = unplanned_forwards(pipe)
         with progress.during("the generation"):
             output_type = "pt" if getattr(recipe, "DECODED_ON_DEVICE", False) else "np"
             result = timed(device, lambda: recipe.generate(pipe, options, device, options.steps, output_type))
-        info = summary(options, device, result, profiling_s, pipe)
+        unplanned = {name: n - before[name] for name, n in unplanned_forwards(pipe).items()}
+        if source is not None:
+            remember_if_planned(pipe, options, source, placement)
+        info = summary(options, device, result, source, pipe, unplanned)
         info["gpus"] = placement.rank.world_size
         if placement.rank.leader:  # every rank has the whole video; one writes it
             write_outputs(recipe, pipe, options, result, info, progress)
@@ -381,17 +448,30 @@ UNPLANNED = ("discovery", "profiling")
 
 
 def unplanned_note(report: dict[str, Any]) -> str | None:
-    """A line for the components the table shows unplanned after the run (the VAE: one decode per generation,
-    and the profiling generation stops at latents), saying why and when they would be planned."""
+    """A line for the components the table shows unplanned after the run (the VAE: one decode per generation),
+    saying why and when they would be planned."""
     names = [name for name, c in report["components"].items() if c["phase"] in UNPLANNED]
     if not names:
         return None
     its = "its" if len(names) == 1 else "their"
     return (
-        f"phase: {', '.join(names)} ran once in this run (a VAE decodes once per generation, and the profiling "
-        f"generation stops at latents), so {its} blocks loaded on demand; a component is planned (steady) after "
-        "its second call, in a process that generates again"
+        f"phase: {', '.join(names)} ran once in this run (a VAE decodes once per generation), so {its} blocks "
+        "loaded on demand, each kept on the device for the rest of the call while a quarter of the budget holds "
+        "them; a component is planned (steady) after its second call, in a process that generates again"
     )
+
+
+def profiling_said(info: dict[str, Any]) -> str:
+    """Where the generation's plans came from, and what that cost it, in words."""
+    unplanned = info["unplanned_forwards"]
+    if info["profiled_in"] is None:
+        return "native"
+    forwards = f"{unplanned} forward{'s' if unplanned != 1 else ''} unplanned"
+    if info["profiled_in"] == PROFILING_GENERATION:
+        return f"after a profiling generation of {info['profiling_generation_s']:.2f} s; {forwards}"
+    if info["profiled_in"] == SAVED_PROFILE:
+        return f"planned from a saved profile; {forwards}"
+    return f"profiled in its first forwards: {forwards}, included"
 
 
 def print_summary(info: dict[str, Any]) -> None:
@@ -403,9 +483,8 @@ def print_summary(info: dict[str, Any]) -> None:
     extra = "".join(f"; {note}" for note in notes)
     print(f"wrote {info['output']} ({info['frames_written']} frames, {info['width']}x{info['height']}{extra})")
     print(
-        f"generation {info['generation_s']:.2f} s (discovery and profiling excluded"
-        + (f"; profiling generation {info['profiling_generation_s']:.2f} s" if info["profiling_generation_s"] else "")
-        + f"), peak allocated GPU memory {format_bytes(peak) if peak is not None else 'n/a (CPU)'}"
+        f"generation {info['generation_s']:.2f} s ({profiling_said(info)}), peak allocated GPU memory "
+        f"{format_bytes(peak) if peak is not None else 'n/a (CPU)'}"
     )
     if info["offload_report"] is not None:
         print(format_report(info["offload_report"]))

@@ -193,7 +193,8 @@ def generate(
 
 
 def profiling_generation(pipe: Any, options: TransferOptions, device: torch.device) -> Any:
-    """Two steps, latents only: the transformer and ControlNet run at least twice (discovery, profiling)."""
+    """``--profiling-generation``: two steps, latents only; the transformer and ControlNet run at least twice
+    (discovery, profiling)."""
     return generate(pipe, options, device, 2, "latent")
 
 

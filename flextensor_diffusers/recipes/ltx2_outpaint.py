@@ -292,7 +292,8 @@ def generate(
 
 
 def profiling_generation(pipe: Any, options: OutpaintOptions, device: torch.device) -> Any:
-    """Two steps, latents only: the text encoder (prompt, negative) and the transformer run twice each."""
+    """``--profiling-generation``: two steps, latents only; the text encoder (prompt, negative) and the
+    transformer run twice each."""
     return generate(pipe, options, device, 2, "latent")
 
 

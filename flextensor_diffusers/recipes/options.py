@@ -69,6 +69,7 @@ class RecipeOptions:
     background_encoding: bool | None = None  # None: the offload's choice (on a GPU where it can be)
     verify_loads: bool | None = None  # None: the offload's choice (on under a host tier with compression on a GPU)
     profile_dir: Path | None = Path("profiles")
+    profiling_generation: bool = False  # a short generation first, so that every step of the real one is planned
     device: str | None = None
     no_offload: bool = False
     vae_tiling: str = "auto"
@@ -317,7 +318,14 @@ def add_memory(parser: argparse.ArgumentParser) -> None:
         "--profile-dir",
         type=Path,
         default=Path("profiles"),
-        help="where profiles are kept; a matching one skips the profiling generation next time",
+        help="where profiles are kept; a matching one plans each component from its first forward",
+    )
+    parser.add_argument(
+        "--profiling-generation",
+        action="store_true",
+        help="without a matching profile, run a short generation first (latents only) that profiles the denoisers, "
+        "so that every step of the real one is planned (for timing steps); by default the real generation's first "
+        "forwards profile each component and its plan takes over in the same generation",
     )
 
 

@@ -170,7 +170,8 @@ def generate(pipe: Any, options: WanOptions, device: torch.device, steps: int, o
 
 
 def profiling_generation(pipe: Any, options: WanOptions, device: torch.device) -> Any:
-    """The shortest generation of the same shapes that runs each expert twice (discovery, profiling).
+    """``--profiling-generation``: the shortest generation of the same shapes that runs each expert twice
+    (discovery, profiling).
 
     Two steps with CFG (cond and uncond forwards), four without; latents only, no VAE decode.
     """

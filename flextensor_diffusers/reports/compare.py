@@ -224,8 +224,9 @@ def _free(device: torch.device) -> None:
 def _cap(device: torch.device, cap: str | None) -> None:
     """Emulate a smaller card: the caching allocator refuses to grow past ``cap``."""
     if cap and device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(cap) / total), device)
+        index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" names none
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(cap) / total), index)
 
 
 def check_cap(flag: str, cap: str | None) -> None:
@@ -354,18 +355,28 @@ def native_run(recipe: Any, pipe: Any, options: RecipeOptions, device: torch.dev
 def offloaded_run(
     recipe: Any, pipe: Any, options: RecipeOptions, device: torch.device, progress: RunProgress
 ) -> dict[str, Any]:
-    """Offload enabled, the profiling generation, then the recorded generation; offload disabled after."""
+    """Offload enabled, then the recorded generation, as the recipe runs it: each component's first forwards
+    profile it inside that generation (their steps are the slower ones in ``step_s``), unless a saved profile
+    of the workload plans them, or the recipe's ``--profiling-generation`` asks for a short generation first (then
+    every recorded step is planned; its time is ``profiling_s``). ``profiled_in`` and ``unplanned_forwards`` say
+    which; offload disabled after."""
     with progress.during("packing and pinning the weights"), common.stage("packing and pinning weights", options.quiet):
         common.enable_offload(pipe, options, device)
-    common.label_generation(pipe, "offloaded: profiling generation", options.quiet)
-    with progress.during("the offloaded profiling generation"):
-        start = time.perf_counter()
-        recipe.profiling_generation(pipe, options, device)
-        profiling_s = time.perf_counter() - start
+    source = common.profile_source(pipe, options, device, gpus=1)
+    profiling_s = None
+    if source.where == common.PROFILING_GENERATION:
+        common.label_generation(pipe, "offloaded: profiling generation", options.quiet)
+        with progress.during("the offloaded profiling generation"):
+            start = time.perf_counter()
+            recipe.profiling_generation(pipe, options, device)
+            profiling_s = round(time.perf_counter() - start, 4)
     common.label_generation(pipe, "offloaded generation", options.quiet)
+    before = common.unplanned_forwards(pipe)
     with progress.during("the offloaded generation"):
         run = run_generation(recipe, pipe, options, device)
-    run["profiling_s"] = round(profiling_s, 4)
+    run["profiling_s"] = profiling_s
+    run["profiled_in"] = source.where
+    run["unplanned_forwards"] = sum(common.unplanned_forwards(pipe).values()) - sum(before.values())
     offload_report = pipe.flextensor_report()
     # The Recorder reset the allocator's peak counter at every stage, so the pipeline's own reading
     # covers the last stage only; the run's peak is the largest stage peak.

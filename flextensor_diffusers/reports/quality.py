@@ -395,6 +395,13 @@ def summary_table(runs: dict[str, dict[str, Any]]) -> str:
         ("generation time", [f"{r['generation_s']:.2f} s" if r.get("generation_s") else "—" for r in runs.values()]),
         ("mean step time", [f"{r['mean_step_s']:.3f} s" if r.get("mean_step_s") else "—" for r in runs.values()]),
         ("profiling generation", [f"{r['profiling_s']:.2f} s" if r.get("profiling_s") else "—" for r in runs.values()]),
+        (
+            "profiled in",
+            [
+                f"{r['profiled_in']}, {r['unplanned_forwards']} forwards unplanned" if r.get("profiled_in") else "—"
+                for r in runs.values()
+            ],
+        ),
         ("peak allocated", [_fmt_bytes(r.get("peak_allocated_bytes")) for r in runs.values()]),
         ("peak reserved", [_fmt_bytes(r.get("peak_reserved_bytes")) for r in runs.values()]),
     ]

@@ -1,0 +1,389 @@
+"""Issue 47: quantized weights streamed under a budget, bitwise equal to the same weights run natively.
+
+``stack``: the 40 Wan2.2-A14B blocks of `bench_common.build_stack` at 17 frames 480x272 under a 2.8 GB budget, one
+row per form of the weights (``--rows``; `REPRESENTATIONS`), against native with the same form. The weights are made
+on the GPU (seed 0) and converted there; native forwards run there (median of ``--reps`` after one warm-up); then
+the same module moves to the CPU, is offloaded (the package packs from host memory), warmed up through discovery
+and profiling, and timed alike. ``step_s`` is one forward of the stack; outputs are compared with ``torch.equal``;
+the peak covers set-up to the last forward (`WholeRunPeak`).
+
+``smallest_card``: the whole Wan2.2-T2V-A14B pipeline (two experts, UMT5, Wan VAE; published sizes, random weights)
+with int8 transformers, 81 frames 832x480 with CFG, 2 steps and a tiled VAE decode (no mp4), on an emulated 5 GB
+card (``set_per_process_memory_fraction``; ``mem_get_info`` does not see it, so the budget is passed as the cap):
+whether it completed, its peak, and the floor, the smallest budget the package accepts for this workload (the
+largest of the components' minimums, with the activations they measured), its parts by the package's own rule,
+and the package's refusal of one byte less. The JSON is written after each row: a run cut off keeps its rows.
+
+    bash benchmarks/gpu_proof.sh quantized                             # on one H100/H200
+    python benchmarks/quantized_bench.py --small --out /tmp/q.json     # tiny shapes, on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import bench_common as bc
+import torch
+from torch import nn
+
+import flextensor_diffusers as ft
+from flextensor_diffusers.engine.errors import first_line
+from flextensor_diffusers.engine.planner import smallest_budget
+from flextensor_diffusers.reports.compare import _cap, _free
+
+WORKLOAD = "17f_480x272"
+STACK_BUDGET = 2_800_000_000
+CARD_BYTES = 5_000_000_000
+CARD_STEPS = 2
+#: ``--small``: eight blocks of dim 256 and a budget of about two of their bf16 blocks, so that every form streams.
+SMALL_SHAPE = bc.StackShape(blocks=8, dim=256, heads=4, ffn=512, small=True)
+SMALL_STACK_BUDGET = 3_500_000
+SMALL_CARD_BYTES = 2_000_000
+
+
+@dataclass(frozen=True)
+class Representation:
+    """One form of the weights: the row's name for it, what was done, and how to do it to a module in place."""
+
+    label: str
+    how: str
+    apply: Callable[[nn.Module], None]
+
+
+def _torchao(config: str) -> Callable[[nn.Module], None]:
+    def apply(module: nn.Module) -> None:
+        import torchao.quantization as quantization
+
+        quantization.quantize_(module, getattr(quantization, config)())
+
+    return apply
+
+
+def _fp8_layerwise(module: nn.Module) -> None:
+    """A diffusers model's own ``enable_layerwise_casting`` (which also skips its fp32 modules), else the hook it
+    applies, with diffusers' default skip patterns (norms, proj_in/proj_out)."""
+    storage, compute = torch.float8_e4m3fn, torch.bfloat16
+    if hasattr(module, "enable_layerwise_casting"):
+        module.enable_layerwise_casting(storage_dtype=storage, compute_dtype=compute)
+    else:
+        from diffusers.hooks import apply_layerwise_casting
+
+        apply_layerwise_casting(module, storage, compute)
+
+
+#: ``--rows`` names. ``fp8`` is diffusers' layerwise casting, the fp8 its memory guide offers for Wan (plain float8
+#: tensors, cast per layer); ``fp8_torchao`` (a float8 tensor subclass, sm89+) runs when asked for.
+REPRESENTATIONS = {
+    "bf16": Representation("bf16", "bf16 weights as built (fp32 where Wan keeps them)", lambda module: None),
+    "int8": Representation("int8", "torchao quantize_(m, Int8WeightOnlyConfig())", _torchao("Int8WeightOnlyConfig")),
+    "fp8": Representation(
+        "fp8_layerwise", "diffusers layerwise casting: fp8 e4m3 storage, bf16 compute", _fp8_layerwise
+    ),
+    "fp8_torchao": Representation(
+        "fp8_torchao", "torchao quantize_(module, Float8WeightOnlyConfig())", _torchao("Float8WeightOnlyConfig")
+    ),
+}
+
+
+class WholeRunPeak:
+    """Peak allocated device memory between entering and leaving, whoever resets the allocator's counter meanwhile.
+
+    The counter is reset once, on entering (through the package's ``reset_peak_memory_stats`` where it has one, so
+    that the peak it reports starts there too). While inside, ``torch.cuda.reset_peak_memory_stats`` first folds the
+    peak so far into this record: a reset the package makes (its profiler resets the counter before each profiling
+    forward, directly or through its peak windows) hides nothing. None on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._folded = 0
+        self._reset = torch.cuda.reset_peak_memory_stats
+        self._start = getattr(ft.engine, "reset_peak_memory_stats", self._reset)
+
+    def _folding_reset(self, device: Any = None) -> None:
+        self._folded = max(self._folded, torch.cuda.max_memory_allocated(self.device if device is None else device))
+        self._reset(device)
+
+    def __enter__(self) -> WholeRunPeak:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self._start(self.device)
+            torch.cuda.reset_peak_memory_stats = self._folding_reset
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.reset_peak_memory_stats = self._reset
+
+    @property
+    def peak(self) -> int | None:
+        if not self.cuda:
+            return None
+        torch.cuda.synchronize(self.device)
+        return max(self._folded, torch.cuda.max_memory_allocated(self.device))
+
+
+def provenance() -> dict[str, Any]:
+    """What each row carries: the command that made it and the code's commit (CODE_COMMIT when set, since the
+    device's copy of the tree may have a stale .git or none; else git's HEAD)."""
+    commit = os.environ.get("CODE_COMMIT")
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, check=True).stdout.decode()
+    return {"command": " ".join(["python3", *sys.argv]), "code_commit": commit.strip() if commit else None}
+
+
+# ---------------------------------------------------------------------------------------- the stack
+
+
+def native_forwards(model: nn.Module, shape: bc.StackShape, reps: int, device: torch.device) -> dict[str, Any]:
+    """Median forward of ``model`` where it is (after one warm-up), its output on the CPU, and its peak."""
+    x = bc.stack_inputs(shape, WORKLOAD, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with torch.inference_mode():
+        model(*x)
+        timed = bc.time_forwards(model, x, reps, device)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"step_s": timed.ms / 1e3, "out": timed.out.cpu(), "peak_allocated_bytes": peak}
+
+
+def offloaded_forwards(
+    model: nn.Module, shape: bc.StackShape, budget: int, reps: int, device: torch.device
+) -> dict[str, Any]:
+    """Offload ``model`` (on the CPU) at ``budget``, warm up until planned, time ``reps`` forwards, remove. The
+    inputs are made after set-up, as a pipeline makes its latents; the peak covers set-up to the last forward."""
+    with WholeRunPeak(device) as watch:
+        start = time.perf_counter()
+        handle = ft.offload(model, bc.stack_config(budget, device))
+        setup_s = time.perf_counter() - start
+        try:
+            with torch.inference_mode():
+                x = bc.stack_inputs(shape, WORKLOAD, device)
+                bc.warm_up(handle, model, x)
+                streamed_before = handle.stats().bytes_streamed
+                timed = bc.time_forwards(model, x, reps, device)
+                stats = handle.stats()
+            peak = watch.peak
+        finally:
+            handle.remove()
+    run = {"step_s": timed.ms / 1e3, "out": timed.out.cpu(), "peak_allocated_bytes": peak, "setup_s": round(setup_s, 3)}
+    run |= {"package_peak_allocated_bytes": stats.peak_allocated_bytes, "plan": stats.plan}
+    run["streamed_bytes_per_step"] = round((stats.bytes_streamed - streamed_before) / reps)
+    return run | {"unit_bytes": stats.unit_bytes, "resident_weight_bytes": stats.resident_weight_bytes}
+
+
+def stack_row(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """One representation of the stack, native then offloaded at the budget (see the module docstring)."""
+    rep, shape = REPRESENTATIONS[name], SMALL_SHAPE if args.small else bc.StackShape()
+    model = bc.build_stack(shape, device)
+    rep.apply(model)
+    native = native_forwards(model, shape, args.reps, device)
+    model.to("cpu")
+    _free(device)
+    offloaded = offloaded_forwards(model, shape, args.budget, args.reps, device)
+    native_out, out = native.pop("out"), offloaded.pop("out")
+    same_shape = native_out.shape == out.shape
+    row = {"weights": rep.label, "weights_how": rep.how, "workload": WORKLOAD, "frames": 17, "blocks": shape.blocks}
+    row |= bc.check_budget(f"{rep.label} stack", args.budget, offloaded.pop("peak_allocated_bytes"), bc.WHOLE_RUN)
+    row |= {"step_s": round(offloaded.pop("step_s"), 5), "native_step_s": round(native["step_s"], 5)}
+    row |= {"bitwise_equal": bool(torch.equal(native_out, out)), "small": args.small}
+    row["max_abs_diff"] = (native_out.float() - out.float()).abs().max().item() if same_shape else None
+    return row | {"native_peak_allocated_bytes": native["peak_allocated_bytes"], **offloaded}
+
+
+# ---------------------------------------------------------------------------------------- the smallest card
+
+
+def quantize_on(module: nn.Module, rep: Representation, device: torch.device) -> None:
+    """Apply ``rep`` to a module on the CPU where it is quick (``device``), and move it back to the CPU."""
+    module.to(device)
+    rep.apply(module)
+    module.to("cpu")
+    _free(device)
+
+
+def floor_record(state: Any) -> dict[str, Any]:
+    """The smallest budget every component accepts for the workload it measured, the parts of the binding one
+    (the package's own rule, term by term), and the package's refusal of one byte less."""
+    needs = {name: h.smallest_budget() for name, h in state.handles.items()}
+    profiled = {name: h.profile is not None for name, h in state.handles.items()}
+    binding = max(needs, key=needs.get)
+    handle = state.handles[binding]
+    granule, margin = handle.device_copies.allocation_granule, handle.config.activation_margin
+    activations = handle.profile.activation_peak_bytes if handle.profile is not None else 0
+    parts = {
+        "component": binding,
+        "weights_outside_units": smallest_budget(handle.resident_weight_bytes, [], granule=granule),
+        "two_slots_of_largest_unit": smallest_budget(0, [u.nbytes for u in handle.units], granule=granule),
+        "activations_with_margin": smallest_budget(0, [], activations, margin, granule=granule),
+        "activation_peak_bytes": activations,
+        "activation_margin": margin,
+    }
+    terms = ("weights_outside_units", "two_slots_of_largest_unit", "activations_with_margin")
+    parts["sum_equals_floor"] = sum(parts[k] for k in terms) == needs[binding]
+    try:
+        handle.set_budget(needs[binding] - 1)
+        refusal: dict[str, Any] = {"refused": False}
+    except ft.BudgetError as exc:
+        refusal = {"refused": True, "required_bytes": exc.required_bytes, "message": first_line(exc)}
+    return {
+        "floor_bytes": max(needs.values()),
+        "floor_parts": parts,
+        "floor_by_component": {name: {"bytes": needs[name], "activations_measured": profiled[name]} for name in needs},
+        "floor_refusal_one_byte_less": refusal,
+    }
+
+
+def card_options(args: argparse.Namespace, cap: int) -> Any:
+    from flextensor_diffusers.recipes import wan22_t2v
+
+    argv = ["--random-weights", "tiny" if args.small else "full", "--steps", str(CARD_STEPS), "--budget", str(cap)]
+    argv += ["--vae-tiling", "on", "-q"]
+    if not args.small:
+        argv += ["--frames", "81", "--height", "480", "--width", "832"]
+    return wan22_t2v.parse_args(argv)
+
+
+def smallest_card(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The whole pipeline on an emulated card of ``cap`` bytes, budget = cap (see the module docstring)."""
+    from flextensor_diffusers.recipes import common, wan22_t2v
+
+    rep, cap = REPRESENTATIONS[args.card_weights], args.card_bytes
+    options = card_options(args, cap)
+    start = time.perf_counter()
+    pipe = wan22_t2v.load(options, device)  # random weights made on the GPU (full size), then on the CPU
+    for name in ("transformer", "transformer_2"):
+        quantize_on(getattr(pipe, name), rep, device)
+    record: dict[str, Any] = {"weights": rep.label, "weights_how": f"{rep.how}, both transformers", "cap_bytes": cap}
+    record |= {"frames": options.frames, "height": options.height, "width": options.width, "cfg": options.guidance > 1}
+    record |= {"steps": CARD_STEPS, "vae_tiling": True, "small": args.small}
+    record["build_s"] = round(time.perf_counter() - start, 1)
+    _free(device)
+    _cap(device, str(cap))
+    try:
+        with WholeRunPeak(device) as watch:
+            start = time.perf_counter()
+            try:
+                common.enable_offload(pipe, options, device)
+                video = wan22_t2v.generate(pipe, options, device, CARD_STEPS, "np")
+                record |= {"completed": True, "video_shape": list(video.shape)}
+            except Exception as exc:  # a refusal (BudgetError: its required_bytes) or a failure, recorded
+                traceback.print_exc()
+                record |= {"completed": False, "error": f"{type(exc).__name__}: {first_line(exc)}"}
+                record["floor_bytes"] = getattr(exc, "required_bytes", None)  # a refusal's; the state's below if any
+            record["generation_s"] = round(time.perf_counter() - start, 1)
+            record |= bc.check_budget("smallest card", cap, watch.peak, bc.WHOLE_RUN)
+            state = ft.pipeline_offload(pipe)
+            if state is not None and state.handles:
+                record["package_peak_allocated_bytes"] = state.report()["peak_allocated_bytes"]
+                record |= floor_record(state)
+                pipe.disable_flextensor_offload()
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
+    record.setdefault("floor_parts", {})
+    return record
+
+
+# ---------------------------------------------------------------------------------------- the run
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rows", default="bf16,int8,fp8", help=f"stack rows, of {', '.join(REPRESENTATIONS)}")
+    parser.add_argument("--skip-smallest-card", action="store_true")
+    parser.add_argument("--small", action="store_true", help="tiny shapes (a quick check on the CPU)")
+    parser.add_argument("--time-limit", type=float, help="seconds after which no new row is started")
+    parser.add_argument("--reps", type=int, help="timed forwards of the stack, each way (default 5; --small 2)")
+    parser.add_argument("--budget", type=int, help=f"stack budget, bytes (default {STACK_BUDGET})")
+    parser.add_argument("--card-bytes", type=int, help=f"emulated card and its budget (default {CARD_BYTES})")
+    parser.add_argument("--card-weights", default="int8", choices=sorted(REPRESENTATIONS))
+    return parser
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"\n{'weights':<14} {'step s':>8} {'native s':>8} {'equal':>5} {'peak GiB':>8} {'GiB/step':>8}")
+    for row in result["stack"]:
+        if "error" in row:
+            print(f"{row['weights']:<14} {row['error']}")
+            continue
+        peak = row["peak_allocated_bytes"] / 2**30 if row["peak_allocated_bytes"] is not None else float("nan")
+        print(
+            f"{row['weights']:<14} {row['step_s']:>8.4f} {row['native_step_s']:>8.4f} {row['bitwise_equal']!s:>5} "
+            f"{peak:>8.2f} {row['streamed_bytes_per_step'] / 2**30:>8.2f}"
+        )
+    if card := result["smallest_card"]:
+        said = {k: card.get(k) for k in ("weights", "cap_bytes", "steps", "completed", "peak_allocated_bytes")}
+        print(f"smallest card: {said}, floor {card.get('floor_bytes')} {card.get('error', '')}")
+    for skipped in result["skipped"]:
+        print(f"skipped (time limit): {skipped}")
+
+
+def guarded(failed: dict[str, Any], job: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``job``'s row, or ``failed`` with the error when it raised (a row that fails is recorded; the next one runs);
+    either with the command and the commit."""
+    try:
+        row = job()
+    except Exception as exc:
+        traceback.print_exc()
+        row = failed | {"error": f"{type(exc).__name__}: {first_line(exc)}"}
+    return row | provenance()
+
+
+def installed(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def main() -> None:
+    args = parser().parse_args()
+    args.budget = args.budget or (SMALL_STACK_BUDGET if args.small else STACK_BUDGET)
+    args.card_bytes = args.card_bytes or (SMALL_CARD_BYTES if args.small else CARD_BYTES)
+    args.reps = args.reps or (2 if args.small else 5)
+    started = time.perf_counter()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    names = [n for n in args.rows.split(",") if n]
+    if any(n not in REPRESENTATIONS for n in names):
+        parser().error(f"--rows {args.rows}: use some of {', '.join(REPRESENTATIONS)}")
+    versions = {name: installed(name) for name in ("torch", "diffusers", "torchao")}
+    result: dict[str, Any] = {"issue": 47, "device": bc.device_name(device), **versions, **provenance()}
+    result |= {"stack": [], "smallest_card": None, "skipped": []}
+    print(f"device {result['device']}, torch {result['torch']}, torchao {result['torchao']}", flush=True)
+
+    def may_start(label: str) -> bool:
+        if args.time_limit is not None and time.perf_counter() - started > args.time_limit:
+            result["skipped"].append(label)
+            return False
+        print(f"[{time.perf_counter() - started:7.1f} s] {label}", flush=True)
+        return True
+
+    for name in names:
+        if may_start(f"stack {name}"):
+            failed = {"weights": REPRESENTATIONS[name].label, "small": args.small}
+            result["stack"].append(guarded(failed, lambda name=name: stack_row(name, args, device)))
+            _free(device)
+            bc.write_json(args.out, result)
+    if not args.skip_smallest_card and may_start("smallest card"):
+        failed = {"weights": REPRESENTATIONS[args.card_weights].label, "completed": False, "steps": CARD_STEPS}
+        failed["cap_bytes"] = args.card_bytes
+        result["smallest_card"] = guarded(failed, lambda: smallest_card(args, device))
+        _free(device)
+    bc.write_json(args.out, result)
+    print_table(result)
+
+
+if __name__ == "__main__":
+    main()
