@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.engine import host_copies
+from flextensor_diffusers.engine import host_copies, packing_line
 from tests.models import Stack, assert_same, snapshot
 from tests.test_engine import make, native
 
@@ -28,9 +28,11 @@ def offload(model: Stack, device: str) -> ft.OffloadHandle:
 
 
 @pytest.fixture(autouse=True)
-def eight_packing_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A window of eight units whatever the machine's cores (a held unit must be reached without a forward)."""
-    monkeypatch.setattr(host_copies, "PACK_THREADS", 8)
+def line_of_its_own(monkeypatch: pytest.MonkeyPatch) -> packing_line.PackingLine:
+    """A packing line for this test's models alone: models of earlier tests, not yet collected, copy nothing here."""
+    line = packing_line.PackingLine()
+    monkeypatch.setattr(packing_line, "LINE", line)
+    return line
 
 
 def hold_packing(
@@ -59,44 +61,63 @@ def pending(handle: ft.OffloadHandle) -> set[int]:
     return set() if packing is None else set(packing.pending)
 
 
+def reach(handle: ft.OffloadHandle, name: str = HELD) -> None:
+    """Ask for the host bytes of the unit before ``name``, as a forward reaching it does: it is adopted, and the
+    line copies ``name`` next."""
+    before = next(i for i, unit in enumerate(handle.units) if unit.name == name) - 1
+    handle.host.host_of(handle.units[before])
+
+
 def test_set_up_returns_before_packing_ends_and_the_first_forward_waits(device: str, monkeypatch) -> None:
     model, x = make()
     ref = native(model, x, device)
     copied, go_on = hold_packing(monkeypatch)
     handle = offload(model, device)
-    assert copied.wait(30)
-    assert 3 in pending(handle)  # set-up returned with blocks.2 still being packed
-    threading.Timer(0.2, go_on.set).start()
-    assert torch.equal(forward(model, x, device), ref)  # waited for blocks.2 at its gate
+    assert 3 in pending(handle) and not copied.is_set()  # set-up returned; blocks.2 is copied once reached
+    seen: list[bool] = []
+
+    def let_go() -> None:  # the forward waits at blocks.2's gate while its copy is held
+        seen.append(copied.wait(60) and 3 in pending(handle))
+        go_on.set()
+
+    releaser = threading.Thread(target=let_go)
+    releaser.start()
+    assert torch.equal(forward(model, x, device), ref)
+    releaser.join()
+    assert seen == [True]
     assert not pending(handle) and handle.host.host_gate is None  # the last unit adopted ends the gate
     assert torch.equal(forward(model, x, device), ref)
+    handle.wait_until_packed()
+    assert handle.host._progressive is None
     assert handle.stats().setup_ms["pack"] > 0
     handle.remove()
 
 
-def test_packing_holds_at_most_a_window_of_units_ahead_of_their_use(monkeypatch) -> None:
-    """Until a unit is adopted its own tensors stay alive too: a model not used yet has at most the window's
-    units packed, and its tensors are still its own."""
-    monkeypatch.setattr(host_copies, "PACK_THREADS", 2)
-    model, x = make(depth=8)
-    ref = native(model, x, "cpu")
-    handle = offload(model, "cpu")
-    packing = handle.host._progressive
-    assert packing is not None
-    with packing._cond:  # woken at each unit packed
-        assert packing._cond.wait_for(lambda: len(packing._ready) == 2, timeout=60)
-        # A unit is handed to a thread only by `_submit_more`, under this lock, at set-up and at each adoption or
-        # failure; none came yet (both packed units wait to be adopted): what was handed out is all there will be.
-        adopted = len(handle.host.positions) - len(packing.pending)
-        assert packing._next == adopted + 2 and not packing._failed
-    assert len(packing._ready) == 2 and len(packing.pending) >= 7  # the base adopted, maybe one block
-    waiting = [handle.host.positions[p] for p in packing.pending]
-    storages = [packed.tensor.untyped_storage().data_ptr() for unit in waiting for packed in unit.tensors]
-    assert len(set(storages)) == len(storages)  # their tensors are still their own
-    assert torch.equal(forward(model, x, "cpu"), ref)
-    assert not pending(handle)
-    handle.wait_until_packed()
-    handle.remove()
+def test_at_most_one_unit_of_the_process_is_held_twice(line_of_its_own: packing_line.PackingLine) -> None:
+    """Until a unit is adopted its own tensors stay alive too. Two models set up and not used: the line copied one
+    unit ahead, for both, and then stops (no thread copies); every unit not adopted has its own tensors."""
+    models = [make(depth=8) for _ in range(2)]
+    refs = [native(model, x, "cpu") for model, x in models]
+    earlier = set(threading.enumerate())  # another test's handle may still be copying a unit on its own line
+    handles = [offload(model, "cpu") for model, _ in models]
+    line = line_of_its_own
+    with line._cond:  # woken as each copy ends
+        assert line._cond.wait_for(lambda: line._held is not None and line._copying is None, timeout=60)
+    assert not [t for t in set(threading.enumerate()) - earlier if t.name == "flextensor-pack"]  # none until adopted
+    held = line._held
+    assert held is not None and held.packer() in [h.host._progressive for h in handles]
+    adopted = [len(h.host.positions) - len(pending(h)) for h in handles]
+    assert adopted == [2, 1]  # each base (activated at set-up), and the first model's first block: adopted by the
+    # second model's set-up, which found it held when it asked for its base
+    waiting = [packed.tensor for h in handles for p in pending(h) for packed in h.host.positions[p].tensors]
+    storages = [t.untyped_storage().data_ptr() for t in waiting]
+    assert len(set(storages)) == len(storages) == len(waiting)  # their tensors are still their own
+    for (model, x), ref in zip(models, refs, strict=True):
+        assert torch.equal(forward(model, x, "cpu"), ref)
+    for handle in handles:
+        handle.wait_until_packed()
+        assert not pending(handle) and handle.host._progressive is None
+        handle.remove()
 
 
 @pytest.mark.parametrize("edited_before_copy", [False, True])
@@ -110,6 +131,7 @@ def test_in_place_edit_while_packing_reaches_the_outputs(device: str, monkeypatc
     expected = native(expected_model, x, device)
     copied, go_on = hold_packing(monkeypatch, before_copy=edited_before_copy)
     handle = offload(model, device)
+    reach(handle)
     assert copied.wait(30)
     with torch.no_grad():
         model.blocks[2].qkv.weight.mul_(2)  # blocks.2 is copied already, or its copy waits to begin
@@ -125,6 +147,7 @@ def test_state_dict_while_packing_gives_the_weights(monkeypatch) -> None:
     before = {k: v.clone() for k, v in model.state_dict().items()}
     copied, go_on = hold_packing(monkeypatch)
     handle = offload(model, "cpu")
+    reach(handle)
     assert copied.wait(30)
     state = model.state_dict()
     assert state.keys() == before.keys() and all(torch.equal(state[k], before[k]) for k in before)
@@ -162,8 +185,9 @@ def test_remove_while_packing_is_under_way_leaves_every_tensor_as_it_was(monkeyp
     copied, go_on = hold_packing(monkeypatch)
     earlier = set(threading.enumerate())  # other tests' handles, never removed, may still hold packing threads
     handle = offload(model, "cpu")
+    reach(handle)
     assert copied.wait(30)
-    threading.Timer(0.2, go_on.set).start()  # removal waits for the pack under way
+    threading.Timer(0.2, go_on.set).start()  # removal waits for the copy under way
     handle.remove()
     assert not [t for t in set(threading.enumerate()) - earlier if t.name.startswith("flextensor-pack")]
     assert_same(before, model)

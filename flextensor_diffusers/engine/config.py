@@ -174,8 +174,9 @@ class OffloadConfig:
             components take device memory one at a time, when each first runs.
         progressive_packing: without compression or shared weights, set-up returns while the raw host
             copies are still being packed on threads, and the first forward waits only for the units it
-            reaches (see `host_copies.ProgressivePacking`). Until a unit is first used, up to one unit per
-            packing thread is held twice (its own tensors and its packed copy). False packs every unit before
+            reaches (see `host_copies.ProgressivePacking`). Until a unit is first used, its own tensors stay
+            alive beside its packed copy: one unit of the whole process at most is copied ahead of its use, so
+            the host peak is the weights plus one unit (`packing_line`). False packs every unit before
             set-up returns, each unit's tensors freed as it is copied: a pipeline's host tier passes it, since
             it holds host memory to a budget.
         background_encoding: with compression, raw copies in RAM and progressive packing, a set-up that finds no

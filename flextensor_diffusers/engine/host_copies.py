@@ -41,13 +41,15 @@ from pathlib import Path
 
 import torch
 
+from . import packing_line
 from .binding import Binding
 from .cache_files import drop_cached_pages_later, map_cache_file, write_cache_file
 from .codec import EncodedUnit
 from .compressed_copies import CompressedCopies
 from .errors import FlexTensorError, OffloadStateError, first_line
 from .file_reads import SERIAL, PieceReader
-from .host_memory import host_buffer, page_locked, unpin_in_place
+from .host_memory import host_buffer, page_locked, pin_in_place, return_freed_heap
+from .packing_line import PackingLine
 from .raw_homes import RawHome, RawHomes
 from .setup_threads import PACK_THREADS, ThreadedWork
 from .shared_host import SharedHostMemory
@@ -60,6 +62,9 @@ logger = logging.getLogger(__name__)
 #: on ``reader``'s threads.
 ReadInto = Callable[[int, torch.Tensor, PieceReader], None]
 
+
+#: Packing a unit of this many bytes gives the C heap's free pages back (`give_back_freed_originals`).
+TRIM_AFTER_BYTES = 1 << 20
 
 #: Units packed ahead of the one the encoder asks for when raw bytes leave RAM as encoding goes (compressed
 #: only): enough that packing keeps ahead of the encoder, few enough that RAM holds only a few raw units at a
@@ -85,6 +90,15 @@ class HostPlaces:
         if self.disk_bytes:
             return "disk"
         return "ram compressed" if self.raw_disk_bytes else "ram"
+
+
+def give_back_freed_originals(unit: Unit) -> None:
+    """``unit`` was just packed and its original tensors freed: give the C heap's free pages back now
+    (`host_memory.return_freed_heap`), not at the heap's next trim, which may never come. Any original may have sat
+    on the heap, whatever its size (a pipeline built in FP32 and cast, packed before set-up returned on the CPU:
+    0.5 GB of its originals stayed resident, a 66 MB embedding among them)."""
+    if unit.nbytes >= TRIM_AFTER_BYTES:
+        return_freed_heap()
 
 
 def copy_by_tensor(unit: Unit, stand_in: object, buffer: torch.Tensor, non_blocking: bool = False) -> None:
@@ -150,102 +164,96 @@ class Packing:
 
 @dataclasses.dataclass(frozen=True)
 class PackedCopy:
-    """One unit's bytes packed on a thread and not adopted yet (`ProgressivePacking`): its new flat buffer,
-    whether that is page-locked in place, and each tensor's edit count when its copy began."""
+    """One unit's bytes copied by the packing line and not adopted yet (`ProgressivePacking`): its new flat
+    buffer, and each tensor's edit count when its copy began."""
 
     buffer: torch.Tensor
-    pinned_in_place: bool
     versions: tuple[int, ...]
 
 
 class ProgressivePacking:
-    """Raw host copies packed on threads while the model is already in use
-    (`HostCopies.start_progressive_packing`): set-up returns at once, and the first forward waits only for the
-    units it reaches, so packing overlaps the first forward instead of preceding it.
+    """Raw host copies packed while the model is already in use (`HostCopies.start_progressive_packing`): set-up
+    returns at once, and the first forward waits only for the units it reaches, so packing overlaps the first
+    forward instead of preceding it.
 
-    Threads only copy: each unit into a new flat buffer, page-locked when ``pin``. A unit's tensors are
-    re-pointed at its buffer on the thread that asks for its host bytes (the host gate, `adopt_until`), so no
-    tensor changes under code that reads it on another thread. A tensor edited in place while or after it was
-    copied is found by its edit count and copied again at adoption. Until a unit is adopted its original
-    tensors stay alive, so at most ``window`` units are packed ahead of adoption: host memory grows by at most
-    that many units (synchronous packing frees each tensor as soon as it is copied, and grows by the units its
-    threads are copying only: on the H200, 5.3 GB less for 28 GB of blocks).
+    The process's packing line (`packing_line.LINE`) copies each unit into a new flat buffer, one unit at a time
+    for all models. A unit's tensors are re-pointed at its buffer on a thread that asks for its host bytes (the
+    host gate, `gate`), so no tensor changes under code that reads it on another thread; the originals are freed
+    then. A tensor edited in place while or after it was copied is found by its edit count and copied again at
+    adoption. Until a unit is adopted its original tensors stay alive, so at most one unit (of the whole process)
+    is held twice: the host peak is the weights plus the largest unit. Page-locking (``pin``) needs no original:
+    each adopted buffer is locked in place on threads of this packing's own (`_lock`) while the line copies the
+    next unit; until then loads read it pageable, which is as correct and slower. A buffer that cannot be locked
+    stays pageable (`host_memory.pin_in_place` says so).
 
-    A failed unit keeps its original tensors; asking for it raises a one-line error naming the fix.
+    The packing ends (`HostCopies.packing_done`, ``on_done`` told the seconds it took) at the first gate after
+    every unit is adopted and locked; `wait_all` waits for that. A unit whose copy failed keeps its original
+    tensors; asking for it raises a one-line error naming the fix.
     """
 
-    def __init__(self, host: HostCopies, pin: bool, window: int, on_done: Callable[[float], None]) -> None:
+    def __init__(self, host: HostCopies, pin: bool, on_done: Callable[[float], None]) -> None:
         self._host = host
-        self._pin = pin
-        self._window = window
-        self._on_done = on_done  # told the seconds packing took once the last unit is adopted
-        self._cond = threading.Condition()
-        self._in_flight = 0  # units submitted and not adopted (or failed) yet
-        self._next = 0  # the next position to submit: units are packed in position order
-        self._ready: dict[int, PackedCopy] = {}
-        self._failed: dict[int, BaseException] = {}
+        self._line: PackingLine = packing_line.LINE  # looked up now: a test may give each of its models its own
+        self._on_done = on_done  # told the seconds packing took once the last unit is adopted and locked
         self._started = time.perf_counter()
         self._last_packed = self._started
         #: Positions not adopted yet: their tensors are still the model's own.
         self.pending: set[int] = set(range(len(host.positions)))
-        # No task ever waits for room: a unit is submitted only when the window has some (`_submit_more`), so an
-        # idle model leaves idle threads, which let the interpreter exit.
-        self._pool = ThreadPoolExecutor(PACK_THREADS, thread_name_prefix="flextensor-pack")
-        with self._cond:
-            self._submit_more()
+        #: Positions whose copies failed, with what they raised.
+        self.failed: dict[int, BaseException] = {}
+        self._locker = ThreadPoolExecutor(PACK_THREADS, thread_name_prefix="flextensor-pin") if pin else None
+        self._locks_left = 0  # buffers adopted and not locked yet (counted under ``_count``)
+        self._count = threading.Lock()
+        self._finished = False
+        self._line.join(self, list(range(len(host.positions))))
 
-    def _submit_more(self) -> None:
-        """Submit units in position order while the window has room (called holding ``_cond``)."""
-        while self._in_flight < self._window and self._next < len(self._host.positions):
-            self._pool.submit(self._pack, self._next)
-            self._next += 1
-            self._in_flight += 1
-
-    def _pack(self, position: int) -> None:
+    def copy(self, position: int) -> PackedCopy:
+        """The unit at ``position`` copied into a new flat buffer (on the line's thread)."""
         unit = self._host.positions[position]
-        try:
-            versions = tuple(packed.tensor._version for packed in unit.tensors)
-            buffer = host_buffer(unit.nbytes)
-            with torch.no_grad():
-                copy_into(unit, buffer)
-            if self._host.on_packed is not None:
-                self._host.on_packed(unit, buffer)
-            buffer, in_place = page_locked(buffer) if self._pin else (buffer, False)
-        except BaseException as exc:  # raised where the unit is asked for, on the model's thread
-            with self._cond:
-                self._failed[position] = exc
-                self._in_flight -= 1
-                self._submit_more()
-                self._cond.notify_all()
-            return
-        with self._cond:
-            self._ready[position] = PackedCopy(buffer, in_place, versions)
-            self._last_packed = time.perf_counter()
-            self._cond.notify_all()
+        versions = tuple(packed.tensor._version for packed in unit.tensors)
+        buffer = host_buffer(unit.nbytes)
+        with torch.no_grad():
+            copy_into(unit, buffer)
+        if self._host.on_packed is not None:
+            self._host.on_packed(unit, buffer)
+        self._last_packed = time.perf_counter()
+        return PackedCopy(buffer, versions)
 
     def gate(self, unit: Unit) -> None:
-        """The host gate while packing: return once ``unit`` is adopted (adopting every unit packed so far)."""
+        """The host gate while packing: return once ``unit`` is adopted; adopt the unit the line holds meanwhile
+        (any model's: the line goes on only once it is), and end the packing once all is done."""
         position = unit.index + 1
         if position in self.pending:
-            self.adopt_until(position)
-
-    def adopt_until(self, position: int) -> None:
-        """Adopt packed units, in the order they are ready, until ``position`` is; raise its packing's failure.
-        Interrupted (Ctrl-C), a unit is either adopted or still pending: asking again goes on."""
-        while position in self.pending:
-            with self._cond:
-                self._cond.wait_for(lambda: self._ready or position in self._failed)
-                if position in self._failed and not self._ready:
-                    raise self._failure(position)
-                ready = min(self._ready)
-                copy = self._ready[ready]
-            self._adopt(ready, copy)
-            with self._cond:
-                del self._ready[ready]
-                self._in_flight -= 1
-                self._submit_more()
-        if not self.pending:
+            self._line.take(self, position)
+        else:
+            self._line.adopt_held()
+        if not self.pending and self._locks_left == 0:
             self._finish()
+
+    def wait_all(self) -> None:
+        """Adopt every unit and wait for every lock, then end the packing; raise a unit's copy failure."""
+        for position in sorted(self.pending):
+            self._line.take(self, position)
+        if self._locker is not None:
+            self._locker.shutdown(wait=True)
+        self._finish()
+
+    def adopt(self, position: int, copy: PackedCopy) -> None:
+        """Re-point the unit's tensors at ``copy`` (on the asking thread): its originals are freed, its buffer
+        handed to be locked. Interrupted (Ctrl-C), the unit is either adopted or still pending."""
+        locks = 1 if self._locker is not None else 0
+        with self._count:  # counted before the unit leaves ``pending``: the packing cannot end before its lock
+            self._locks_left += locks
+        try:
+            self._adopt(position, copy)
+        except BaseException:
+            with self._count:
+                self._locks_left -= locks
+            raise
+        unit = self._host.positions[position]
+        give_back_freed_originals(unit)
+        if self._locker is not None:
+            self._locker.submit(self._lock, unit, copy.buffer)
 
     def _adopt(self, position: int, copy: PackedCopy) -> None:
         unit = self._host.positions[position]
@@ -258,31 +266,43 @@ class ProgressivePacking:
             unit.bind(copy.buffer)
         if recopied and self._host.on_packed is not None:
             self._host.on_packed(unit, copy.buffer)
-        unit.host, unit.pinned_in_place = copy.buffer, copy.pinned_in_place
+        unit.host, unit.pinned_in_place = copy.buffer, False
         self.pending.discard(position)
 
-    def _failure(self, position: int) -> FlexTensorError:
-        unit, cause = self._host.positions[position], first_line(self._failed[position])
+    def _lock(self, unit: Unit, buffer: torch.Tensor) -> None:
+        """Page-lock an adopted buffer in place (on this packing's threads). The flag is read only once every
+        lock is done (`wait_all`, `abandon`): whoever replaces or frees ``unit.host`` waits for them first."""
+        try:
+            unit.pinned_in_place = pin_in_place(buffer)
+        finally:
+            with self._count:
+                self._locks_left -= 1
+                self._last_packed = time.perf_counter()
+
+    def failure(self, position: int) -> FlexTensorError:
+        unit, cause = self._host.positions[position], first_line(self.failed[position])
         return FlexTensorError(
             f"packing {unit.name!r} into host memory failed ({cause}): free host memory (or pass a host_budget), "
             "then remove() the offload and offload again; the model's weights are unchanged"
         )
 
     def _finish(self) -> None:
-        self._pool.shutdown(wait=False)
+        with self._count:
+            if self._finished:
+                return
+            self._finished = True
+        self._line.leave(self)
+        if self._locker is not None:
+            self._locker.shutdown(wait=False)
         self._host.packing_done(self)
         self._on_done(self._last_packed - self._started)
 
     def abandon(self) -> None:
-        """Stop packing (removal): units not started are not packed, those under way finish, and every unit
-        not adopted keeps its original tensors; the buffers packed for them are dropped."""
-        with self._cond:
-            self._next = len(self._host.positions)  # nothing more is submitted
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        for copy in self._ready.values():
-            if copy.pinned_in_place:
-                unpin_in_place(copy.buffer)
-        self._ready = {}
+        """Stop packing (removal): units not copied are not, one being copied is waited for, and every unit not
+        adopted keeps its original tensors; the copy held for one is dropped. Locks under way are waited for."""
+        self._line.leave(self)
+        if self._locker is not None:
+            self._locker.shutdown(wait=True)
         self.pending = set()
         self._host.packing_done(self)
 
@@ -346,6 +366,7 @@ class HostCopies:
                 gate.wait_to_pack(positions[unit.index])
             with torch.no_grad():
                 pack_unit(unit, host=shared.buffer(unit.index) if shared is not None else None, filled=attaching)
+            give_back_freed_originals(unit)
             if pin:
                 pin_unit(unit, attached=attaching)
             if self.on_packed is not None:
@@ -364,7 +385,7 @@ class HostCopies:
         """Start packing every unit and the base on threads, to be adopted as each is first asked for
         (`ProgressivePacking`): set-up does not wait for it. ``on_done`` is told the seconds it took once the
         last unit is adopted."""
-        packing = ProgressivePacking(self, pin, PACK_THREADS, on_done)
+        packing = ProgressivePacking(self, pin, on_done)
         self._progressive = packing
         self.host_gate = packing.gate
         return packing
@@ -547,7 +568,10 @@ class HostCopies:
         )
 
     def gate_all(self) -> None:
-        """Every host copy final: units still arriving are waited for, one by one."""
+        """Every host copy final: units still packed are adopted and locked, units still arriving waited for,
+        one by one."""
+        if self._progressive is not None:
+            self._progressive.wait_all()
         if self.host_gate is not None:
             for unit in self.positions:
                 self.host_of(unit)

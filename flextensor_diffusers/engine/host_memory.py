@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import mmap
 import os
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -97,9 +99,46 @@ def host_buffer(nbytes: int) -> torch.Tensor:
     pad = HUGE_PAGE if huge else 0
     region = mmap.mmap(-1, nbytes + pad, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge:
-        with contextlib.suppress(OSError):  # a kernel without transparent huge pages: 4 KiB pages, still correct
-            region.madvise(mmap.MADV_HUGEPAGE)
+        _advise_huge_pages(region, nbytes)
     return _owned_view(region, nbytes, HUGE_PAGE if huge else 1)
+
+
+def _advise_huge_pages(region: mmap.mmap, nbytes: int) -> None:
+    """Advise huge pages for the whole huge pages of the buffer `_owned_view` will cut from ``region`` (from its
+    first 2 MiB boundary), and 4 KiB pages for the rest: a huge page over the buffer's last bytes would be
+    resident whole, up to 2 MiB a buffer beyond its bytes (23 MB for a 403 MB model of 12 units on the CPU)."""
+    probe = ctypes.c_uint8.from_buffer(region)
+    start = -ctypes.addressof(probe) % HUGE_PAGE  # a multiple of the 4 KiB page: the mapping starts on one
+    del probe  # the region cannot be closed while a ctypes object exports it
+    whole = nbytes // HUGE_PAGE * HUGE_PAGE
+    with contextlib.suppress(OSError):  # a kernel without transparent huge pages: 4 KiB pages, still correct
+        region.madvise(mmap.MADV_HUGEPAGE, start, whole)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):  # also where the system uses huge pages unasked ("always")
+            region.madvise(mmap.MADV_NOHUGEPAGE, start + whole, len(region) - start - whole)
+
+
+def return_freed_heap() -> None:
+    """Give the pages of the C heap's free blocks back to the system now (glibc's ``malloc_trim``; nothing where
+    the C library has none).
+
+    A block freed on glibc's heap stays in the process's resident memory until the heap's top is free beyond the
+    trim threshold, which rises with the mmap threshold (from 128 KiB up to 32 MiB, each time a mapped block is
+    freed). And a tensor of any size may sit on the heap: a request is served from free heap blocks before a new
+    mapping is made, so a model built in FP32 and cast has its BF16 tensors where the FP32 ones were. Originals
+    freed as their units are packed then stayed resident (on the CPU, 0.5 GB of a 0.78 GB pipeline). The call takes
+    about 10 ms where it gives pages back, a few microseconds where there are none: once per unit packed, never
+    per forward."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):  # not glibc
+        return None
 
 
 def shared_file_buffer(path: str | os.PathLike[str], nbytes: int, create: bool = True) -> torch.Tensor:

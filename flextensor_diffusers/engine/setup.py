@@ -199,7 +199,7 @@ class SetUp:
         h.setup_times.hooks = 1e3 * (time.perf_counter() - hooking)
 
     def _packed(self, seconds: float) -> None:
-        """Progressive packing is over (the last unit adopted): the time it took, for the report."""
+        """Progressive packing is over (the last unit adopted and page-locked): the time it took, for the report."""
         self.handle.setup_times.pack = 1e3 * seconds
 
     def _packed_then_read_payloads(self, seconds: float) -> None:

@@ -580,8 +580,8 @@ def unpin_unit(unit: Unit) -> None:
 def pack_unit(unit: Unit, host: torch.Tensor | None = None, filled: bool = False) -> None:
     """Copy the unit's tensors into one flat host buffer and make them views of it.
 
-    Tensors are moved one by one, so the original of each is freed as soon as it is copied (when
-    nothing else holds it): host memory grows by at most one unit during set-up. ``host`` is a
+    The originals are freed once every tensor is copied and re-pointed (when nothing else holds them): host
+    memory holds this unit twice while it is packed, no longer. ``host`` is a
     buffer to use instead of a new one (shared memory); ``filled``: it already holds this unit's
     bytes (another process packed them), so the tensors are only pointed at it.
     """
