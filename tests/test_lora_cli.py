@@ -88,7 +88,7 @@ def test_lora_mistakes_are_one_line_before_anything_loads(files: dict[str, Path]
     first = files["first"]
     cases = {
         f"{tmp_path}/none.safetensors": f"error: --lora {tmp_path}/none.safetensors: no such file",
-        f"{tmp_path}/style.bin": f"error: --lora {tmp_path}/style.bin: LoRAs are read from .safetensors files",
+        f"{tmp_path}/style.bin": f"error: --lora {tmp_path}/style.bin: LoRA weights are read from .safetensors files",
         f"{first}:strong": f"error: --lora {first}:strong: the LoRA's scale after ':' must be a number: pass e.g. "
         f"--lora {first}:0.8",
         f"{first}:nan": f"error: --lora {first}:nan: the LoRA's scale after ':' must be a number",

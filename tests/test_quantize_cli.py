@@ -175,7 +175,7 @@ def test_quantized_mistakes_are_one_line_before_anything_loads(
         (*model, "--gguf", f"{high},"): f"error: --gguf {high},: pass one file",
         (*model, "--gguf", str(tmp_path / "none.gguf")): f"error: --gguf {tmp_path}/none.gguf: no such file",
         (*model, "--gguf", str(tmp_path / "w.safetensors")): f"error: --gguf {tmp_path}/w.safetensors: "
-        "transformers are read from .gguf files",
+        "GGUF weights are read from .gguf files",
         (*model, "--gguf", str(garbage)): f"error: --gguf {garbage} is not a readable GGUF file (",
         (*model, "--gguf", str(other)): f"error: --gguf {other} holds no Wan transformer",
     }

@@ -121,6 +121,17 @@ class LoraFile:
 LORA_SUFFIX = ".safetensors"
 
 
+def check_local_file(flag: str, path: Path, suffix: str, kind: str) -> None:
+    """A local file a flag names (a LoRA, a GGUF transformer): its suffix, and that it is there: nothing is
+    downloaded, so a missing file is the user's to fix, in one line."""
+    if path.suffix.lower() != suffix:
+        raise OptionsError(f"{flag} {path}: {kind} weights are read from {suffix} files: pass {flag} PATH{suffix}")
+    if not path.is_file():
+        raise OptionsError(
+            f"{flag} {path}: no such file: pass {flag} PATH to a local {kind} file (nothing is downloaded)"
+        )
+
+
 def lora_file(text: str) -> LoraFile:
     """``--lora PATH[:SCALE]`` checked before anything loads: a number after the last ``:`` (a path ending in
     ``.safetensors`` has none), a ``.safetensors`` file that exists, whose header reads and names LoRA weights."""
@@ -136,12 +147,7 @@ def lora_file(text: str) -> LoraFile:
                 f"--lora {text}: the LoRA's scale after ':' must be a number: pass e.g. --lora {path_text}:0.8"
             )
     path = Path(path_text)
-    if path.suffix.lower() != LORA_SUFFIX:
-        raise OptionsError(f"--lora {path}: LoRAs are read from {LORA_SUFFIX} files: pass --lora PATH{LORA_SUFFIX}")
-    if not path.is_file():
-        raise OptionsError(
-            f"--lora {path}: no such file: pass --lora PATH to a local LoRA file (nothing is downloaded)"
-        )
+    check_local_file("--lora", path, LORA_SUFFIX, "LoRA")
     names = safetensors_names(path)
     if not any("lora" in name for name in names):
         raise OptionsError(

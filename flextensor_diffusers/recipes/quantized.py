@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .options import OptionsError, require_package
+from .options import OptionsError, check_local_file, require_package
 
 #: ``--quantize`` values and torchao's weight-only config for each (weights quantized, activations as they are).
 QUANTIZE_CONFIGS = {"int8": "Int8WeightOnlyConfig", "fp8": "Float8WeightOnlyConfig"}
@@ -81,12 +81,7 @@ def gguf_files(text: str) -> GgufFiles:
 
 
 def check_gguf_file(path: Path) -> None:
-    if path.suffix.lower() != GGUF_SUFFIX:
-        raise OptionsError(f"--gguf {path}: transformers are read from {GGUF_SUFFIX} files: pass --gguf PATH.gguf")
-    if not path.is_file():
-        raise OptionsError(
-            f"--gguf {path}: no such file: pass --gguf PATH to a local GGUF file (nothing is downloaded)"
-        )
+    check_local_file("--gguf", path, GGUF_SUFFIX, "GGUF")
     names = gguf_tensor_names(path)
     if not any(marker in names for marker in WAN_MARKERS):
         raise OptionsError(
