@@ -18,8 +18,8 @@ from .options import OptionsError, check_local_file, require_package
 
 #: ``--quantize`` values and torchao's weight-only config for each (weights quantized, activations as they are).
 QUANTIZE_CONFIGS = {"int8": "Int8WeightOnlyConfig", "fp8": "Float8WeightOnlyConfig"}
-QUANTIZE_INSTALL = "pip install 'flextensor-diffusers[quantize]'"
-GGUF_INSTALL = "pip install 'flextensor-diffusers[gguf]'"
+QUANTIZE_INSTALL = 'pip install -e ".[quantize]"'
+GGUF_INSTALL = 'pip install -e ".[gguf]"'
 GGUF_SUFFIX = ".gguf"
 #: Tensor names of which one marks a Wan transformer checkpoint: the original format's, with or without ComfyUI's
 #: prefix (what diffusers' single-file loader detects), or diffusers' own.
