@@ -195,4 +195,4 @@ def test_a_missing_optional_package_is_one_line(monkeypatch, capsys) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     err = run_cli([*TINY, "--quantize", "int8"], capsys)
-    assert err == "error: --quantize int8 needs the torchao package: pip install -e \".[quantize]\""
+    assert err == 'error: --quantize int8 needs the torchao package: pip install -e ".[quantize]"'
