@@ -232,6 +232,12 @@ class PeakWatch:
     def cuda(self) -> bool:
         return self.device.type == "cuda"
 
+    def __enter__(self) -> PeakWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Nothing to undo: a window only reads the engine's record."""
+
     def part(self) -> int | None:
         """The peak since the last part ended (or since creation); a new part starts."""
         if self._part is None:

@@ -5,7 +5,7 @@ row per form of the weights (``--rows``; `REPRESENTATIONS`), against native with
 on the GPU (seed 0) and converted there; native forwards run there (median of ``--reps`` after one warm-up); then
 the same module moves to the CPU, is offloaded (the package packs from host memory), warmed up through discovery
 and profiling, and timed alike. ``step_s`` is one forward of the stack; outputs are compared with ``torch.equal``;
-the peak covers set-up to the last forward (`WholeRunPeak`).
+the peak covers set-up to the last forward (`bench_common.PeakWatch`: the engine's resets folded in).
 
 ``smallest_card``: the whole Wan2.2-T2V-A14B pipeline (two experts, UMT5, Wan VAE; published sizes, random weights)
 with int8 transformers, 81 frames 832x480 with CFG, 2 steps and a tiled VAE decode (no mp4), on an emulated 5 GB
@@ -96,43 +96,6 @@ REPRESENTATIONS = {
 }
 
 
-class WholeRunPeak:
-    """Peak allocated device memory between entering and leaving, whoever resets the allocator's counter meanwhile.
-
-    The counter is reset once, on entering (through the package's ``reset_peak_memory_stats`` where it has one, so
-    that the peak it reports starts there too). While inside, ``torch.cuda.reset_peak_memory_stats`` first folds the
-    peak so far into this record: a reset the package makes (its profiler resets the counter before each profiling
-    forward, directly or through its peak windows) hides nothing. None on the CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self._folded = 0
-        self._reset = torch.cuda.reset_peak_memory_stats
-        self._start = getattr(ft.engine, "reset_peak_memory_stats", self._reset)
-
-    def _folding_reset(self, device: Any = None) -> None:
-        self._folded = max(self._folded, torch.cuda.max_memory_allocated(self.device if device is None else device))
-        self._reset(device)
-
-    def __enter__(self) -> WholeRunPeak:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            self._start(self.device)
-            torch.cuda.reset_peak_memory_stats = self._folding_reset
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        torch.cuda.reset_peak_memory_stats = self._reset
-
-    @property
-    def peak(self) -> int | None:
-        if not self.cuda:
-            return None
-        torch.cuda.synchronize(self.device)
-        return max(self._folded, torch.cuda.max_memory_allocated(self.device))
-
-
 def provenance() -> dict[str, Any]:
     """What each row carries: the command that made it and the code's commit (CODE_COMMIT when set, since the
     device's copy of the tree may have a stale .git or none; else git's HEAD)."""
@@ -162,7 +125,7 @@ def offloaded_forwards(
 ) -> dict[str, Any]:
     """Offload ``model`` (on the CPU) at ``budget``, warm up until planned, time ``reps`` forwards, remove. The
     inputs are made after set-up, as a pipeline makes its latents; the peak covers set-up to the last forward."""
-    with WholeRunPeak(device) as watch:
+    with bc.PeakWatch(device) as watch:
         start = time.perf_counter()
         handle = ft.offload(model, bc.stack_config(budget, device))
         setup_s = time.perf_counter() - start
@@ -271,7 +234,7 @@ def smallest_card(args: argparse.Namespace, device: torch.device) -> dict[str, A
     _free(device)
     _cap(device, str(cap))
     try:
-        with WholeRunPeak(device) as watch:
+        with bc.PeakWatch(device) as watch:
             start = time.perf_counter()
             try:
                 common.enable_offload(pipe, options, device)
