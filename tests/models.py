@@ -222,3 +222,17 @@ def offload_compressed_on_the_device(model: nn.Module, **kwargs: object):
                 raise
             kwargs = {**kwargs, "gpu_budget": exc.required_bytes + 64 * 1024}
     return ft.offload(model, **kwargs)
+
+
+def wan_cli_refusal(argv: list[str], capsys) -> str:
+    """The Wan2.2 recipe's command line on ``argv``: exit status 2 with one line on stderr, which is returned."""
+    import pytest
+
+    from flextensor_diffusers.recipes import wan22_t2v
+
+    with pytest.raises(SystemExit) as info:
+        wan22_t2v.cli(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    return err.strip()

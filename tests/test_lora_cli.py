@@ -13,6 +13,7 @@ import torch
 from flextensor_diffusers.recipes import wan22_t2v
 from flextensor_diffusers.recipes.models import build_pipeline
 from flextensor_diffusers.reports import compare
+from tests.models import wan_cli_refusal
 
 peft = pytest.importorskip("peft")
 from peft.utils import get_peft_model_state_dict  # noqa: E402
@@ -69,15 +70,6 @@ def test_a_run_with_loras_is_offloaded_bitwise_as_natively(files: dict[str, Path
     assert report["arguments"]["loras"][0] == {"path": str(files["first"]), "scale": 0.7}
 
 
-def run_cli(argv: list[str], capsys) -> str:
-    with pytest.raises(SystemExit) as info:
-        wan22_t2v.cli(argv)
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1, err
-    return err.strip()
-
-
 def test_lora_mistakes_are_one_line_before_anything_loads(files: dict[str, Path], tmp_path: Path, capsys) -> None:
     def load(*args, **kwargs):
         raise AssertionError("loaded before --lora was checked")
@@ -98,8 +90,8 @@ def test_lora_mistakes_are_one_line_before_anything_loads(files: dict[str, Path]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(wan22_t2v, "load", load)
         for value, says in cases.items():
-            assert run_cli([*TINY, "--lora", value], capsys).startswith(says), value
-        err = run_cli([*TINY, "--lora", str(first), "--gpus", "2"], capsys)
+            assert wan_cli_refusal([*TINY, "--lora", value], capsys).startswith(says), value
+        err = wan_cli_refusal([*TINY, "--lora", str(first), "--gpus", "2"], capsys)
         assert err.startswith("error: --lora cannot be combined with --gpus 2 yet")
 
 
@@ -107,7 +99,7 @@ def test_a_lora_that_does_not_fit_the_model_is_one_line(tmp_path: Path, capsys) 
     """Checked once the weights are loaded: another model's shapes, or names of no layer of the model."""
     wide = {k: torch.zeros(v.shape[0], 2 * v.shape[1]) if "lora_A" in k else v for k, v in lora_tensors(1).items()}
     other = write(tmp_path / "other.safetensors", wide)  # lora_A of a model twice as wide
-    err = run_cli([*TINY, "--lora", str(other)], capsys)
+    err = wan_cli_refusal([*TINY, "--lora", str(other)], capsys)
     assert err.startswith(f"error: --lora {other} does not fit the model's transformer (")
     nowhere = {
         "transformer.nowhere.lora_A.weight": torch.zeros(4, 8),
@@ -115,4 +107,6 @@ def test_a_lora_that_does_not_fit_the_model_is_one_line(tmp_path: Path, capsys) 
     }
     for name, tensors in {"elsewhere": nowhere, "half": dict(list(nowhere.items())[:1])}.items():
         path = write(tmp_path / f"{name}.safetensors", tensors)
-        assert run_cli([*TINY, "--lora", str(path)], capsys).startswith(f"error: --lora {path} does not fit the model")
+        assert wan_cli_refusal([*TINY, "--lora", str(path)], capsys).startswith(
+            f"error: --lora {path} does not fit the model"
+        )

@@ -14,6 +14,7 @@ import torch
 from flextensor_diffusers.recipes import wan22_t2v
 from flextensor_diffusers.recipes.models import build_pipeline
 from flextensor_diffusers.reports import compare
+from tests.models import wan_cli_refusal
 
 pytest.importorskip("torchao")
 #: The text encoder, moved whole, needs 122.5 KiB; each int8 expert (161 KiB) then streams its blocks.
@@ -145,15 +146,6 @@ def test_one_gguf_file_replaces_the_first_expert_only(gguf_model: dict[str, Path
 # ------------------------------------------------------------------------------------------------ user errors
 
 
-def run_cli(argv: list[str], capsys) -> str:
-    with pytest.raises(SystemExit) as info:
-        wan22_t2v.cli(argv)
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1, err
-    return err.strip()
-
-
 def test_quantized_mistakes_are_one_line_before_anything_loads(
     gguf_model: dict[str, Path], tmp_path: Path, capsys
 ) -> None:
@@ -182,7 +174,7 @@ def test_quantized_mistakes_are_one_line_before_anything_loads(
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(wan22_t2v, "load", load)
         for argv, says in cases.items():
-            assert run_cli(list(argv), capsys).startswith(says), argv
+            assert wan_cli_refusal(list(argv), capsys).startswith(says), argv
         with pytest.raises(SystemExit) as info:  # argparse's own refusal: its usage, then the line
             wan22_t2v.cli([*TINY, "--quantize", "int4"])
         assert info.value.code == 2
@@ -194,5 +186,5 @@ def test_a_missing_optional_package_is_one_line(monkeypatch, capsys) -> None:
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
-    err = run_cli([*TINY, "--quantize", "int8"], capsys)
+    err = wan_cli_refusal([*TINY, "--quantize", "int8"], capsys)
     assert err == 'error: --quantize int8 needs the torchao package: pip install -e ".[quantize]"'
