@@ -13,8 +13,6 @@
 #   compile17    compile_bench.py, 17 frames                  -> $OUT/compile17_<card>.json, .log
 #   fingerprint  fingerprint_bench.py: one verify_loads check's time and memory, before and now
 #                                                             -> $OUT/fingerprint_<card>.json, .log
-#   pins         pin_contention_bench.py: page-locking on a side thread against the main thread's GPU work (~1 min)
-#                                                             -> $OUT/pin_contention_<card>.json, .log
 #   tiers        tiers_bench.py on the full Wan2.2 pipeline, configurations $TIERS_CONFIGS (default: the reference
 #                and the compressed 32 GiB tier, which verifies every load: issue 25's reproduction), no set-up
 #                block, the package's log lines timestamped; $TIERS_STEPS: the measured generation's steps (default 4),
@@ -57,8 +55,6 @@ for step in "$@"; do
         --out "$OUT/compile17_${card}.json" >"$OUT/compile17_${card}.log" 2>&1 ;;
     fingerprint) timeout "$limit" python3 benchmarks/fingerprint_bench.py --out "$OUT/fingerprint_${card}.json" \
         >"$OUT/fingerprint_${card}.log" 2>&1 ;;
-    pins) timeout "$limit" python3 benchmarks/pin_contention_bench.py --out "$OUT/pin_contention_${card}.json" \
-        >"$OUT/pin_contention_${card}.log" 2>&1 ;;
     tiers) TIERS_BENCH_LOG=INFO timeout "$limit" python3 benchmarks/tiers_bench.py --no-setup \
         --configs "${TIERS_CONFIGS:-ram_raw,host32_compressed}" ${TIERS_STEPS:+--steps "$TIERS_STEPS"} \
         ${TIERS_WARMUP_STEPS:+--warmup-steps "$TIERS_WARMUP_STEPS"} --time-limit $((limit - 15)) \
