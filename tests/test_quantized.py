@@ -169,6 +169,30 @@ def test_quantized_pipeline_streams_bitwise_at_the_smallest_budget(kind: str) ->
     assert torch.equal(wan_latents(pipe), native)
 
 
+def test_a_lora_added_to_quantized_experts_after_enable_is_bitwise_and_deleted_cleanly() -> None:
+    """peft wraps each targeted quantized linear (its weight moves to ``base_layer``): the weight is still the
+    model's, so it keeps streaming; the adapter's generations, and those after ``delete_adapters``, equal native's."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["to_q", "to_k"], init_lora_weights=False)
+
+    def with_lora(pipe) -> list[torch.Tensor]:
+        torch.manual_seed(5)
+        pipe.transformer.add_adapter(config, adapter_name="style")
+        outputs = [wan_latents(pipe)]
+        pipe.transformer.delete_adapters("style")
+        return [*outputs, wan_latents(pipe)]
+
+    native = with_lora(quantized_pipeline(QUANTIZERS["torchao int8"]))
+    pipe = quantized_pipeline(QUANTIZERS["torchao int8"])
+    enable_at_smallest(pipe)
+    wan_latents(pipe)  # planned before the adapter comes
+    offloaded = with_lora(pipe)
+    assert all(torch.equal(a, b) for a, b in zip(offloaded, native, strict=True))
+    assert not torch.equal(native[0], native[1])  # the adapter changed the output
+    assert pipe.flextensor_report()["components"]["transformer"]["streamed_units"] > 0
+    pipe.disable_flextensor_offload()
+
+
 @pytest.mark.parametrize("kind", ["torchao int8", "quanto qint8", "gguf Q4_0"])
 def test_state_dict_and_load_state_dict_while_offloaded(kind: str) -> None:
     """``state_dict()`` while offloaded gives the native quantized tensors (rebuilt over the host copies); loading

@@ -89,6 +89,7 @@ class Edits:
             with torch.no_grad(), torch.inference_mode(False):
                 self._settle_taken_out()
                 self._adopt_replaced()
+                self._drop_quantized_taken_out()
             if self.host.raw_homes is not None:  # compressed only: edited raw bytes leave copy-on-write pages
                 self.host.raw_homes.rehome_written()
             if self.host.encoded:  # the compressed copies must say what the edited host copies say
@@ -120,6 +121,15 @@ class Edits:
                 "back as they were. Disable offload, make the edit, and enable it again"
             )
 
+    def _drop_quantized_taken_out(self) -> None:
+        """Quantized weights still out of the model once alike replacements were adopted (`_adopt_replaced`): the
+        edit took them out (their module replaced), so their leaves' bytes stay unread, as a dropped tensor's."""
+        present = {id(t) for t in [*self.device.model.parameters(), *self.device.model.buffers()]}
+        for unit in self.host.positions:
+            for wrapper in unit.wrappers if unit.host is not None else ():
+                if id(wrapper.tensor) not in present:
+                    self.device.dropped.add(id(wrapper.tensor))
+
     def _settle_taken_out(self) -> None:
         """Packed tensors the edit took out of the model: each takes back the place of a newcomer of its shape and
         dtype under one of its names, with the newcomer's values, or is dropped (see the module docstring)."""
@@ -129,9 +139,6 @@ class Edits:
         for unit in self.host.positions:
             if unit.host is None:
                 continue
-            for wrapper in unit.wrappers:  # a quantized weight the edit took out: its leaves go with it
-                if id(wrapper.tensor) not in uses:
-                    self.device.dropped.add(id(wrapper.tensor))
             for packed in unit.tensors:
                 if packed.inside or id(packed.tensor) in uses or id(packed.tensor) in self.device.dropped:
                     continue  # leaves of a quantized weight are held by it, never by the model

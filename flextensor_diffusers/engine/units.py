@@ -252,11 +252,14 @@ class Unit:
         values copied into the tensors packed here, which are put back, so the host copy holds the edit. The names
         of replacements that are not alike (another type, metadata, shape or dtype), put back too: to refuse."""
         refused = []
+        present = {id(t) for t in [*self.module.parameters(), *self.module.buffers()]}
         for wrapper in self.wrappers:
-            for rel in wrapper.names:
+            for rel in wrapper.names if id(wrapper.tensor) not in present else ():  # held still (peft: base_layer)
                 owner_name, _, attr = rel.rpartition(".")
                 owner = self.module.get_submodule(owner_name)
                 held = owner._parameters if attr in owner._parameters else owner._buffers
+                if attr not in held:  # its module was replaced: the weight left the model (`Edits` drops it)
+                    continue
                 if held.get(attr) is not wrapper.tensor:
                     if not copy_leaves(held.get(attr), wrapper.tensor):
                         refused.append(f"{self.name}.{rel}")
