@@ -13,7 +13,8 @@ from flextensor_diffusers.engine.profiler import Clock
 
 
 class ManualClock:
-    """Seconds that pass only through `advance` (from any thread)."""
+    """Seconds that pass only through `advance` (from any thread): the handle's `Clock` (`drive_handles_by`), and
+    `disk_reads.clock` in the host tier's tests (a fake read advances it by its seconds)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0

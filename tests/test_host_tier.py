@@ -24,6 +24,7 @@ from flextensor_diffusers.pipelines.host_tier import SwitchForecast
 from flextensor_diffusers.pipelines.offload import packing_order
 from flextensor_diffusers.pipelines.weight_files import read_entries
 from flextensor_diffusers.recipes.models import build_pipeline
+from tests.clocks import ManualClock
 from tests.models import (
     assert_refused_as_it_was,
     assert_same,
@@ -807,23 +808,6 @@ def test_safetensors_headers_are_read_as_safetensors_reads_them(saved) -> None:
 PATIENCE_S = 60.0
 
 
-class FakeClock:
-    """`disk_reads.clock` for a test: seconds pass only when a fake read says so (`advance`), so the read and wait
-    times the host tier measures are fixed figures, whatever the machine's speed and load."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self._lock = threading.Lock()
-
-    def __call__(self) -> float:
-        with self._lock:
-            return self.now
-
-    def advance(self, seconds: float) -> None:
-        with self._lock:
-            self.now += seconds
-
-
 #: A condition on a held read: ``until(job, position)``.
 Release = Callable[[ReadJob, int], bool]
 
@@ -837,7 +821,7 @@ class ScriptedReads(disk_reads.ReadHooks):
     components are read as they are."""
 
     def __init__(
-        self, component: str | None, clock: FakeClock | None = None, seconds: float = 0.0, fail_at: int = -1
+        self, component: str | None, clock: ManualClock | None = None, seconds: float = 0.0, fail_at: int = -1
     ) -> None:
         self.component = component
         self.clock = clock
@@ -914,11 +898,11 @@ class ScriptedReads(disk_reads.ReadHooks):
 def scripted_reads(
     monkeypatch, component: str | None = None, seconds: float | None = None, fail_at: int = -1
 ) -> ScriptedReads:
-    """`ScriptedReads` of ``component`` in use; with ``seconds``, each read takes that long on a `FakeClock` put in
+    """`ScriptedReads` of ``component`` in use; with ``seconds``, each read takes that long on a `ManualClock` put in
     place of the host tier's clock (read and wait times in fixed figures)."""
     clock = None
     if seconds is not None:
-        clock = FakeClock()
+        clock = ManualClock()
         monkeypatch.setattr(disk_reads, "clock", clock)
     reads = ScriptedReads(component, clock, seconds or 0.0, fail_at)
     monkeypatch.setattr(disk_reads, "read_hooks", reads)
