@@ -40,7 +40,7 @@ from torch import nn
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine.errors import first_line
 from flextensor_diffusers.engine.planner import smallest_budget
-from flextensor_diffusers.reports.compare import _cap, _free
+from flextensor_diffusers.reports.compare import _free, cap_device_memory
 
 WORKLOAD = "17f_480x272"
 STACK_BUDGET = 2_800_000_000
@@ -232,7 +232,7 @@ def smallest_card(args: argparse.Namespace, device: torch.device) -> dict[str, A
     record |= {"steps": CARD_STEPS, "vae_tiling": True, "small": args.small}
     record["build_s"] = round(time.perf_counter() - start, 1)
     _free(device)
-    _cap(device, str(cap))
+    cap_device_memory(device, str(cap))
     try:
         with bc.PeakWatch(device) as watch:
             start = time.perf_counter()

@@ -140,7 +140,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     import diffusers
 
     import flextensor_diffusers as ft
-    from flextensor_diffusers.engine.config import parse_bytes
+    from flextensor_diffusers.reports.compare import cap_device_memory
 
     diffusers.utils.logging.set_verbosity_error()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -149,9 +149,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     built = time.perf_counter()
     pipe = build(args.size, device)
     out["build_s"] = round(time.perf_counter() - built, 1)
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(args.card) / total), device)
+    cap_device_memory(device, args.card)
     out["weights_bytes"] = tensors_bytes(pipe)
     out["baseline_rss_bytes"] = settled_rss()
     with HostMemorySampler(anon_shmem_bytes, args.sample_ms / 1e3) as sampler:

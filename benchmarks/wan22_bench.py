@@ -63,7 +63,7 @@ class StepClock:
 def latents_only(args: argparse.Namespace, recipe_argv: list[str]) -> dict[str, Any]:
     """Native then offloaded latents of one compiled pipeline; see the module docstring."""
     from flextensor_diffusers.recipes import common, wan22_t2v
-    from flextensor_diffusers.reports.compare import _cap, _free
+    from flextensor_diffusers.reports.compare import _free, cap_device_memory
 
     options = wan22_t2v.parse_args(recipe_argv)
     device = common.device_of(options)
@@ -89,7 +89,7 @@ def latents_only(args: argparse.Namespace, recipe_argv: list[str]) -> dict[str, 
     note(f"native generation: steps {native_steps}")
     pipe.to("cpu")
     _free(device)
-    _cap(device, args.card)
+    cap_device_memory(device, args.card)
     watch = PeakWatch(device)  # from set-up on: the budget is a ceiling for the profiling generation too
     common.enable_offload(pipe, options, device)
     note("offload enabled")

@@ -221,7 +221,7 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _cap(device: torch.device, cap: str | None) -> None:
+def cap_device_memory(device: torch.device, cap: str | None) -> None:
     """Emulate a smaller card: the caching allocator refuses to grow past ``cap``."""
     if cap and device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" names none
@@ -322,12 +322,12 @@ def compare(
         with progress.during("loading the weights"), common.stage("loading weights", options.quiet):
             pipe = recipe.load(options, device)
         _free(device)  # random full-size weights are made on the GPU, then moved to the CPU: not part of the card
-        _cap(device, memory_cap)
+        cap_device_memory(device, memory_cap)
         with progress.during("compiling"):
             compiled = common.compile_denoisers(pipe, options)  # both runs use the same compiled modules
         with progress.during("the native generation"):
             runs = {"native": native_run(recipe, pipe, options, device)}
-        _cap(device, offload_memory_cap or memory_cap)
+        cap_device_memory(device, offload_memory_cap or memory_cap)
         runs["offloaded"] = offloaded_run(recipe, pipe, options, device, progress)
         report = report_header(recipe_name, options, device, compiled, memory_cap, offload_memory_cap)
         write_report(out, report, runs, options.fps, progress)
