@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' helpers
 import flextensor_diffusers as ft
-from flextensor_diffusers.engine import arrivals, device_copies
+from flextensor_diffusers.storage import arrivals, device_copies
 from tests.models import Stack
 from tests.test_compression import planned_from_fixed_figures
 from tests.test_payload_arrival import offload_cached

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from bench_common import write_json
 
-from flextensor_diffusers.engine.codec import (
+from flextensor_diffusers.storage.codec import (
     DEFAULT_CHUNK,
     EncodedUnit,
     Segment,
@@ -45,7 +45,7 @@ from flextensor_diffusers.engine.codec import (
     encode_unit,
     worth_compressing,
 )
-from flextensor_diffusers.engine.host_memory import host_buffer, pin_in_place, unpin_in_place
+from flextensor_diffusers.storage.host_memory import host_buffer, pin_in_place, unpin_in_place
 
 ALIGN = 512
 CONFIGS = [(2048, 4), (1024, 4), (4096, 8), (2048, 8), (1024, 2)]  # (block, num_warps) tried on CUDA

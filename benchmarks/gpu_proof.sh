@@ -7,7 +7,8 @@
 #   quantized    quantized_bench.py: the 40-block stack at 17 frames under 2.8 GB, bf16/int8/fp8 ($QUANT_ROWS) against
 #                native, each bitwise; then the full pipeline with int8 transformers on an emulated 5 GB card unless
 #                $QUANT_CARD is 0                             -> $OUT/quantized_<card>.json, .log
-#   quantized_card  only that smallest card                   -> $OUT/quantized_card_<card>.json, .log
+#   quantized_card  only that smallest card, weights $CARD_WEIGHTS (int8, fp8: layerwise casting); where it fails,
+#                its floor measured under a $FLOOR_CAP-byte card  -> $OUT/quantized_card_<card>.json, .log
 #   engine17     engine_bench.py, 17 frames, 3 budgets        -> $OUT/engine17_<card>.json, .log
 #   engine       engine_bench.py, 81 and 17 frames, 3 budgets -> $OUT/engine_<card>.json, .log
 #   compile17    compile_bench.py, 17 frames                  -> $OUT/compile17_<card>.json, .log
@@ -46,6 +47,7 @@ for step in "$@"; do
         $([ "${QUANT_CARD:-1}" = 0 ] && echo --skip-smallest-card) --time-limit "${QUANT_TIME_LIMIT_S:-$((limit - 200))}" \
         --out "$OUT/quantized_${card}.json" >"$OUT/quantized_${card}.log" 2>&1 ;;
     quantized_card) timeout "$limit" python3 benchmarks/quantized_bench.py --rows "" \
+        --card-weights "${CARD_WEIGHTS:-int8}" ${FLOOR_CAP:+--floor-cap "$FLOOR_CAP"} \
         --out "$OUT/quantized_card_${card}.json" >"$OUT/quantized_card_${card}.log" 2>&1 ;;
     engine17) timeout "$limit" python3 benchmarks/engine_bench.py --workloads 17f_480x272 --budgets 3 --reps 3 \
         --out "$OUT/engine17_${card}.json" >"$OUT/engine17_${card}.log" 2>&1 ;;

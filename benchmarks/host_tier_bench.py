@@ -127,7 +127,7 @@ def host_copies_only() -> Iterator[None]:
     would dwarf its ~1 MB of weights (and refuse the tiny budgets)."""
     from unittest import mock
 
-    from flextensor_diffusers.pipelines import host_budget
+    from flextensor_diffusers.storage import host_budget
 
     with mock.patch.multiple(host_budget, HOST_RESERVE_BYTES=0, process_own_bytes=lambda modules: 0):
         yield

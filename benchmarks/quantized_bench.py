@@ -175,17 +175,11 @@ def quantize_on(module: nn.Module, rep: Representation, device: torch.device) ->
     _free(device)
 
 
-def floor_record(state: Any) -> dict[str, Any]:
-    """The smallest budget every component accepts for the workload it measured, the parts of the binding one
-    (the package's own rule, term by term), and the package's refusal of one byte less."""
-    needs = {name: h.smallest_budget() for name, h in state.handles.items()}
-    profiled = {name: h.profile is not None for name, h in state.handles.items()}
-    binding = max(needs, key=needs.get)
-    handle = state.handles[binding]
+def floor_parts(handle: Any, need: int) -> dict[str, Any]:
+    """One component's smallest budget term by term, by the package's own rule."""
     granule, margin = handle.device_copies.allocation_granule, handle.config.activation_margin
     activations = handle.profile.activation_peak_bytes if handle.profile is not None else 0
     parts = {
-        "component": binding,
         "weights_outside_units": smallest_budget(handle.resident_weight_bytes, [], granule=granule),
         "two_slots_of_largest_unit": smallest_budget(0, [u.nbytes for u in handle.units], granule=granule),
         "activations_with_margin": smallest_budget(0, [], activations, margin, granule=granule),
@@ -193,7 +187,17 @@ def floor_record(state: Any) -> dict[str, Any]:
         "activation_margin": margin,
     }
     terms = ("weights_outside_units", "two_slots_of_largest_unit", "activations_with_margin")
-    parts["sum_equals_floor"] = sum(parts[k] for k in terms) == needs[binding]
+    return parts | {"sum_equals_floor": sum(parts[k] for k in terms) == need}
+
+
+def floor_record(state: Any) -> dict[str, Any]:
+    """The smallest budget every component accepts for the workload it measured, the parts of the binding one
+    (the package's own rule, term by term), and the package's refusal of one byte less."""
+    needs = {name: h.smallest_budget() for name, h in state.handles.items()}
+    profiled = {name: h.profile is not None for name, h in state.handles.items()}
+    binding = max(needs, key=needs.get)
+    handle = state.handles[binding]
+    parts = floor_parts(handle, needs[binding]) | {"component": binding}
     try:
         handle.set_budget(needs[binding] - 1)
         refusal: dict[str, Any] = {"refused": False}
@@ -202,7 +206,11 @@ def floor_record(state: Any) -> dict[str, Any]:
     return {
         "floor_bytes": max(needs.values()),
         "floor_parts": parts,
-        "floor_by_component": {name: {"bytes": needs[name], "activations_measured": profiled[name]} for name in needs},
+        "floor_by_component": {
+            name: {"bytes": needs[name], "activations_measured": profiled[name]}
+            | floor_parts(state.handles[name], needs[name])
+            for name in needs
+        },
         "floor_refusal_one_byte_less": refusal,
     }
 
@@ -255,6 +263,36 @@ def smallest_card(args: argparse.Namespace, device: torch.device) -> dict[str, A
         if device.type == "cuda":
             torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
     record.setdefault("floor_parts", {})
+    if not record["completed"] and args.floor_cap:
+        record["floor_at_larger_cap"] = floor_at(pipe, args, args.floor_cap, device)
+    return record
+
+
+def floor_at(pipe: Any, args: argparse.Namespace, cap: int, device: torch.device) -> dict[str, Any]:
+    """Where the card was too small, the floor with its parts measured under a larger emulated card ``cap`` (one
+    step: every component measures its activations), so that the shortfall is known term by term."""
+    from flextensor_diffusers.recipes import common, wan22_t2v
+
+    if ft.pipeline_offload(pipe) is not None:
+        pipe.disable_flextensor_offload()
+    _free(device)
+    options = card_options(args, cap)
+    cap_device_memory(device, str(cap))
+    record: dict[str, Any] = {"cap_bytes": cap, "steps": 1}
+    try:
+        with bc.PeakWatch(device) as watch:
+            common.enable_offload(pipe, options, device)
+            wan22_t2v.generate(pipe, options, device, 1, "np")
+            record |= {"completed": True} | bc.check_budget("floor probe", cap, watch.peak, bc.WHOLE_RUN)
+            record |= floor_record(ft.pipeline_offload(pipe))
+    except Exception as exc:
+        traceback.print_exc()
+        record |= {"completed": False, "error": f"{type(exc).__name__}: {first_line(exc)}"}
+    finally:
+        if ft.pipeline_offload(pipe) is not None:
+            pipe.disable_flextensor_offload()
+        if device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
     return record
 
 
@@ -272,6 +310,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=int, help=f"stack budget, bytes (default {STACK_BUDGET})")
     parser.add_argument("--card-bytes", type=int, help=f"emulated card and its budget (default {CARD_BYTES})")
     parser.add_argument("--card-weights", default="int8", choices=sorted(REPRESENTATIONS))
+    parser.add_argument(
+        "--floor-cap", type=int, help="where the card fails: measure the floor's parts under this larger card, bytes"
+    )
     return parser
 
 

@@ -99,7 +99,7 @@ def tensors_bytes(pipe: Any) -> int:
 
 def settled_rss() -> int:
     """RssAnon + RssShmem once garbage is collected and the C heap's free pages are given back."""
-    from flextensor_diffusers.engine.host_memory import return_freed_heap
+    from flextensor_diffusers.storage.host_memory import return_freed_heap
 
     gc.collect()
     return_freed_heap()

@@ -32,15 +32,14 @@ from typing import Any
 import torch
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.engine import codec as codec_mod
 from flextensor_diffusers.engine import device_copies as device_copies_mod
-from flextensor_diffusers.engine import file_reads
-from flextensor_diffusers.engine import payload_cache as payload_cache_mod
-from flextensor_diffusers.engine.compressed_copies import CompressedCopies
-from flextensor_diffusers.engine.host_copies import HostCopies
-from flextensor_diffusers.pipelines import disk_reads, host_budget
-from flextensor_diffusers.pipelines.host_tier import read_back as read_back_mod
 from flextensor_diffusers.recipes.models import build_pipeline
+from flextensor_diffusers.storage import codec as codec_mod
+from flextensor_diffusers.storage import disk_reads, file_reads, host_budget
+from flextensor_diffusers.storage import payload_cache as payload_cache_mod
+from flextensor_diffusers.storage.compressed_copies import CompressedCopies
+from flextensor_diffusers.storage.host_copies import HostCopies
+from flextensor_diffusers.storage.host_tier import read_back as read_back_mod
 
 EXPERTS = ("transformer", "transformer_2")
 
@@ -192,8 +191,8 @@ class Chaos:
 
 def install_tier_sleeps(jitter: Jitter, args: argparse.Namespace) -> None:
     """Random sleeps in the tier's own steps (main thread, under its lock): moving out, reading ahead."""
-    from flextensor_diffusers.pipelines.host_tier import placement as placement_mod
-    from flextensor_diffusers.pipelines.host_tier import read_ahead as read_ahead_mod
+    from flextensor_diffusers.storage.host_tier import placement as placement_mod
+    from flextensor_diffusers.storage.host_tier import read_ahead as read_ahead_mod
 
     for owner, name in (
         (placement_mod.Placement, "_move_out"),

@@ -143,7 +143,8 @@ from host_tier_bench import (
     weight_files,
 )
 
-from flextensor_diffusers.engine import parse_bytes, payload_cache
+from flextensor_diffusers.engine import parse_bytes
+from flextensor_diffusers.storage import payload_cache
 
 #: Keyword arguments of ``enable_flextensor_offload`` besides ``budget`` and ``cache_dir``, per configuration.
 #: A ``host_budget`` here is the full-size one; `host_budget_of` maps it for the tiny pipeline.

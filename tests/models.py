@@ -128,7 +128,7 @@ def set_host_overhead(monkeypatch, own: int, reserve: int) -> None:
     """The process's own memory measures ``own`` bytes and the host budget's reserve is ``reserve`` bytes
     (module-level names, as `HostOverhead.measure` reads them): a tiny model's host budget is planned in
     its host copies' bytes with both at 0, since hundreds of MB of Python and torch would dwarf it."""
-    from flextensor_diffusers.pipelines import host_budget
+    from flextensor_diffusers.storage import host_budget
 
     monkeypatch.setattr(host_budget, "process_own_bytes", lambda modules: own)
     monkeypatch.setattr(host_budget, "HOST_RESERVE_BYTES", reserve)
@@ -137,8 +137,8 @@ def set_host_overhead(monkeypatch, own: int, reserve: int) -> None:
 def set_ram_available(monkeypatch, nbytes: int) -> None:
     """The RAM available to the process (what ``host_budget="auto"`` and the refusal before packing decide from)
     reads ``nbytes``, as the host's (a module-level name, as `enable` reads it once)."""
-    from flextensor_diffusers.engine.machine_memory import HOST, AvailableMemory, MemoryBound
-    from flextensor_diffusers.pipelines import host_budget
+    from flextensor_diffusers.storage import host_budget
+    from flextensor_diffusers.storage.machine_memory import HOST, AvailableMemory, MemoryBound
 
     ram = AvailableMemory((MemoryBound(HOST, "set by the test", max(nbytes, 2**40), nbytes),))
     monkeypatch.setattr(host_budget, "available_ram", lambda: ram)
@@ -171,23 +171,29 @@ def measured_smallest(
     run: Callable[[nn.Module], object],
     device: str,
     make_probe: Callable[[], nn.Module] | None = None,
+    offloader: Callable[..., object] | None = None,
     **config: object,
 ) -> int:
     """The least budget ``model`` (units ``blocks.*``) streams in once its activations are measured: a copy
     (``make_probe()`` where a deep copy would not compute alike: diffusers' hooks hold the module they were
-    applied to), offloaded with room to spare, runs ``run(copy)`` (its forwards); then
+    applied to), offloaded with room to spare by ``offloader`` (``ft.offload`` unless the test offloads its model
+    another way: the probe must leave the device in the state the test's own set-up leaves it, since a budget
+    bounds everything the process holds there), runs ``run(copy)`` (its forwards); then
     `OffloadHandle.smallest_budget`."""
     import flextensor_diffusers as ft
 
     probe = make_probe() if make_probe is not None else copy.deepcopy(model).to("cpu")
-    handle = ft.offload(probe, include_patterns=["blocks.*"], gpu_budget=2**30, device=device, **config)
+    offload = offloader if offloader is not None else ft.offload
+    handle = offload(probe, include_patterns=["blocks.*"], gpu_budget=2**30, device=device, **config)
     run(probe)
     need = handle.smallest_budget()
     handle.remove()
     return need
 
 
-def device_headroom(device: str, model: nn.Module, x: torch.Tensor, **config: object) -> int:
+def device_headroom(
+    device: str, model: nn.Module, x: torch.Tensor, offloader: Callable[..., object] | None = None, **config: object
+) -> int:
     """Budget room beyond a small model's weights and two slots. On the CPU, only rounding: nothing counts
     activations there. On CUDA a budget bounds the whole process's peak of allocated memory, with the engine's
     activation margin on all of it: what the process holds already (earlier tests' tensors, the cuBLAS workspace)
@@ -202,7 +208,8 @@ def device_headroom(device: str, model: nn.Module, x: torch.Tensor, **config: ob
             for _ in range(2):
                 probe(x.to("cuda"))
 
-    return measured_smallest(model, run, "cuda", **config) - setup_minimum(model, "cuda", **config) + 8192
+    need = measured_smallest(model, run, "cuda", offloader=offloader, **config)
+    return need - setup_minimum(model, "cuda", **config) + 8192
 
 
 def offload_compressed_on_the_device(model: nn.Module, **kwargs: object):

@@ -22,8 +22,6 @@ from torch import nn
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import Phase
-from flextensor_diffusers.engine.codec import decode_into
-from flextensor_diffusers.engine.host_memory import host_buffer, shared_file_buffer
 from flextensor_diffusers.engine.units import (
     ALIGNMENT,
     CPU_ALIGNMENT,
@@ -35,6 +33,8 @@ from flextensor_diffusers.engine.units import (
     repeats_beyond_expansion,
     span_nbytes,
 )
+from flextensor_diffusers.storage.codec import decode_into
+from flextensor_diffusers.storage.host_memory import host_buffer, shared_file_buffer
 
 DIM = 48
 FORWARDS = 5  # discovery, profiling, three steady

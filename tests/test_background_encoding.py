@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.engine import arrivals
-from flextensor_diffusers.engine.codec import Segment, device_encoding_need
-from flextensor_diffusers.engine.device_encoding import EncodeJob
-from flextensor_diffusers.engine.payload_cache import PayloadCache
 from flextensor_diffusers.engine.setup import encodes_between_forwards
+from flextensor_diffusers.storage import arrivals
+from flextensor_diffusers.storage.codec import Segment, device_encoding_need
+from flextensor_diffusers.storage.device_encoding import EncodeJob
+from flextensor_diffusers.storage.payload_cache import PayloadCache
 from tests.clocks import ManualClock, drive_handles_by
 from tests.models import Stack, assert_same, snapshot
 from tests.test_compression import make, planned_from_fixed_figures

@@ -24,12 +24,12 @@ import torch
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import setup
-from flextensor_diffusers.engine.cache_files import RawCacheFile, map_cache_file, write_cache_file
-from flextensor_diffusers.engine.codec import EncodedUnit
 from flextensor_diffusers.engine.config import cache_folder
-from flextensor_diffusers.engine.payload_cache import FILE_ALIGNMENT, PayloadCache
 from flextensor_diffusers.engine.units import align
 from flextensor_diffusers.recipes.models import build_pipeline
+from flextensor_diffusers.storage.cache_files import RawCacheFile, map_cache_file, write_cache_file
+from flextensor_diffusers.storage.codec import EncodedUnit
+from flextensor_diffusers.storage.payload_cache import FILE_ALIGNMENT, PayloadCache
 from tests.models import (
     Stack,
     assert_refused_as_it_was,

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from flextensor_diffusers.engine import codec
-from flextensor_diffusers.engine.codec import (
+from flextensor_diffusers.storage import codec
+from flextensor_diffusers.storage.codec import (
     CODE_BITS,
     DEVICE_SLICE_BYTES,
     CodecError,
@@ -297,7 +297,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     """
     import torch
     from tests.test_codec import CHUNK, assert_segments_equal, awkward, pack
-    from flextensor_diffusers.engine.codec import decode_to_host, encode_unit
+    from flextensor_diffusers.storage.codec import decode_to_host, encode_unit
 
     tensors = [
         awkward(torch.bfloat16, 3 * CHUNK + 5),

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.engine import payload_cache
 from flextensor_diffusers.recipes.models import build_pipeline
+from flextensor_diffusers.storage import payload_cache
 from tests.models import assert_same, set_host_overhead, set_ram_available, snapshot, wan_latents
 from tests.test_host_tier import digest, load, save
 
@@ -139,7 +139,7 @@ def test_the_default_host_budget_with_compression_keeps_compressed_copies_only_w
     """No host budget given, compression on, and RAM available for one compressed expert only: the default,
     ``host_budget="auto"``, turns the compressed tier on by itself (compressed copies only, the raw bytes in the
     weight files), the experts take turns on disk, bitwise."""
-    from flextensor_diffusers.pipelines import host_budget as budgets
+    from flextensor_diffusers.storage import host_budget as budgets
 
     folder, reference = saved
     cache = tmp_path / "cache"
@@ -359,7 +359,7 @@ def test_a_packing_window_packs_only_near_the_unit_the_encoder_asked_for() -> No
     forever, and the end of set-up lets the rest go."""
     import threading
 
-    from flextensor_diffusers.engine.host_copies import PackingWindow
+    from flextensor_diffusers.storage.host_copies import PackingWindow
 
     window = PackingWindow(2)
     packed: list[int] = []
@@ -415,7 +415,7 @@ def test_an_edit_of_blocks_waiting_in_the_weight_files_moves_them_out_of_anonymo
     """A state dict loaded into an expert whose raw bytes wait in its weight files lands in copy-on-write pages
     (anonymous memory the host budget does not see): the edited blocks move to a cache file and those pages go
     back, so the expert's file mappings hold no written page afterwards; outputs follow the edit, bitwise."""
-    from flextensor_diffusers.pipelines.raw_home import WeightFilesHome, any_written
+    from flextensor_diffusers.storage.raw_home import WeightFilesHome, any_written
 
     folder, _ = saved
     pipe = load(folder)
@@ -451,7 +451,7 @@ def measure_anonymous_memory(folder: str, out: str) -> None:
     the host budget from set-up to the last step (benchmarks/results/tiers_h200.json)."""
     import json
 
-    from flextensor_diffusers.pipelines import host_budget
+    from flextensor_diffusers.storage import host_budget
     from tests.test_host_tier import ANON_SLACK, rss_anon
 
     pipe = load(Path(folder))

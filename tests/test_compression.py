@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.engine import Phase, compressed_copies, planning
-from flextensor_diffusers.engine.codec import DEVICE_SLICE_BYTES, CodecMismatch, encode_unit
-from flextensor_diffusers.engine.compressed_copies import CompressedCopies
+from flextensor_diffusers.engine import Phase, planning
 from flextensor_diffusers.engine.planner import Call, WorkloadProfile, plan_residency, simulate
 from flextensor_diffusers.recipes.models import build_pipeline
+from flextensor_diffusers.storage import compressed_copies
+from flextensor_diffusers.storage.codec import DEVICE_SLICE_BYTES, CodecMismatch, encode_unit
+from flextensor_diffusers.storage.compressed_copies import CompressedCopies
 from tests.models import (
     Stack,
     assert_same,
@@ -515,7 +516,7 @@ def test_the_recipe_names_the_flag_a_compression_cache_needs(tmp_path, capsys) -
 def test_a_payload_cache_that_cannot_be_written_leaves_no_file_and_costs_only_the_next_encoding(
     tmp_path, monkeypatch
 ) -> None:
-    from flextensor_diffusers.engine import payload_cache
+    from flextensor_diffusers.storage import payload_cache
 
     def disk_full(*_: object) -> None:
         raise OSError(28, "No space left on device")
@@ -562,7 +563,7 @@ def test_models_of_the_same_weights_share_a_payload_file_until_one_writes(tmp_pa
     wrote). A write by one of them (under a host budget: an edit, then a move to disk) goes to a file of its own,
     so the file the other waits in never changes under it (its reads would be refused as changed on disk); that
     file of edited weights is deleted when its model goes, the shared one stays for the next run."""
-    from flextensor_diffusers.engine import payload_cache
+    from flextensor_diffusers.storage import payload_cache
 
     first, _ = make(torch.bfloat16)
     config = ft.OffloadConfig(["blocks.*"], device="cpu", compression="lossless", compression_cache=True)
@@ -586,7 +587,7 @@ def test_set_up_does_not_wait_for_the_payload_cache_and_ctrl_c_at_exit_leaves_no
     """The payload file is written after set-up returns, while the model already computes (it is for the next
     run). At exit the interpreter finishes the write; Ctrl-C there gives it up: no half-written file stays in
     the cache folder, and the model is as it was."""
-    from flextensor_diffusers.engine import payload_cache
+    from flextensor_diffusers.storage import payload_cache
 
     gate = threading.Event()
     real_crc32 = payload_cache.crc32_of
@@ -630,9 +631,9 @@ def test_the_device_encoder_overlaps_only_within_the_budget_and_refuses_a_need_o
     what one unit at a time needs; a need over the budget is refused, naming the budget it takes; the next units
     cross early only when that and three more units fit. A peak from before the encoder (the caller's) hides the
     first unit's: one unit at a time, nothing refused. (The decision alone: CI has no GPU.)"""
-    from flextensor_diffusers.engine import device_encoding
-    from flextensor_diffusers.engine.codec import Segment
-    from flextensor_diffusers.engine.device_encoding import DeviceEncoder, EncodeJob
+    from flextensor_diffusers.storage import device_encoding
+    from flextensor_diffusers.storage.codec import Segment
+    from flextensor_diffusers.storage.device_encoding import DeviceEncoder, EncodeJob
 
     encoder = object.__new__(DeviceEncoder)  # no CUDA stream on the CPU: only the fields the decision reads
     encoder.device, encoder.refuse = torch.device("cuda"), True

@@ -299,7 +299,7 @@ def test_failure_during_set_up_leaves_model_as_it_was(monkeypatch: pytest.Monkey
     """A unit that fails to pack ends set-up with its error and the model as it was; with compression the
     encoder is at work on the units packed meanwhile (it waits for each at the host gate). Raw copies pack
     before set-up returns here (as with shared weights); progressive packing's failures are tested below."""
-    from flextensor_diffusers.engine import host_copies as runtime  # where set-up packs
+    from flextensor_diffusers.storage import host_copies as runtime  # where set-up packs
 
     model, _ = make()
     before = snapshot(model)
@@ -330,7 +330,7 @@ def test_failure_during_set_up_leaves_model_as_it_was(monkeypatch: pytest.Monkey
 
 
 def test_failure_during_remove_keeps_model_working(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flextensor_diffusers.engine import host_copies as runtime  # where removal restores
+    from flextensor_diffusers.storage import host_copies as runtime  # where removal restores
 
     model, x = make()
     ref = native(model, x, "cpu")
@@ -469,7 +469,7 @@ def test_ctrl_c_while_set_up_waits_for_the_packing_threads_leaves_every_tensor_i
     each in a storage of its own as before, bit for bit."""
     import threading
 
-    from flextensor_diffusers.engine import host_copies, setup_threads
+    from flextensor_diffusers.storage import host_copies, setup_threads
 
     model, x = make(depth=8)
     ref = native(model, x, "cpu")

@@ -1,4 +1,4 @@
-"""Reading a unit's bytes in pieces that several threads fill at once (`engine.file_reads`), and the host tier's
+"""Reading a unit's bytes in pieces that several threads fill at once (`storage.file_reads`), and the host tier's
 read backs through it: the bytes read are the file's, a failure is raised only once no piece still writes, and
 the experts taking turns on disk stay bitwise when every unit is read in many pieces."""
 
@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flextensor_diffusers.engine import file_reads
-from flextensor_diffusers.engine.file_reads import FileSpan, PieceReader, read_spans, split_spans
-from flextensor_diffusers.pipelines import disk_reads
+from flextensor_diffusers.storage import disk_reads, file_reads
+from flextensor_diffusers.storage.file_reads import FileSpan, PieceReader, read_spans, split_spans
 from tests.models import set_host_overhead, wan_latents
 from tests.test_compressed_tier import enable_one_expert_in_ram
 from tests.test_host_tier import load, save, smallest_budgets, tier_of

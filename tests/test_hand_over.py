@@ -1,6 +1,6 @@
 """Under a host budget, an expert hands its RAM over during its last forward before a switch: its compressed
 copies go back to their payload file as each unit is done, and the next expert's read ahead takes the room
-(`pipelines.host_tier.hand_over`). Outputs stay bitwise; a wrong forecast only costs reads."""
+(`storage.host_tier.hand_over`). Outputs stay bitwise; a wrong forecast only costs reads."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.pipelines.host_tier import HostTier
-from flextensor_diffusers.pipelines.host_tier.hand_over import HandOver, LastForwardForecast
+from flextensor_diffusers.storage.host_tier import HostTier
+from flextensor_diffusers.storage.host_tier.hand_over import HandOver, LastForwardForecast
 from tests.models import set_host_overhead, wan_latents
 from tests.test_compressed_tier import EXPERTS, enable_one_expert_in_ram, saved  # noqa: F401 (a fixture)
 from tests.test_host_tier import load
@@ -97,7 +97,7 @@ def record_room_at_switches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, 
 def count_payload_file_mappings(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """How many times each payload file is mapped from now on (`PayloadCache.map`, which units let go become views
     of; it maps the file through the descriptor it checked): filled in as the test runs."""
-    from flextensor_diffusers.engine import payload_cache
+    from flextensor_diffusers.storage import payload_cache
 
     mapped: dict[str, int] = {}
     real = payload_cache.map_descriptor

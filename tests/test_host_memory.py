@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.engine import host_memory
-from flextensor_diffusers.engine.host_memory import (
+from flextensor_diffusers.storage import host_memory
+from flextensor_diffusers.storage.host_memory import (
     HUGE_PAGE,
     HUGE_PAGE_MIN_BYTES,
     host_buffer,

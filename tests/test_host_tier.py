@@ -18,12 +18,12 @@ import torch
 
 import flextensor_diffusers as ft
 from flextensor_diffusers.engine import format_bytes
-from flextensor_diffusers.pipelines import disk_reads, host_budget, host_tier
-from flextensor_diffusers.pipelines.disk_reads import ReadJob
-from flextensor_diffusers.pipelines.host_tier import SwitchForecast
 from flextensor_diffusers.pipelines.offload import packing_order
-from flextensor_diffusers.pipelines.weight_files import read_entries
 from flextensor_diffusers.recipes.models import build_pipeline
+from flextensor_diffusers.storage import disk_reads, host_budget, host_tier
+from flextensor_diffusers.storage.disk_reads import ReadJob
+from flextensor_diffusers.storage.host_tier import SwitchForecast
+from flextensor_diffusers.storage.weight_files import read_entries
 from tests.clocks import ManualClock
 from tests.models import (
     assert_refused_as_it_was,
@@ -326,7 +326,7 @@ def test_a_cache_dir_that_is_a_file_is_refused_and_the_model_left_as_it_was(tmp_
 
 def test_a_full_disk_while_moving_a_component_out_is_a_clear_error(tmp_path, monkeypatch) -> None:
     """Writing the cache fails (disk full): the error names the fix and the model still computes."""
-    from flextensor_diffusers.engine import cache_files
+    from flextensor_diffusers.storage import cache_files
 
     pipe = build_pipeline("wan22_t2v", "tiny")
     reference = wan_latents(pipe)
@@ -351,7 +351,7 @@ def test_ctrl_c_while_a_cache_file_is_written_leaves_the_model_and_the_cache_fol
     """Ctrl-C while set-up writes a component's cache file (seconds for an expert): the interrupt reaches
     the caller, the pipeline is as it was (every tensor, bit for bit, same objects), the half-written file
     is gone, and enabling again works."""
-    from flextensor_diffusers.engine import cache_files
+    from flextensor_diffusers.storage import cache_files
 
     pipe = build_pipeline("wan22_t2v", "tiny")
     before = {name: snapshot(getattr(pipe, name)) for name in ("text_encoder", "transformer", "transformer_2")}

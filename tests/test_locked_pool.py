@@ -1,4 +1,4 @@
-"""The locked pool hands page-locked buffers on from one read to the next (`engine.locked_pool`): no driver call per
+"""The locked pool hands page-locked buffers on from one read to the next (`storage.locked_pool`): no driver call per
 read once buffers are about, each buffer lent to one owner at a time, the host budget's room respected, and no lock
 left behind when the tier goes."""
 
@@ -14,13 +14,12 @@ import pytest
 import torch
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.engine import host_memory
-from flextensor_diffusers.engine.compressed_copies import CompressedCopies
-from flextensor_diffusers.engine.host_memory import HUGE_PAGE
-from flextensor_diffusers.engine.locked_pool import LockedPool, fits, rounded
-from flextensor_diffusers.pipelines import disk_reads
-from flextensor_diffusers.pipelines.disk_reads import HowToRead, ReadJob
-from flextensor_diffusers.pipelines.host_tier.pool_room import PoolRoom
+from flextensor_diffusers.storage import disk_reads, host_memory
+from flextensor_diffusers.storage.compressed_copies import CompressedCopies
+from flextensor_diffusers.storage.disk_reads import HowToRead, ReadJob
+from flextensor_diffusers.storage.host_memory import HUGE_PAGE
+from flextensor_diffusers.storage.host_tier.pool_room import PoolRoom
+from flextensor_diffusers.storage.locked_pool import LockedPool, fits, rounded
 from tests.models import set_host_overhead, wan_latents
 from tests.test_compressed_tier import enable_one_expert_in_ram, saved  # noqa: F401 (a fixture)
 from tests.test_host_tier import load

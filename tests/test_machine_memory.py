@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.engine import format_bytes, machine_memory
-from flextensor_diffusers.engine.machine_memory import CGROUP, HOST, RLIMIT, available_memory, read_mounts
-from flextensor_diffusers.pipelines import host_budget
+from flextensor_diffusers.engine import format_bytes
 from flextensor_diffusers.pipelines.offload import format_report
+from flextensor_diffusers.storage import host_budget, machine_memory
+from flextensor_diffusers.storage.machine_memory import CGROUP, HOST, RLIMIT, available_memory, read_mounts
 from tests.models import set_host_overhead, set_ram_available, wan_latents
 from tests.test_host_tier import load, save
 

@@ -12,10 +12,11 @@ import torch
 from torch import nn
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.engine import Phase, payload_cache
-from flextensor_diffusers.engine.arrivals import PayloadArrival
-from flextensor_diffusers.engine.host_copies import HostCopies
-from flextensor_diffusers.engine.payload_cache import PayloadCache
+from flextensor_diffusers.engine import Phase
+from flextensor_diffusers.storage import payload_cache
+from flextensor_diffusers.storage.arrivals import PayloadArrival
+from flextensor_diffusers.storage.host_copies import HostCopies
+from flextensor_diffusers.storage.payload_cache import PayloadCache
 from tests.models import assert_same, snapshot
 from tests.test_compression import make, planned_from_fixed_figures
 

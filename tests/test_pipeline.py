@@ -194,7 +194,7 @@ def test_ctrl_c_during_disable_keeps_outputs_native_and_disable_finishes_later(
     """Ctrl-C while `disable_flextensor_offload` puts the weights back (in the second expert, say): the
     interrupt reaches the caller as it is, the pipeline still computes bitwise as natively (the units not
     restored yet stream on demand), and calling disable again finishes the job, every tensor as before."""
-    from flextensor_diffusers.engine import host_copies
+    from flextensor_diffusers.storage import host_copies
 
     pipe = build_pipeline("wan22_t2v", "tiny")
     reference = latents(pipe)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.engine import host_copies, packing_line
+from flextensor_diffusers.storage import host_copies, packing_line
 from tests.models import Stack, assert_same, snapshot
 from tests.test_engine import make, native
 

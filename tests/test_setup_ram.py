@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.engine import host_copies, packing_line
-from flextensor_diffusers.engine.host_memory import return_freed_heap
+from flextensor_diffusers.storage import host_copies, packing_line
+from flextensor_diffusers.storage.host_memory import return_freed_heap
 
 #: What the process holds beyond the weights and one unit while packing: the copying thread's stack and malloc
 #: arena, its OpenMP team's stacks, the copies' Python objects, the sampler's own reads (5 MB measured here).

@@ -8,6 +8,8 @@ planner (`plan_residency`, `simulate`), and the process's true peaks of device m
 engine's own.
 """
 
+from ..storage.host_copies import HostCopies, HostPlaces
+from ..storage.shared_host import SharedHostMemory
 from .config import OffloadConfig, format_bytes, parse_bytes
 from .errors import (
     BudgetError,
@@ -22,12 +24,10 @@ from .errors import (
     UnsupportedTensorError,
 )
 from .handle import OffloadHandle, offload, offload_shared
-from .host_copies import HostCopies, HostPlaces
 from .load_checks import LoadCheckError
 from .peaks import PeakWindow, max_memory_allocated, max_memory_reserved, open_window, reset_peak_memory_stats
 from .phases import Phase
 from .planner import Call, Plan, WorkloadProfile, plan_residency, simulate
-from .shared_host import SharedHostMemory
 from .stats import OffloadStats
 
 __all__ = [

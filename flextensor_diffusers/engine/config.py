@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..storage.private_files import CACHE_FOLDER, default_cache_folder, private_folder
 from .errors import BudgetError, FlexTensorError, NoCudaDeviceError
-from .private_files import CACHE_FOLDER, default_cache_folder, private_folder
 
 if TYPE_CHECKING:
-    from .shared_host import SharedHostMemory
+    from ..storage.shared_host import SharedHostMemory
 
 _UNITS = {
     "": 1,
@@ -97,7 +97,7 @@ def room_on_device(device: torch.device) -> int:
     leaves above what it has reserved. On the CPU: the RAM available (`machine_memory.available_memory`: the least
     of the host's, its cgroups' room and its rlimits)."""
     if device.type != "cuda":
-        from .machine_memory import available_memory  # it imports this module
+        from ..storage.machine_memory import available_memory  # it imports this module
 
         return available_memory().nbytes
     free, total = torch.cuda.mem_get_info(device)

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..storage.codec import EncodedUnit, decode_into
+from ..storage.host_copies import HostCopies
 from .binding import Binding
-from .codec import EncodedUnit, decode_into
 from .errors import OffloadStateError
-from .host_copies import HostCopies
 from .planner import CUDA_ALLOCATION_GRANULE, Plan, allocated
 from .units import Unit, UnitLayout, aligned_buffer
 

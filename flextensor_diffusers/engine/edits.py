@@ -26,10 +26,10 @@ from contextlib import contextmanager
 
 import torch
 
+from ..storage.host_copies import HostCopies
 from .binding import Binding
 from .device_copies import DeviceCopies
 from .errors import FlexTensorError
-from .host_copies import HostCopies
 from .load_checks import LoadChecks
 from .units import PackedTensor, Unit
 

@@ -33,6 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..storage.payload_cache import PayloadCache
+from ..storage.raw_homes import RawHome
+from ..storage.shared_host import SharedHostMemory
 from .boundaries import refuse_if_inside_whole_model_compile, refuse_whole_model_compile
 from .call_guards import (
     measuring_out_of_memory_error,
@@ -44,16 +47,13 @@ from .call_guards import (
 from .config import OffloadConfig, resolve_budget, resolve_device
 from .errors import BudgetError, FlexTensorError, OffloadStateError
 from .load_checks import LoadCheckError, LoadChecks, LoadCheckSummary
-from .payload_cache import PayloadCache
 from .phases import Discovery, OnDemand, Phase, Phases, Removed, Steady
 from .planner import Plan, WorkloadProfile
 from .planning import Planning
 from .profile import model_fingerprint, workload_signature
 from .profiler import Clock, Profiler
-from .raw_homes import RawHome
 from .schedule import SteadySchedule, TransferTotals
 from .setup import SetUp, SetupTimes, assemble
-from .shared_host import SharedHostMemory
 from .stats import OffloadStats, collect_stats
 from .units import Unit, UnitLayout, find_units, plan_layout
 

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..storage.private_files import PROFILE_FOLDER, check_private_folder, private_folder
 from .errors import ProfileMismatchError
 from .planner import Call, WorkloadProfile
-from .private_files import PROFILE_FOLDER, check_private_folder, private_folder
 from .subclasses import representation
 
 logger = logging.getLogger(__name__)

@@ -22,17 +22,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .arrivals import encoder_room, refuse_without_room
+from ..storage.arrivals import encoder_room, refuse_without_room
+from ..storage.cache_files import RawCacheFile
+from ..storage.host_copies import PACKING_WINDOW, HostCopies
+from ..storage.payload_cache import PayloadCache, weights_key
+from ..storage.raw_homes import RawHome
 from .binding import Binding
 from .boundaries import Boundaries, Crossing, hidden
-from .cache_files import RawCacheFile
 from .config import cache_folder
 from .device_copies import DeviceCopies
 from .edits import Edits
 from .errors import FlexTensorError
-from .host_copies import PACKING_WINDOW, HostCopies
-from .payload_cache import PayloadCache, weights_key
-from .raw_homes import RawHome
 from .units import PackedTensor, Unit, UnitLayout
 
 if TYPE_CHECKING:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..storage.codec import CODED_DTYPES
 from . import peaks
-from .codec import CODED_DTYPES
 from .config import format_bytes
 from .phases import Phase
 

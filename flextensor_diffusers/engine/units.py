@@ -50,8 +50,8 @@ from operator import itemgetter
 import torch
 from torch import nn
 
+from ..storage.host_memory import host_buffer, pin_in_place, unpin_in_place
 from .errors import FlexTensorError, PatternError, UnsupportedTensorError
-from .host_memory import host_buffer, pin_in_place, unpin_in_place
 from .subclasses import UNSHARE, Flattened, Wrapper, as_type_of, copy_leaves, flatten, is_plain
 
 logger = logging.getLogger(__name__)

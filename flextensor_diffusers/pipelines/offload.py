@@ -23,15 +23,14 @@ from torch import nn
 
 from ..engine import OffloadConfig, OffloadHandle, Phase, format_bytes, max_memory_allocated, offload_shared
 from ..engine.boundaries import refuse_whole_model_compile
-from ..engine.cache_files import RawCacheFile
 from ..engine.config import cache_folder, is_auto, parse_bytes, resolve_budget, resolve_device
 from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError, UnsupportedTensorError
 from ..engine.handle import UnitDone, is_offloaded
-from ..engine.machine_memory import AvailableMemory
 from ..engine.planner import CUDA_ALLOCATION_GRANULE, smallest_budget
 from ..engine.units import UnitLayout, find_units, plan_layout
-from . import host_budget as budgets
-from .host_budget import (
+from ..storage import host_budget as budgets
+from ..storage.cache_files import RawCacheFile
+from ..storage.host_budget import (
     HostOverhead,
     HostRamDecision,
     anonymous_bytes,
@@ -42,12 +41,13 @@ from .host_budget import (
     least_compressed_bytes,
     ram_needed_for_host_copies,
 )
-from .host_tier import HostTier, format_host_tier, kept_in_ram_bytes, offload_order, pipeline_folder
-from .host_tier.hand_over import LastForwardForecast
+from ..storage.host_tier import HostTier, format_host_tier, kept_in_ram_bytes, offload_order, pipeline_folder
+from ..storage.host_tier.hand_over import LastForwardForecast
+from ..storage.machine_memory import AvailableMemory
+from ..storage.raw_home import WeightFilesHome
+from ..storage.weight_files import component_folders
 from .patterns import patterns_for
-from .raw_home import WeightFilesHome
 from .sharing import OWNERS, EnableCall, SharedOffload, refuse_unshareable
-from .weight_files import component_folders
 
 logger = logging.getLogger(__name__)
 

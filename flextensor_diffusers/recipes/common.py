@@ -40,10 +40,10 @@ import torch
 from ..engine import Phase, format_bytes, open_window
 from ..engine.config import resolve_budget
 from ..engine.errors import BudgetError, FlexTensorError, HostBudgetError
-from ..engine.setup_threads import progress_bars
 from ..media import files
 from ..media.video import Mp4Writer, to_uint8_frames, uint8_chunks, write_mp4
 from ..pipelines.offload import check_setup_budget, format_report, pipeline_offload, resolve_vae_tiling
+from ..storage.setup_threads import progress_bars
 from . import parallel
 from .interruption import INTERRUPT_EXIT, Interrupted, RunProgress
 from .options import RecipeOptions, budget_note, budget_suggestion

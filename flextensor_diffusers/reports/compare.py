@@ -34,12 +34,12 @@ import torch
 from ..engine.config import format_bytes, parse_bytes
 from ..engine.errors import BudgetError
 from ..engine.peaks import PeakWindow, open_window
-from ..engine.setup_threads import progress_bars
 from ..media import files
 from ..media.video import read_mp4, to_uint8_frames, write_mp4
 from ..recipes import common
 from ..recipes.interruption import RunProgress
 from ..recipes.options import OptionsError, RecipeOptions, writable
+from ..storage.setup_threads import progress_bars
 from . import quality
 
 logger = logging.getLogger(__name__)

@@ -22,9 +22,9 @@ from torch import nn
 
 from ..engine import format_bytes
 from ..engine.errors import HostBudgetError
-from ..engine.machine_memory import AvailableMemory, available_memory
 from ..engine.subclasses import storage_leaves
 from ..engine.units import UnitLayout
+from .machine_memory import AvailableMemory, available_memory
 
 #: What ``host_budget="auto"`` may take of the RAM available when offload is enabled (the rest is the margin for
 #: the page cache, other processes and what this one allocates unaccounted).
@@ -187,7 +187,7 @@ def least_compressed_bytes(layout: UnitLayout) -> int:
 
 def available_ram() -> AvailableMemory:
     """The RAM this process may take now, and where that figure comes from: the least of the host's MemAvailable,
-    its cgroups' room (a container's or job's memory limit) and its rlimits (`engine.machine_memory`). Measured
+    its cgroups' room (a container's or job's memory limit) and its rlimits (`storage.machine_memory`). Measured
     once when offload is enabled; a module-level name, so that tests can set it."""
     return available_memory()
 

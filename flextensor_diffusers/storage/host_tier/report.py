@@ -30,7 +30,7 @@ def tier_report(
     RAM, per component its bytes, where it is, where it waits and its reads; per switch the read, the wait,
     what was read ahead and the read's bandwidth; disk read bandwidth; the reads under way; the forecast of
     each switch that reads from disk; the RAM handed over during components' last forwards; and the locked pool's
-    buffers and driver calls (`engine.locked_pool`; on a host without CUDA its buffers are handed on unlocked)."""
+    buffers and driver calls (`storage.locked_pool`; on a host without CUDA its buffers are handed on unlocked)."""
     budget = placement.budget
     read_s = sum(s.read_s for s in switches)
     nbytes = sum(s.nbytes for s in switches)

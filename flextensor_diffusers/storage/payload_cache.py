@@ -52,13 +52,13 @@ from pathlib import Path
 
 import torch
 
+from ..engine.errors import FlexTensorError
+from ..engine.units import PackedTensor, Unit, align
 from .codec import EncodedUnit, Segment
-from .errors import FlexTensorError
 from .file_reads import SERIAL, FileSpan, PieceReader
 from .host_memory import host_buffer
 from .private_files import create_new, map_descriptor, open_own_file, temporary_name
 from .setup_threads import PACK_THREADS
-from .units import PackedTensor, Unit, align
 
 logger = logging.getLogger(__name__)
 

@@ -22,17 +22,17 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
+from ..engine.errors import FlexTensorError, OffloadStateError, first_line
+from ..engine.units import Unit
 from .arrivals import EncodingBetweenForwards, PayloadArrival
 from .cache_files import drop_cached_pages_later
 from .codec import CodecMismatch, EncodedUnit, Segment, check_decodes, encode_unit, worth_compressing
 from .device_encoding import DeviceEncoder, EncodeJob
-from .errors import FlexTensorError, OffloadStateError, first_line
 from .file_reads import SERIAL, PieceReader
 from .host_memory import host_buffer, page_locked, unpin_in_place
 from .locked_pool import LockedPool
 from .payload_cache import BackgroundWrite, CacheRecord, PayloadCache, UnusableCache, header_segments
 from .setup_threads import on_threads
-from .units import Unit
 
 logger = logging.getLogger(__name__)
 
@@ -529,7 +529,7 @@ class CompressedCopies:
     def let_go(self, index: int) -> None:
         """Unit ``index``'s payload, in RAM, goes back to the payload file, which holds it (`file_current`): it
         becomes a view of the file's mapping and its RAM is freed, while the model may be active (a component's
-        RAM handed over during its last forward, see `pipelines.host_tier.hand_over`). The caller waited for
+        RAM handed over during its last forward, see `storage.host_tier.hand_over`). The caller waited for
         every copy that read it; the next load of the unit has to take it back first (`read_payload`, `take`)."""
         assert self.file is not None and self.file_current and index not in self.waiting
         payload = self.encoded[index].payload

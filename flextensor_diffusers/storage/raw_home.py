@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..engine.cache_files import RawCacheFile, drop_cached_pages
-from ..engine.raw_homes import Moved
 from ..engine.units import Unit
+from .cache_files import RawCacheFile, drop_cached_pages
+from .raw_homes import Moved
 from .weight_files import (
     FileStamp,
     NotSafetensors,

@@ -31,10 +31,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from ..engine.config import format_bytes
+from ..engine.errors import BudgetError, first_line
 from .codec import EncodedUnit, device_encoding_need, encode_unit, worth_compressing
-from .config import format_bytes
 from .device_encoding import ALLOCATION_SLACK, DeviceEncoder, EncodeJob
-from .errors import BudgetError, first_line
 from .file_reads import UNITS_IN_FLIGHT, PieceReader
 from .host_memory import page_locked
 from .payload_cache import CacheRecord, PayloadCache

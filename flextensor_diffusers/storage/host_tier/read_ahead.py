@@ -20,8 +20,8 @@ import logging
 
 from ...engine import format_bytes
 from ...engine.errors import FlexTensorError
-from ...engine.locked_pool import LockedPool
 from ..disk_reads import Reader, ReadJob
+from ..locked_pool import LockedPool
 from .jobs import read_job
 from .order import ComponentOrder
 from .placement import Placement

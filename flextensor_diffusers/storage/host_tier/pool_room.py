@@ -1,7 +1,7 @@
 """The locked pool held to the host tier's budget: what its buffers may hold beyond their payloads, and which idle
 ones it keeps.
 
-The pool (`engine.locked_pool`) hands payload buffers on from the units let go to the units read, so that reads and
+The pool (`storage.locked_pool`) hands payload buffers on from the units let go to the units read, so that reads and
 hand-overs make no driver call. But a buffer kept idle is RAM the host copies no longer count: it may be kept only
 where the budget has room for it. `PoolRoom` says how much, from the tier's own counts:
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
-from ...engine.locked_pool import LockedPool
+from ..locked_pool import LockedPool
 from .placement import TierBudget
 from .records import Reading
 

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.config import format_bytes
+from ..engine.errors import BudgetError
 from .codec import CodecMismatch, EncodedUnit, Segment, encode_unit
-from .config import format_bytes
-from .errors import BudgetError
 from .host_memory import host_buffer, page_locked, pin_in_place, unpin_in_place
 
 logger = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ from typing import Protocol
 
 import torch
 
-from .binding import Binding
-from .units import Unit, pin_unit, unpin_unit
+from ..engine.binding import Binding
+from ..engine.units import Unit, pin_unit, unpin_unit
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,7 @@ The parts, each owning one thing; `HostTier` wires them and holds the one lock a
   `records.Switch` that records it.
 * `read_ahead.ReadAheads`: the reads of the components expected next (`order.ComponentOrder`).
 * `hand_over.HandOver`: an expert's payloads let go during its last forward, into the next one's read ahead.
-* `pool_room.PoolRoom`: the locked pool (`engine.locked_pool`: payload buffers handed on from the units let go to
+* `pool_room.PoolRoom`: the locked pool (`storage.locked_pool`: payload buffers handed on from the units let go to
   the units read, with no driver call) held to the budget.
 * `forecast`: what each switch from disk is expected to wait, and the warning of a slow one.
 * `report`: the tier's report and its lines in the offload report.

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import FlexTensorError
+from ..engine.errors import FlexTensorError
+from ..engine.units import ALIGNMENT, Unit, align
 from .private_files import create_new, fresh_file, map_descriptor, map_own_file, temporary_name
-from .units import ALIGNMENT, Unit, align
 
 #: Cache files this process wrote. Their owners delete them when offload is removed; a process that exits
 #: without removing it deletes them here (their names carry its process id: no other process uses them).

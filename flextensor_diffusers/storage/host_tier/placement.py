@@ -20,8 +20,8 @@ from torch import nn
 
 from ...engine import format_bytes
 from ...engine.errors import FlexTensorError, HostBudgetError
-from ...engine.private_files import default_cache_folder
 from ..host_budget import HostOverhead
+from ..private_files import default_cache_folder
 from ..raw_home import WeightFilesHome
 from ..weight_files import WeightSource, component_folders
 
@@ -65,7 +65,7 @@ class Placement:
     where (``sources``: those that wait in their own weight files; the others' cache files in ``folder``), and
     the peak. ``reserved`` tells what the reads under way may still take: RAM they hold before the host copies
     adopt it, counted here so that the share holds at all times; ``held(reserving)``, what RAM is held beyond that
-    once ``reserving`` more bytes are reserved (idle buffers kept for reads, `engine.locked_pool`, which the reads
+    once ``reserving`` more bytes are reserved (idle buffers kept for reads, `storage.locked_pool`, which the reads
     reserved will take), counted in the peak and when making room; ``moved_out`` is told after each
     component moves out (the RAM it frees may be held that way, and must be given up when others need it).
     Not thread-safe: `HostTier` holds its lock."""

@@ -41,19 +41,19 @@ from pathlib import Path
 
 import torch
 
+from ..engine.binding import Binding
+from ..engine.errors import FlexTensorError, OffloadStateError, first_line
+from ..engine.units import Unit, copy_into, copy_tensor_into, pack_unit, pin_unit, restore_unit, unpin_unit
 from . import packing_line
-from .binding import Binding
 from .cache_files import drop_cached_pages_later, map_cache_file, write_cache_file
 from .codec import EncodedUnit
 from .compressed_copies import CompressedCopies
-from .errors import FlexTensorError, OffloadStateError, first_line
 from .file_reads import SERIAL, PieceReader
 from .host_memory import host_buffer, page_locked, pin_in_place, return_freed_heap
 from .packing_line import PackingLine
 from .raw_homes import RawHome, RawHomes
 from .setup_threads import PACK_THREADS, ThreadedWork
 from .shared_host import SharedHostMemory
-from .units import Unit, copy_into, copy_tensor_into, pack_unit, pin_unit, restore_unit, unpin_unit
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import FlexTensorError
+from ..engine.errors import FlexTensorError
 from .host_memory import shared_file_buffer
 from .private_files import (
     SHARED_FOLDER,

@@ -4,7 +4,7 @@ A component waiting on disk (`host_tier`) is read back by a `ReadJob` on the `Re
 the order the component will need them (`read_order`: the base, the plan's resident units, then the profiled
 call order; unit order before a profile exists), `UNITS_IN_FLIGHT` at once, each into its own (pinned)
 buffer, never past the bytes the host budget allows it (a read ahead pauses there). Each unit is read in pieces
-by all `READ_THREADS` threads (`engine.file_reads`), the first unit's pieces queued first: units arrive one
+by all `READ_THREADS` threads (`storage.file_reads`), the first unit's pieces queued first: units arrive one
 after the other, in order, at the disk's whole rate, rather than several at once at the end (the first one a
 switch waits for then comes after one unit's read time, not after as many as were in flight). The engine asks
 the gate given to `HostCopies.expect_arrivals` before it reads a unit's host bytes; `FillGate` is that gate
@@ -31,15 +31,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..engine import file_reads
 from ..engine.errors import FlexTensorError
-from ..engine.file_reads import PieceReader
-from ..engine.locked_pool import rounded
+from . import file_reads
+from .file_reads import PieceReader
+from .locked_pool import rounded
 
 if TYPE_CHECKING:
     from ..engine import OffloadHandle
-    from ..engine.host_copies import HostCopies, ReadInto
     from ..engine.units import Unit
+    from .host_copies import HostCopies, ReadInto
 
 #: Threads that read the pieces of the units in flight: a disk serves several large reads in flight faster
 #: than one.

@@ -35,7 +35,7 @@ from pathlib import Path
 import platformdirs
 import torch
 
-from .errors import FlexTensorError
+from ..engine.errors import FlexTensorError
 
 #: Files made here: read and written by this user only.
 FILE_MODE = 0o600

@@ -10,10 +10,10 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...engine.locked_pool import LockedPool
 from .. import disk_reads
 from ..disk_reads import Reader
 from ..host_budget import HostOverhead
+from ..locked_pool import LockedPool
 from ..weight_files import WeightSource
 from .forecast import SlowSwitchWarning, SwitchForecast, forecast_switches
 from .hand_over import HandOver, HandOverRecord
@@ -66,7 +66,7 @@ class HostTier:
         self._seen = ComponentOrder(self.order)
         self._split = TierBudget(budget, overhead)
         #: The buffers of payloads read back and let go, handed on instead of made (and locked and unlocked) per
-        #: unit (`engine.locked_pool`); page-locked when ``pin``; held to the budget by `_pool_room`.
+        #: unit (`storage.locked_pool`); page-locked when ``pin``; held to the budget by `_pool_room`.
         self.locked_pool = LockedPool(page_lock=pin)
         self._placement = Placement(
             self._split,

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from ..engine.cache_files import drop_cached_pages_later
 from ..engine.errors import FlexTensorError
-from ..engine.file_reads import SERIAL, FileSpan, PieceReader
 from ..engine.units import Unit
+from .cache_files import drop_cached_pages_later
+from .file_reads import SERIAL, FileSpan, PieceReader
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ def unit_difference(unit: Unit, places: list[TensorPlace], mapping: Callable[[Pa
 
 def first_difference(units: list[Unit], places: list[list[TensorPlace]]) -> str | None:
     """`unit_difference` of every unit, one unit per thread; the first difference found, None when none."""
-    from ..engine.setup_threads import on_threads
+    from .setup_threads import on_threads
 
     files = {p.entry.file for unit in places for p in unit if p.entry is not None}
     maps = {f: torch.from_file(str(f), shared=False, size=f.stat().st_size, dtype=torch.uint8) for f in files}

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .config import format_bytes
+from ..engine.config import format_bytes
 
 try:
     import resource
