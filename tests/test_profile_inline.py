@@ -222,7 +222,9 @@ def test_a_profiled_decode_that_keeps_its_blocks_measures_the_same_activations(k
         reference = vae.decode(latents).sample
     vae.to("cpu")
     measured = {}
-    for layout in ("unplanned", "all resident"):
+    # A first offload, not measured, makes what the engine and CUDA keep per process once used (measured as part of
+    # "everything the process holds") exist before both measured layouts, in any test order.
+    for layout in ("warm-up", "unplanned", "all resident"):
         handle = keeping_vae(vae)
         if not keep:
             monkeypatch.setattr(phases.Unplanned, "keeps", lambda self, index, in_workload: False)
@@ -234,7 +236,7 @@ def test_a_profiled_decode_that_keeps_its_blocks_measures_the_same_activations(k
             assert torch.equal(vae.decode(latents).sample, reference)
         decoder, _ = decoder_and_encoder(handle)
         expected = 2 if keep or layout == "all resident" else 6  # 3 latent frames through the slot: 3 loads a decode
-        if layout == "unplanned":
+        if layout != "all resident":
             assert [handle.device_copies.loads[i] for i in decoder] == [expected] * len(decoder)
         measured[layout] = handle.profile.activation_peak_bytes
         handle.remove()

@@ -572,7 +572,13 @@ def test_quantized_stack_peak_stays_within_the_smallest_budget_on_cuda(kind: str
     handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=budget, device="cuda")
     for out in forwards(model, tokens, 5):
         assert torch.equal(out, expected)
-    assert handle.plan is not None and handle.plan.num_slots > 0
+    figures = {
+        "budget": budget,
+        "unit_bytes": [unit.nbytes for unit in handle.units],
+        "activation_peak_bytes": handle.profile.activation_peak_bytes if handle.profile is not None else None,
+        "resident_weight_bytes": handle.resident_weight_bytes,
+    }
+    assert handle.plan is not None and handle.plan.num_slots > 0, figures
     torch.cuda.synchronize()
     assert ft.max_memory_allocated("cuda") <= budget  # the engine's own resets folded in
     handle.remove()
