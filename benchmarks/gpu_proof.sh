@@ -12,8 +12,6 @@
 #   engine17     engine_bench.py, 17 frames, 3 budgets        -> $OUT/engine17_<card>.json, .log
 #   engine       engine_bench.py, 81 and 17 frames, 3 budgets -> $OUT/engine_<card>.json, .log
 #   compile17    compile_bench.py, 17 frames                  -> $OUT/compile17_<card>.json, .log
-#   fingerprint  fingerprint_bench.py: one verify_loads check's time and memory, before and now
-#                                                             -> $OUT/fingerprint_<card>.json, .log
 #   tiers        tiers_bench.py on the full Wan2.2 pipeline, configurations $TIERS_CONFIGS (default: the reference
 #                and the compressed 32 GiB tier, which verifies every load: issue 25's reproduction), no set-up
 #                block, the package's log lines timestamped; $TIERS_STEPS: the measured generation's steps (default 4),
@@ -55,8 +53,6 @@ for step in "$@"; do
         --out "$OUT/engine_${card}.json" >"$OUT/engine_${card}.log" 2>&1 ;;
     compile17) timeout "$limit" python3 benchmarks/compile_bench.py --workloads 17f_480x272 \
         --out "$OUT/compile17_${card}.json" >"$OUT/compile17_${card}.log" 2>&1 ;;
-    fingerprint) timeout "$limit" python3 benchmarks/fingerprint_bench.py --out "$OUT/fingerprint_${card}.json" \
-        >"$OUT/fingerprint_${card}.log" 2>&1 ;;
     tiers) TIERS_BENCH_LOG=INFO timeout "$limit" python3 benchmarks/tiers_bench.py --no-setup \
         --configs "${TIERS_CONFIGS:-ram_raw,host32_compressed}" ${TIERS_STEPS:+--steps "$TIERS_STEPS"} \
         ${TIERS_WARMUP_STEPS:+--warmup-steps "$TIERS_WARMUP_STEPS"} --time-limit $((limit - 15)) \
