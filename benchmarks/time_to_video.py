@@ -103,9 +103,9 @@ class Run:
 
 def planned_runs(configs: list[str], later_runs: int) -> list[Run]:
     """Native first (its frames are the reference), then each configuration's first run and its later ones (none
-    for ``NAME:first``)."""
+    for ``NAME:first``); flextensor last, since its offload may leave state of its own in the experts."""
     runs = [Run("native", True)] if "native" in configs else []
-    for item in configs:
+    for item in sorted(configs, key=lambda c: c == "flextensor"):
         name, _, only = item.partition(":")
         if name == "native":
             continue
@@ -393,7 +393,12 @@ class TimeToVideo:
         with HostPeaks(self.args.sample_ms / 1e3) as host:
             start = clock.mark()
             with small_host_plan(self.args.small and run.config in HOST_BUDGETS):
-                placement = self.place(run, options, mode)
+                try:
+                    placement = self.place(run, options, mode)
+                except BaseException:
+                    if run.config == "native":  # a move to the device cut short: every weight back on the CPU
+                        self.pipe.to("cpu")
+                    raise
                 enabled = clock.mark()
                 try:
                     before = common.unplanned_forwards(self.pipe)
