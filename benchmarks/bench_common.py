@@ -20,6 +20,8 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -474,6 +476,15 @@ def write_json(path: Path | None, data: dict[str, Any], quiet: bool = False) -> 
     tmp.replace(path)
     if not quiet:
         print(f"wrote {path}", flush=True)
+
+
+def provenance() -> dict[str, Any]:
+    """What each row carries: the command that made it and the code's commit (CODE_COMMIT when set, since the
+    device's copy of the tree may have a stale .git or none; else git's HEAD)."""
+    commit = os.environ.get("CODE_COMMIT")
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, check=True).stdout.decode()
+    return {"command": " ".join(["python3", *sys.argv]), "code_commit": commit.strip() if commit else None}
 
 
 def device_name(device: torch.device) -> str:

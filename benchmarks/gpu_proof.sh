@@ -12,8 +12,6 @@
 #   engine17     engine_bench.py, 17 frames, 3 budgets        -> $OUT/engine17_<card>.json, .log
 #   engine       engine_bench.py, 81 and 17 frames, 3 budgets -> $OUT/engine_<card>.json, .log
 #   compile17    compile_bench.py, 17 frames                  -> $OUT/compile17_<card>.json, .log
-#   fingerprint  fingerprint_bench.py: one verify_loads check's time and memory, before and now
-#                                                             -> $OUT/fingerprint_<card>.json, .log
 #   tiers        tiers_bench.py on the full Wan2.2 pipeline, configurations $TIERS_CONFIGS (default: the reference
 #                and the compressed 32 GiB tier, which verifies every load: issue 25's reproduction), no set-up
 #                block, the package's log lines timestamped; $TIERS_STEPS: the measured generation's steps (default 4),
@@ -26,6 +24,10 @@
 #                limit left; $SETUP_RUNS: a comma list of them; $SETUP_REPEATS: raw and the cached set-up that many
 #                more times, in turns, each repeat set-up and the first forward only (each figure then the median)
 #                                                             -> $OUT/tiers_setup_<card>.json, .log
+#   time_to_video  time_to_video.py: the full Wan2.2-T2V-A14B pipeline built once, then each of $TTV_CONFIGS (default
+#                native,ram,host32_compressed,host24_compressed,flextensor; NAME:first for no later run) from its
+#                set-up to its mp4, phase by phase, $TTV_STEPS steps (default 40), no run started that cannot finish
+#                                                             -> $OUT/time_to_video_<card>.json, .log
 # Each step runs under its own time limit (seconds, env STEP_LIMIT_S, default 420; the tests' own TESTS_LIMIT_S
 # when set) so that one hung step cannot take the whole call; the code's commit is written to $OUT/code.txt.
 set -uo pipefail
@@ -55,14 +57,15 @@ for step in "$@"; do
         --out "$OUT/engine_${card}.json" >"$OUT/engine_${card}.log" 2>&1 ;;
     compile17) timeout "$limit" python3 benchmarks/compile_bench.py --workloads 17f_480x272 \
         --out "$OUT/compile17_${card}.json" >"$OUT/compile17_${card}.log" 2>&1 ;;
-    fingerprint) timeout "$limit" python3 benchmarks/fingerprint_bench.py --out "$OUT/fingerprint_${card}.json" \
-        >"$OUT/fingerprint_${card}.log" 2>&1 ;;
     tiers) TIERS_BENCH_LOG=INFO timeout "$limit" python3 benchmarks/tiers_bench.py --no-setup \
         --configs "${TIERS_CONFIGS:-ram_raw,host32_compressed}" ${TIERS_STEPS:+--steps "$TIERS_STEPS"} \
         ${TIERS_WARMUP_STEPS:+--warmup-steps "$TIERS_WARMUP_STEPS"} --time-limit $((limit - 15)) \
         --out "$OUT/tiers_${card}.json" >"$OUT/tiers_${card}.log" 2>&1 ;;
     setup) timeout "$limit" python3 benchmarks/tiers_bench.py --setup-only --phase-min-s "${PHASE_MIN_S:-50}" \
         ${SETUP_RUNS:+--setup-runs "$SETUP_RUNS"} --setup-repeats "${SETUP_REPEATS:-0}" --time-limit $((limit - 15)) --out "$OUT/tiers_setup_${card}.json" >"$OUT/tiers_setup_${card}.log" 2>&1 ;;
+    time_to_video) timeout "$limit" python3 benchmarks/time_to_video.py \
+        --configs "${TTV_CONFIGS:-native,ram,host32_compressed,host24_compressed,flextensor}" --steps "${TTV_STEPS:-40}" \
+        --time-limit $((limit - 30)) --out "$OUT/time_to_video_${card}.json" >"$OUT/time_to_video_${card}.log" 2>&1 ;;
     *) echo "unknown step $step" ;;
   esac
   echo "step $step: exit $? after $(($(date +%s) - start)) s" | tee -a "$OUT/code.txt"

@@ -21,10 +21,6 @@ and the package's refusal of one byte less. The JSON is written after each row: 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import subprocess
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -94,15 +90,6 @@ REPRESENTATIONS = {
         "fp8_torchao", "torchao quantize_(module, Float8WeightOnlyConfig())", _torchao("Float8WeightOnlyConfig")
     ),
 }
-
-
-def provenance() -> dict[str, Any]:
-    """What each row carries: the command that made it and the code's commit (CODE_COMMIT when set, since the
-    device's copy of the tree may have a stale .git or none; else git's HEAD)."""
-    commit = os.environ.get("CODE_COMMIT")
-    with contextlib.suppress(OSError, subprocess.CalledProcessError):
-        commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, check=True).stdout.decode()
-    return {"command": " ".join(["python3", *sys.argv]), "code_commit": commit.strip() if commit else None}
 
 
 # ---------------------------------------------------------------------------------------- the stack
@@ -342,7 +329,7 @@ def guarded(failed: dict[str, Any], job: Callable[[], dict[str, Any]]) -> dict[s
     except Exception as exc:
         traceback.print_exc()
         row = failed | {"error": f"{type(exc).__name__}: {first_line(exc)}"}
-    return row | provenance()
+    return row | bc.provenance()
 
 
 def installed(package: str) -> str | None:
@@ -363,7 +350,7 @@ def main() -> None:
     if any(n not in REPRESENTATIONS for n in names):
         parser().error(f"--rows {args.rows}: use some of {', '.join(REPRESENTATIONS)}")
     versions = {name: installed(name) for name in ("torch", "diffusers", "torchao")}
-    result: dict[str, Any] = {"issue": 47, "device": bc.device_name(device), **versions, **provenance()}
+    result: dict[str, Any] = {"issue": 47, "device": bc.device_name(device), **versions, **bc.provenance()}
     result |= {"stack": [], "smallest_card": None, "skipped": []}
     print(f"device {result['device']}, torch {result['torch']}, torchao {result['torchao']}", flush=True)
 

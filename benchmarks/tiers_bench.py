@@ -1,9 +1,9 @@
 """Issue 25's GPU proof: host-memory tiers of Wan2.2-T2V-A14B (random bf16 weights) side by side, and set-up time.
 
 **Pipeline.** The full pipeline (``transformer``, ``transformer_2``, ``vae``, no text encoder: seeded random
-``prompt_embeds`` / ``negative_prompt_embeds`` of UMT5-XXL's output shape, as in ``host_tier_bench.py``) is saved
+``prompt_embeds`` / ``negative_prompt_embeds`` of UMT5-XXL's output shape, as issue 15's bench had them) is saved
 as a diffusers folder and loaded with ``WanPipeline.from_pretrained(folder, text_encoder=None, tokenizer=None,
-dtype=...)`` (``recipes.models.load_pipeline``, as ``host_tier_bench.py`` loads it). Each configuration runs in a
+dtype=...)`` (``recipes.models.load_pipeline``, as issue 15's bench loaded it). Each configuration runs in a
 child process of its own on an emulated card (``--card``, default 24 GB: ``set_per_process_memory_fraction``)
 under ``budget="8GiB"``, with ``cache_dir`` in the work folder:
 
@@ -34,9 +34,9 @@ Per configuration: ``host_budget_bytes``, ``peak_host_bytes`` (sampled, over loa
 generations), ``stored_host_bytes`` (host copies in RAM, raw and compressed, from ``pipe.flextensor_report()``:
 the largest of the components' ``host_ram_bytes`` summed after enable and after each generation, and of the
 host tier's ``peak_host_ram_bytes``), ``weights_bytes`` (the loaded components' tensors), ``step_s`` (median
-of the measured generation's steady steps: `host_tier_bench.step_roles`), ``switch_wait_s`` (the host tier's waits, per
+of the measured generation's steady steps: `step_roles`), ``switch_wait_s`` (the host tier's waits, per
 switching step of the measured generation; empty without a host tier), ``overhead_40_steps_pct`` against
-``ram_raw`` (``host_tier_bench.summarise_switches``: ``ram_raw`` in the all-pinned run's place),
+``ram_raw`` (`summarise_switches`: ``ram_raw`` in the all-pinned run's place),
 ``bitwise_equal`` (both generations' latents against ``ram_raw``'s), ``setup_s``, ``time_to_first_step_s``,
 and the trimmed offload report (``report``).
 
@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import hashlib
 import importlib.util
 import json
@@ -104,6 +105,8 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +115,7 @@ from bench_common import (
     HostMemorySampler,
     PeakWatch,
     StackShape,
+    anon_shmem_bytes,
     build_stack,
     default_device,
     device_name,
@@ -121,30 +125,393 @@ from bench_common import (
     sync,
     write_json,
 )
-from host_tier_bench import (
-    BUDGETED_PHASES,
-    MARKER,
-    OVERHEAD_FORMULA,
-    ChildRun,
-    add_generation_arguments,
-    check_disk,
-    child_save,
-    component_bytes,
-    drop_page_cache,
-    fresh_workdir,
-    generate,
-    host_copies_only,
-    random_embeddings,
-    resolve_generation_arguments,
-    steady_step_s,
-    storage_read_bytes,
-    summarise_switches,
-    wan_config,
-    weight_files,
-)
 
-from flextensor_diffusers.engine import parse_bytes
+from flextensor_diffusers.engine import format_bytes, parse_bytes
 from flextensor_diffusers.storage import payload_cache
+
+# ------------------------------------------------------------------------------- shared with issue 15's bench
+# (host_tier_bench.py until issue 46 merged it here: `git show 7df6cea:benchmarks/host_tier_bench.py`)
+
+EXPERTS = ("transformer", "transformer_2")
+#: Seed offsets of `models.build_wan22_t2v` (the text encoder's +2 is not built here).
+SEED_OFFSET = {"transformer": 0, "transformer_2": 1, "vae": 3}
+#: UMT5's output length for Wan (``max_sequence_length`` of the pipeline).
+TEXT_TOKENS = 512
+#: Steps of the extrapolated generation.
+STEPS_40 = 40
+OVERHEAD_FORMULA = (
+    "overhead_40_steps_pct = 100 * (40 * (tiered_step_s - all_pinned_step_s) + sum(switch_exposed_s)) "
+    "/ (40 * all_pinned_step_s), where tiered_step_s and all_pinned_step_s are medians of the measured "
+    "generation's steady steps, and switch_exposed_s[k] is the tiered minus the all-pinned duration of the "
+    "k-th step that comes once per switch. Those are the steps that switch a component (the generation's first "
+    "step, which brings the high-noise expert back, and its first low-noise step) and, where steps are left "
+    "besides, the steps that end a component's run (the one before each switch, and the last: a component hands "
+    "its RAM over during its last forward); the steady steps are the others. A generation of any length has "
+    "each of those once, as the measured one; with too few steps for steady ones besides (4: every step "
+    "switches or ends a run), the steps that end a run are the steady ones (step_roles.rule 'switch steps only')"
+)
+#: Marks a work folder this script made (and may empty).
+MARKER = ".host_tier_bench"
+#: Phases of the tiered run whose host memory the host budget bounds.
+BUDGETED_PHASES = ["load", "enable", "warmup", "measured"]
+
+
+# ---------------------------------------------------------------------------------------- the pipeline
+
+
+def wan_config(size: str) -> dict[str, Any]:
+    from flextensor_diffusers.recipes.models import load_config
+
+    return load_config("wan22_t2v", size)
+
+
+def make_component(name: str, cfg: dict[str, Any], init_device: str, seed: int) -> torch.nn.Module:
+    """One component with `models.build_wan22_t2v`'s random init (made on ``init_device``, then on the
+    CPU unless meta), in the dtype ``from_pretrained(torch_dtype=...)`` would give it."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+    from flextensor_diffusers.recipes.models import _random
+
+    if name == "vae":
+        build, dtype = (lambda: AutoencoderKLWan(**cfg["vae"])), getattr(torch, cfg["vae_dtype"])
+    else:
+        build, dtype = (lambda: WanTransformer3DModel(**cfg[name])), getattr(torch, cfg["dtype"])
+    return _random(build, init_device, dtype, seed + SEED_OFFSET[name])
+
+
+def component_bytes(cfg: dict[str, Any]) -> dict[str, int]:
+    """Weight bytes of each saved component, from a meta-device build (nothing allocated)."""
+    sizes = {}
+    for name in (*EXPERTS, "vae"):
+        module = make_component(name, cfg, "meta", 0)
+        sizes[name] = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+    return sizes
+
+
+def scheduler(cfg: dict[str, Any]) -> Any:
+    from diffusers import UniPCMultistepScheduler
+
+    return UniPCMultistepScheduler(**{k: v for k, v in cfg["scheduler"].items() if not k.startswith("_")})
+
+
+@contextlib.contextmanager
+def host_copies_only() -> Iterator[None]:
+    """The tiny pipeline plans a host budget for its host copies alone: the process's own memory (~0.5 GB
+    of Python and torch) and the tier's 1 GiB reserve, which a host budget holds besides the host copies,
+    would dwarf its ~1 MB of weights (and refuse the tiny budgets)."""
+    from unittest import mock
+
+    from flextensor_diffusers.storage import host_budget
+
+    with mock.patch.multiple(host_budget, HOST_RESERVE_BYTES=0, process_own_bytes=lambda modules: 0):
+        yield
+
+
+# ---------------------------------------------------------------------------------------- disk
+
+
+def check_disk(folder: Path, sizes: dict[str, int], margin: int, allow_tmpfs: bool) -> dict[str, Any]:
+    """The folder's filesystem, refused when it cannot hold the folder and the VAE's cache file, or is tmpfs."""
+    where = folder.resolve()
+    while not where.exists():
+        where = where.parent
+    mount, fstype = "", "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/mounts").read_text().splitlines():
+            parts = line.split()  # the longest mount point that holds the folder is its filesystem
+            if len(parts) >= 3 and str(where).startswith(parts[1]) and len(parts[1]) > len(mount):
+                mount, fstype = parts[1], parts[2]
+    free = shutil.disk_usage(where).free
+    need = sum(sizes.values()) + sizes["vae"] + margin  # the folder, the VAE's cache file (bf16: less), a margin
+    disk = {"mount": mount, "fstype": fstype, "free_bytes": free, "needed_bytes": need}
+    if free < need:
+        raise SystemExit(
+            f"not enough disk: {mount} has {format_bytes(free)} free, the folder and the host tier's cache file "
+            f"need {format_bytes(need)} with the margin: pass --workdir on a larger disk"
+        )
+    if fstype in ("tmpfs", "ramfs") and not allow_tmpfs:
+        raise SystemExit(
+            f"{folder} is on {fstype} ({mount}): its files are in RAM, so the host tier's reads would not "
+            "come from a disk. Pass --workdir on a disk, or --allow-tmpfs"
+        )
+    return disk
+
+
+def drop_page_cache(files: list[Path]) -> str:
+    """Write dirty pages back, then drop the page cache: the whole system's where permitted (root), else these
+    files' clean pages (``posix_fadvise(DONTNEED)``, any user). Returns how."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return "drop_caches"
+    except OSError:
+        for path in files:
+            with contextlib.suppress(OSError):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+        return "fadvise"
+
+
+def storage_read_bytes() -> int | None:
+    """Bytes this process (all its threads) read from storage, not from the page cache (/proc/self/io)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    return None
+
+
+def weight_files(folder: Path) -> list[Path]:
+    return [f for f in folder.rglob("*") if f.is_file() and f.suffix in (".safetensors", ".bin")]
+
+
+# ---------------------------------------------------------------------------------------- saving
+
+
+def child_save(args: argparse.Namespace, names: tuple[str, ...] = (*EXPERTS, "vae")) -> dict[str, Any]:
+    """Build each component of ``names`` (on the GPU at full size: quick), save it, free it before the next one;
+    then the scheduler and ``model_index.json`` (which names every component, saved or not)."""
+    from diffusers import WanPipeline
+
+    cfg = wan_config(args.size)
+    init = "cuda" if torch.cuda.is_available() and args.size == "full" else "cpu"
+    out: dict[str, Any] = {"save_s": {}, "bytes": {}}
+    for name in names:
+        module = make_component(name, cfg, init, args.seed)
+        start = time.perf_counter()
+        module.save_pretrained(args.folder / name, safe_serialization=True)
+        out["save_s"][name] = round(time.perf_counter() - start, 3)
+        out["bytes"][name] = sum(f.stat().st_size for f in (args.folder / name).rglob("*") if f.is_file())
+        print(f"saved {name} ({format_bytes(out['bytes'][name])}) in {out['save_s'][name]:.1f} s", flush=True)
+        del module
+        gc.collect()
+        if init == "cuda":
+            torch.cuda.empty_cache()
+    scheduler(cfg).save_pretrained(args.folder / "scheduler")
+    meta = {name: make_component(name, cfg, "meta", 0) for name in (*EXPERTS, "vae")}
+    pipe = WanPipeline(
+        tokenizer=None, text_encoder=None, scheduler=scheduler(cfg), boundary_ratio=cfg["boundary_ratio"], **meta
+    )
+    pipe.save_config(args.folder)  # model_index.json
+    start = time.perf_counter()
+    os.sync()  # on disk before the runs read it (and before the page cache can be dropped)
+    write_s = sum(out["save_s"].values()) + time.perf_counter() - start
+    out["write_GBps"] = round(sum(out["bytes"].values()) / write_s / 1e9, 3)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- generating
+
+
+def random_embeddings(pipe: Any, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded stand-ins for UMT5's prompt and negative-prompt embeddings (same in every process)."""
+    model = pipe.transformer
+    g = torch.Generator(device="cpu").manual_seed(seed + 1000)
+    dtype = next(model.parameters()).dtype
+    shape = (1, TEXT_TOKENS, model.config.text_dim)
+    return torch.randn(*shape, generator=g).to(device, dtype), torch.randn(*shape, generator=g).to(device, dtype)
+
+
+def switches(pipe: Any) -> list[dict[str, Any]]:
+    """The host tier's switches so far (one per component brought in from disk), as its report gives them."""
+    tier = pipe.flextensor_report()["host_tier"]
+    return list(tier["switches"]) if tier else []
+
+
+def switch_timelines(pipe: Any) -> list[dict[str, Any]]:
+    """Per switch so far, its component and every unit taken: when it was read, asked for and taken, in seconds
+    from the switch (`records.UnitArrival`): where the switch's wait went."""
+    state = getattr(pipe, "_flextensor", None)
+    tier = state.host_tier if state is not None else None
+    if tier is None:
+        return []
+    return [{"component": s.component, "units": s.timeline()} for s in tier.switches]
+
+
+def generate(pipe: Any, args: argparse.Namespace, steps: int, embeds: tuple, device: torch.device) -> dict[str, Any]:
+    """One generation: per-step wall times (device synchronised at every step end), which expert ran each
+    step, the steps that switched expert, and the host tier's switches during it; ``latents`` on the CPU. Every
+    step's latents are hashed (where two runs first differ) between the step's timestamp and ``resumed``: that
+    time is left out of the next step's ``step_s`` (it stays in ``generation_s``)."""
+    ends: list[float] = []
+    resumed: list[float] = []
+    timesteps: list[float] = []
+    step_hashes: list[str] = []
+
+    def on_step(_pipe: Any, _i: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        sync(device)
+        ends.append(time.perf_counter())
+        timesteps.append(float(t))
+        latents = kwargs.get("latents")
+        if latents is not None:
+            step_hashes.append(
+                hashlib.sha256(latents.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
+            )
+        resumed.append(time.perf_counter())
+        return kwargs
+
+    before = len(switches(pipe))
+    timelines_before = len(switch_timelines(pipe))
+    sync(device)
+    start = time.perf_counter()
+    try:
+        latents = pipe(
+            prompt_embeds=embeds[0],
+            negative_prompt_embeds=embeds[1],
+            num_frames=args.frames,
+            height=args.height,
+            width=args.width,
+            num_inference_steps=steps,
+            guidance_scale=args.guidance,
+            generator=torch.Generator(device="cpu").manual_seed(args.seed),
+            output_type="latent",
+            callback_on_step_end=on_step,
+        ).frames
+    except Exception as exc:  # e.g. verify_loads' LoadCheckError at the end: the steps' hashes still tell
+        exc.step_latents_sha256 = step_hashes  # type: ignore[attr-defined]
+        raise
+    sync(device)
+    boundary = pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps
+    experts = ["transformer" if t >= boundary else "transformer_2" for t in timesteps]
+    return {
+        "steps": steps,
+        "generation_s": round(time.perf_counter() - start, 4),
+        "step_s": [round(b - a, 4) for a, b in zip([start, *resumed[:-1]], ends, strict=True)],
+        "experts": experts,
+        "switch_steps": [i for i in range(len(experts)) if i == 0 or experts[i] != experts[i - 1]],
+        "switches": switches(pipe)[before:],
+        "switch_timelines": switch_timelines(pipe)[timelines_before:],
+        "step_latents_sha256": step_hashes,
+        "latents": latents.detach().cpu(),
+    }
+
+
+class ChildRun:
+    """The all-pinned or the tiered run of one child process: its phases, host memory, storage reads and
+    progress file (written after every phase, so that a run cut off keeps what it measured)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.role = args.child
+        self.tiered = self.role == "tiered"
+        self.start = time.perf_counter()
+        self.sampler = HostMemorySampler(anon_shmem_bytes, args.sample_ms / 1e3).start()
+        self.out: dict[str, Any] = {"role": self.role, "phases_s": {}, "storage_read_bytes": {}, "done": False}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.sampler.set_phase(name)
+        io_before, start = storage_read_bytes(), time.perf_counter()
+        print(f"{now(self.start)} {self.role}: {name}", flush=True)
+        try:
+            yield
+        finally:
+            self.out["phases_s"][name] = round(time.perf_counter() - start, 3)
+            io_after = storage_read_bytes()
+            self.out["storage_read_bytes"][name] = None if io_before is None else io_after - io_before
+            self.save()
+
+    def save(self) -> None:
+        self.out["host_peak_by_phase"] = dict(self.sampler.peaks)
+        write_json(self.args.progress, self.out, quiet=True)
+
+
+@dataclass(frozen=True)
+class StepRoles:
+    """Which steps of a generation are steady and which come once per switch (`OVERHEAD_FORMULA`)."""
+
+    steady: list[int]
+    once_per_switch: list[int]
+    rule: str
+
+
+def step_roles(info: dict[str, Any]) -> StepRoles:
+    """The steps that switch a component and end one's run come once per switch, the others are steady; with no
+    steady step left that way, only the switching steps come once (and, with none left either, every step is
+    steady)."""
+    count = len(info["step_s"])
+    switching = sorted(set(info["switch_steps"]))
+    ending = {i - 1 for i in switching if i > 0} | ({count - 1} if count else set())
+    boundary = sorted(set(switching) | ending)
+    steady = [i for i in range(count) if i not in boundary]
+    if steady:
+        return StepRoles(steady, boundary, "switch and run-ending steps")
+    steady = [i for i in range(count) if i not in switching]
+    if steady:
+        return StepRoles(steady, switching, "switch steps only")
+    return StepRoles(list(range(count)), switching, "every step switches")
+
+
+def steady_step_s(info: dict[str, Any]) -> float:
+    """Median of the generation's steady steps (`step_roles`)."""
+    return round(statistics.median([info["step_s"][i] for i in step_roles(info).steady]), 4)
+
+
+def summarise_switches(result: dict[str, Any], pinned: dict[str, Any], tiered: dict[str, Any]) -> None:
+    """Each switch of the measured generation: its disk read, the part a step paid, and the 40-step overhead."""
+    p, t = pinned["measured"], tiered["measured"]
+    result["all_pinned_step_s"], result["tiered_step_s"] = steady_step_s(p), steady_step_s(t)
+    result["switch_steps"] = t["switch_steps"]
+    result["switch_components"] = [t["experts"][i] for i in t["switch_steps"]]
+    mine = [[s for s in t["switches"] if s["component"] == name] for name in result["switch_components"]]
+    result["switch_s"] = [round(sum(s["read_s"] for s in reads), 4) for reads in mine]
+    result["switch_wait_s"] = [round(sum(s["wait_s"] for s in reads), 4) for reads in mine]
+    result["switch_prefetched"] = [any(s["prefetched"] for s in reads) for reads in mine]
+    read_s, read_bytes = sum(s["read_s"] for s in t["switches"]), sum(s["nbytes"] for s in t["switches"])
+    result["disk_read_GBps"] = round(read_bytes / read_s / 1e9, 3) if read_s else None
+    io = tiered["storage_read_bytes"].get("measured")
+    result["cold"] = None if io is None or not read_bytes else io >= 0.9 * read_bytes
+    result["cold_evidence"] = {"storage_read_bytes_during_measured": io, "switch_read_bytes_measured": read_bytes}
+    if len(p["step_s"]) != len(t["step_s"]):
+        return
+    roles = step_roles(t)
+    exposed = [round(t["step_s"][i] - p["step_s"][i], 4) for i in roles.once_per_switch]
+    base, step = result["all_pinned_step_s"], result["tiered_step_s"]
+    result["switch_exposed_s"] = exposed
+    result["step_roles"] = asdict(roles)
+    result["overhead_40_steps_pct"] = round(100 * (STEPS_40 * (step - base) + sum(exposed)) / (STEPS_40 * base), 3)
+    result["measured_generation_overhead_pct"] = round(100 * (t["generation_s"] / p["generation_s"] - 1), 3)
+
+
+def fresh_workdir(workdir: Path) -> None:
+    """An empty work folder with a scratch folder; one holding files this script did not write is refused."""
+    if workdir.exists() and any(workdir.iterdir()) and not (workdir / MARKER).exists():
+        raise SystemExit(f"--workdir {workdir} holds files this script did not write: pass a new or empty folder")
+    shutil.rmtree(workdir, ignore_errors=True)
+    (workdir / "scratch").mkdir(parents=True)
+    (workdir / MARKER).touch()
+
+
+def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of the generations a tier benchmark runs (shared with tiers_bench.py)."""
+    parser.add_argument("--frames", type=int, default=None, help="default 81 (full), 9 (tiny)")
+    parser.add_argument("--height", type=int, default=None, help="default 480 (full), 32 (tiny)")
+    parser.add_argument("--width", type=int, default=None, help="default 832 (full), 32 (tiny)")
+    parser.add_argument("--steps", type=int, default=4, help="measured generation: 4 gives each expert 2 steps")
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="warm-up generation (discovery, profiling); default as many as --steps, so that the measured "
+        "generation's first switch follows a generation of its own length, as back-to-back generations do",
+    )
+    parser.add_argument("--guidance", type=float, default=5.0, help="CFG scale (> 1: a cond and an uncond pass)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def resolve_generation_arguments(args: argparse.Namespace) -> None:
+    """The generation's size when not given: the published one at full size, a small one with tiny weights."""
+    tiny = args.size == "tiny"
+    args.frames = args.frames or (9 if tiny else 81)
+    args.height = args.height or (32 if tiny else 480)
+    args.width = args.width or (32 if tiny else 832)
+    # A shorter warm-up gives its last expert too few steps to hand its RAM over and read the next one ahead: after
+    # 2 steps, call R's measured first switch waited 7.0 s; after 6 or 8, calls S and T's waited 0.004 s.
+    args.warmup_steps = args.steps if args.warmup_steps is None else args.warmup_steps
+
 
 #: Keyword arguments of ``enable_flextensor_offload`` besides ``budget`` and ``cache_dir``, per configuration.
 #: A ``host_budget`` here is the full-size one; `host_budget_of` maps it for the tiny pipeline.
@@ -286,7 +653,7 @@ def code_commit() -> str:
 def host_budget_of(name: str, args: argparse.Namespace) -> int | str | None:
     """The configuration's host budget as passed to enable: the full-size string, or for the tiny pipeline (whose
     host budget bounds its host copies alone: `host_copies_only`) "32GiB" as one expert + the VAE + a quarter of
-    an expert (``host_tier_bench.py``'s tiny default) and "24GiB" as the VAE + one expert: at full size 24 GiB,
+    an expert (issue 15's tiny default) and "24GiB" as the VAE + one expert: at full size 24 GiB,
     less the process's own memory and the 1 GiB reserve, holds less than the VAE and one raw expert need in RAM
     (the other expert's base stays there too) but more than the VAE and one compressed expert; with the tiny
     pipeline's packing (bases, alignment) and its fp32 weights (which compress to about 0.86) that is what the
@@ -329,7 +696,7 @@ def link_expert(folder: Path) -> list[str]:
 
 
 def child_save_linked(args: argparse.Namespace) -> dict[str, Any]:
-    """``host_tier_bench.child_save`` for ``transformer`` and ``vae`` only, then ``transformer_2`` linked."""
+    """`child_save` for ``transformer`` and ``vae`` only, then ``transformer_2`` linked."""
     out = child_save(args, ("transformer", "vae"))
     out["transformer_2_links"] = link_expert(args.folder)
     out.update(complete=True, size=args.size, seed=args.seed)
@@ -682,7 +1049,7 @@ def last_phase(data: dict[str, Any]) -> str:
 
 def compare(result: dict[str, Any], scratch: Path) -> None:
     """Every row against ``ram_raw``'s: latents (both generations), and the 40-step overhead with the switch
-    figures of ``host_tier_bench.summarise_switches`` (``ram_raw`` as its all-pinned run)."""
+    figures of `summarise_switches` (``ram_raw`` as its all-pinned run)."""
     rows = {row["config"]: row for row in result["pipeline"]}
     ref = rows.get(REFERENCE)
     ref_ok = ref is not None and "measured" in ref and not ref.get("error")
@@ -744,13 +1111,13 @@ def header(args: argparse.Namespace) -> dict[str, Any]:
             "would hold two (stored_host_bytes_by_phase[...].cache_dir_bytes)",
             "stored_host_bytes: the largest of the components' host_ram_bytes summed (flextensor_report, after "
             "enable and after each generation) and the host tier's peak_host_ram_bytes",
-            "overhead_40_steps_pct: host_tier_bench's formula with ram_raw in the all-pinned run's place and the "
+            "overhead_40_steps_pct: issue 15's formula with ram_raw in the all-pinned run's place and the "
             "configuration in the tiered run's",
             "disk_read_GBps: one thread reading transformer's weight files after a page cache drop (disk_probe); "
             "tier_disk_read_GBps per configuration: the host tier's own reads",
             *(
                 [
-                    "tiny: the host budgets bound the host copies alone (host_tier_bench.host_copies_only); 32GiB "
+                    "tiny: the host budgets bound the host copies alone (host_copies_only); 32GiB "
                     "maps to VAE + 1.25 experts, 24GiB to VAE + 1 expert (+ 64 KiB; see host_budget_of)"
                 ]
                 if args.size == "tiny"
@@ -1037,7 +1404,7 @@ def parse_args() -> argparse.Namespace:
         "--configs",
         default=",".join(DEFAULT_CONFIGS),
         help=f"comma list of {', '.join(CONFIGS)} (default: {','.join(DEFAULT_CONFIGS)}). Host budgets: full "
-        "size 32GiB and 24GiB; tiny (its host budget bounds the host copies alone, as host_tier_bench.py's) 32GiB "
+        "size 32GiB and 24GiB; tiny (its host budget bounds the host copies alone, as issue 15's bench) 32GiB "
         "-> VAE + 1.25 experts, 24GiB -> VAE + 1 expert (parameter bytes; with the tiny packing, less than the VAE "
         "and one raw expert need in RAM, more than the VAE and one compressed expert, as 24 GiB is at full size "
         "once the process's own memory and the 1 GiB reserve are off), each + 64 KiB",
