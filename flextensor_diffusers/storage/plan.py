@@ -78,10 +78,45 @@ class Encoding(Enum):
 
 @dataclass(frozen=True)
 class StorageRequest:
-    """What the caller asked, as typed; ``None``: the plan's choice (see the module docstring).
+    """What the caller asked, as typed (`enable_flextensor_offload`'s and `OffloadConfig`'s keywords); ``None``: the
+    plan's choice (see the module docstring).
 
-    ``host_budget``: a pipeline's (``"auto"``, a size, or None: every host copy in RAM); a single model's set-up
-    (`OffloadConfig`) has none and passes None with no RAM facts."""
+    Attributes:
+        compression: ``"lossless"``: units that stream faster compressed keep a compressed copy in host memory
+            too; a load moves it and decodes it on the device into the slot, bit-exact (`codec`). ``"none"``: raw
+            copies only.
+        raw_copies: with compression, where the raw host copies (the weights' truth) live: ``"ram"``, or
+            ``"disk"``: in the weight files a pipeline was loaded from, else in a mapped cache file in
+            ``cache_dir``, so host RAM holds the compressed copies only. Loads then always decode, so the budget
+            must hold each slot's staging room. The default under a host tier with compression.
+        compression_cache: with compression, write the compressed copies to a file in ``cache_dir`` the first
+            time and read them back on later set-ups of the same weights instead of encoding (`payload_cache`);
+            every payload read is decoded and compared with the weights first. On under a host tier with
+            compression, where the compressed copies wait on disk in it.
+        progressive_packing: without compression or shared weights, set-up returns while the raw host copies are
+            still packed on threads, and the first forward waits only for the units it reaches (`packing_line`:
+            the host peak is the weights plus one unit). False packs every unit before set-up returns; a host
+            tier does (it holds host memory to a budget), and refuses True.
+        background_encoding: with compression, raw copies in RAM and progressive packing, a set-up that finds no
+            payload file to read returns as a raw one does and the units are encoded between the model's forwards
+            (`arrivals`), proven at their first decoded load, then written to the payload file. False encodes
+            before set-up returns. None: on CUDA where it can be and the encoder's room for the largest unit fits
+            the budget (`Encoding.WHERE_ROOM`); on the CPU the encoder would share the cores with the forwards.
+            Refused under a host tier (the raw copies would stay in RAM beside the compressed ones).
+        verify_loads: check on the device, before and after every unit call, that the bytes the unit computes with
+            are its weights (`load_checks`): a wrong load raises instead of giving a wrong output. Costs two reads
+            of each unit's bytes on the device per call. On under a host tier with compression on CUDA (one
+            full-size run of it was not bitwise, cause unknown); False there is kept, with a warning.
+        shared_host: the processes of the host share one raw host copy (`shared_host`): packed before set-up
+            returns, all in RAM; compression and a sized host budget are refused with it.
+        host_budget: a pipeline's host memory for the process (anonymous and page-locked): its own memory and a 1
+            GiB reserve come off the top, the host copies get the rest; components that do not fit wait on disk
+            (their weight files, else cache files) and are read back unit by unit (`host_tier`). ``"auto"`` (a
+            pipeline's default): every host copy in RAM when they fit in `AUTO_HOST_SHARE` of the RAM available
+            (the least of the host's, its cgroups' room and its rlimits: `machine_memory`), else a tier under what
+            the process holds plus that share. ``None``: every host copy in RAM, refused when they cannot fit. A
+            single model's set-up (`OffloadConfig`) has none and passes None with no RAM facts.
+    """
 
     compression: str = NO_COMPRESSION
     raw_copies: str | None = None
