@@ -1,4 +1,4 @@
-"""Stress the set-up that does not wait for its payloads (`setup.may_read_payloads_later`, and with
+"""Stress the set-up that does not wait for its payloads (`StoragePlan.may_read_payloads_later`, and with
 ``--background-encoding`` the one that encodes while the model runs) on the CPU: random timings and faults around
 the payloads' arrival, looking for an output that is not bitwise equal to native.
 
