@@ -21,6 +21,7 @@ from flextensor_diffusers.storage import arrivals
 from flextensor_diffusers.storage.codec import Segment, device_encoding_need
 from flextensor_diffusers.storage.device_encoding import EncodeJob
 from flextensor_diffusers.storage.payload_cache import PayloadCache
+from flextensor_diffusers.storage.plan import MachineFacts, StorageRequest, resolve_storage
 from tests.clocks import ManualClock, drive_handles_by
 from tests.models import Stack, assert_same, snapshot
 from tests.test_compression import make, planned_from_fixed_figures
@@ -202,8 +203,8 @@ def test_by_default_set_up_encodes_between_forwards_on_cuda_where_the_encoder_fi
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
 
     def between(device: torch.device, budget: int | None, **options: object) -> bool:
-        config = ft.OffloadConfig(include_patterns=["blocks.*"], **{"compression": "lossless", **options})
-        return encodes_between_forwards(config, device, budget, units)
+        asked = StorageRequest(**{"compression": "lossless", **options})  # type: ignore[arg-type]
+        return encodes_between_forwards(resolve_storage(asked, MachineFacts(device.type)), budget, units)
 
     assert between(cuda, None) and between(cuda, room) and not between(cuda, room - 1)
     assert not between(cpu, None) and between(cpu, None, background_encoding=True)

@@ -306,7 +306,7 @@ def test_on_cuda_the_experts_take_turns_on_disk_compressed_bitwise(saved, tmp_pa
     verified there by default (one full-size run of the combination was not bitwise, cause unknown), and nothing
     is found; ``verify_loads=False`` warns that the combination is not to be trusted yet."""
     from flextensor_diffusers.engine import setup
-    from flextensor_diffusers.pipelines.offload import UNTRUSTED_COMPRESSED_TIER
+    from flextensor_diffusers.storage.plan import UNTRUSTED_COMPRESSED_TIER
 
     monkeypatch.setattr(setup, "PACKING_WINDOW", 1)
     folder, _ = saved

@@ -261,18 +261,27 @@ def test_the_recipes_pass_verify_loads_as_typed(monkeypatch) -> None:
     assert "verify_loads" not in seen[0] and seen[1]["verify_loads"] is True and seen[2]["verify_loads"] is False
 
 
-def test_a_compressed_host_tier_on_a_gpu_verifies_loads_unless_told_not_to(caplog) -> None:
-    """The policy (`offload._verified_under_a_compressed_tier`): on CUDA, a host tier with compression turns
-    ``verify_loads`` on; ``verify_loads=False`` stays, with a warning naming the fix; raw tiers and the CPU are
-    left as asked."""
-    from flextensor_diffusers.pipelines.offload import UNTRUSTED_COMPRESSED_TIER, _verified_under_a_compressed_tier
+def test_a_compressed_host_tier_on_a_gpu_verifies_loads_unless_told_not_to() -> None:
+    """The policy (the storage plan, `storage.plan.resolve_storage`): on CUDA, a host tier with compression turns
+    ``verify_loads`` on, and says so; ``verify_loads=False`` stays, with a warning naming the fix; raw tiers and the
+    CPU are left as asked."""
+    from flextensor_diffusers.storage.plan import (
+        UNTRUSTED_COMPRESSED_TIER,
+        MachineFacts,
+        StorageRequest,
+        resolve_storage,
+    )
 
-    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    cuda, cpu = MachineFacts("cuda"), MachineFacts("cpu")
+
+    def plan(machine: MachineFacts, **asked: object):  # under a host tier (a sized host budget)
+        return resolve_storage(StorageRequest(host_budget="1GiB", **asked), machine)  # type: ignore[arg-type]
+
     compressed = {"compression": "lossless"}
-    assert _verified_under_a_compressed_tier(compressed, cuda)["verify_loads"] is True
-    assert _verified_under_a_compressed_tier({**compressed, "verify_loads": True}, cuda)["verify_loads"] is True
-    assert "verify_loads" not in _verified_under_a_compressed_tier(compressed, cpu)
-    assert "verify_loads" not in _verified_under_a_compressed_tier({"compression": "none"}, cuda)
-    caplog.clear()
-    assert _verified_under_a_compressed_tier({**compressed, "verify_loads": False}, cuda)["verify_loads"] is False
-    assert UNTRUSTED_COMPRESSED_TIER in caplog.text
+    assert plan(cuda, **compressed).verify_loads is True
+    assert "verify_loads" in [choice.option for choice in plan(cuda, **compressed).choices]
+    assert plan(cuda, **compressed, verify_loads=True).verify_loads is True
+    assert plan(cpu, **compressed).verify_loads is False
+    assert plan(cuda, compression="none").verify_loads is False
+    untrusted = plan(cuda, **compressed, verify_loads=False)
+    assert untrusted.verify_loads is False and untrusted.warnings == (UNTRUSTED_COMPRESSED_TIER,)

@@ -1,4 +1,4 @@
-"""Set-up from the payload file without waiting for it (`setup.may_read_payloads_later`): the model runs raw at
+"""Set-up from the payload file without waiting for it (`StoragePlan.may_read_payloads_later`): the model runs raw at
 once, the payloads are read on threads, kept once all arrived, and each is proven byte for byte at its first
 decoded load before any planned load decodes it; a stale or damaged file is never used."""
 

@@ -13,6 +13,7 @@ from ..storage.private_files import CACHE_FOLDER, default_cache_folder, private_
 from .errors import BudgetError, FlexTensorError, NoCudaDeviceError
 
 if TYPE_CHECKING:
+    from ..storage.plan import StoragePlan
     from ..storage.shared_host import SharedHostMemory
 
 _UNITS = {
@@ -31,8 +32,10 @@ _BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 #: What "auto" leaves free on the device for other processes, the CUDA context and fragmentation.
 AUTO_BUDGET_MARGIN_BYTES = 2 * 2**30
-#: What ``OffloadConfig.compression`` accepts.
+#: What ``compression`` accepts (`OffloadConfig`, `enable_flextensor_offload`, the recipes' ``--compression``); the
+#: first is every one's default, stated here once.
 COMPRESSION_MODES = ("none", "lossless")
+NO_COMPRESSION = COMPRESSION_MODES[0]
 
 
 def parse_bytes(value: int | float | str) -> int:
@@ -156,44 +159,17 @@ class OffloadConfig:
             of its own that is profiled and planned (a VAE's ``["encode", "decode"]``).
         edit_methods: methods that change weights in place; each call runs inside
             ``handle.editing()`` so the change reaches the host copies (diffusers' ``fuse_lora``...).
-        compression: ``"lossless"``: units that stream faster compressed keep a compressed copy in
-            host memory too; a load moves it and decodes it on the device into the slot, bit-exact
-            (`codec`). ``"none"``: raw copies only.
-        raw_copies: with compression, where the raw host copies (the weights' truth) live: ``"ram"``,
-            or ``"disk"``: in a cache file in ``cache_dir``, mapped, so host RAM holds the compressed
-            copies only. Loads then always decode (raw loads would read the file), so the budget must
-            hold each slot's staging room; activation copies resident units from the file.
-        compression_cache: with compression, write the compressed copies to a file in ``cache_dir`` the
-            first time and read them back on later set-ups of the same weights instead of encoding
-            (`payload_cache`); every payload read is decoded and compared with the weights first.
+        compression, raw_copies, compression_cache, progressive_packing, background_encoding, verify_loads: how the
+            host copies are kept, as asked; ``None`` leaves an option to the storage plan. Which combine, their
+            defaults and what set-up then does are decided once, by `storage.plan.resolve_storage`, into ``storage``
+            (a `StoragePlan`): see `enable_flextensor_offload` for each option.
         cache_dir: the folder for cache files (default: this user's cache folder,
             ``~/.cache/flextensor-diffusers`` or under ``$XDG_CACHE_HOME``, made 0700). Refused before
             anything is packed when it is a symbolic link, belongs to another user or can be written by
             other users; every file in it is made 0600 (`private_files`).
         active_after_setup: take device memory at the end of set-up. A pipeline passes False: its
             components take device memory one at a time, when each first runs.
-        progressive_packing: without compression or shared weights, set-up returns while the raw host
-            copies are still being packed on threads, and the first forward waits only for the units it
-            reaches (see `host_copies.ProgressivePacking`). Until a unit is first used, its own tensors stay
-            alive beside its packed copy: one unit of the whole process at most is copied ahead of its use, so
-            the host peak is the weights plus one unit (`packing_line`). False packs every unit before
-            set-up returns, each unit's tensors freed as it is copied: a pipeline's host tier passes it, since
-            it holds host memory to a budget.
-        background_encoding: with compression, raw copies in RAM and progressive packing, a set-up that finds no
-            payload file to read returns as a raw one does: the units are encoded between the model's forwards
-            (on its device, each gap for about as long as the forward before it took: `arrivals`), while it
-            streams raw, and once all are encoded they are kept at the next forward's start,
-            each proven byte for byte at its first decoded load before planned loads decode it (as payloads read
-            from the file are), and the file is written (``compression_cache``); with ``compression_cache`` set-up
-            then reads nothing of the file (it is checked once packing is over, and encoding begins there when it
-            is missing or refused). False encodes every unit before set-up returns (on the GPU where there is one)
-            when there is no file. None (the default): True on CUDA wherever it can be (`setup.encodes_between_
-            forwards`: the encoder's room for one unit within the budget), else False.
-        verify_loads: check on the device, before and after every unit call, that the bytes the unit computes
-            with are its weights (`load_checks`): a wrong load raises instead of giving a wrong output, at the
-            next forward, at ``handle.check_loads()``, or at the end of a pipeline's generation. Costs two reads
-            of each unit's bytes on the device per call and one pass over its bytes on the host as it is packed.
-            A pipeline's host tier with compression on CUDA turns it on unless given False.
+        storage: the storage plan these options resolve to (not an argument).
     """
 
     include_patterns: list[str]
@@ -211,14 +187,15 @@ class OffloadConfig:
     shared_host: SharedHostMemory | None = None
     entry_methods: list[str] = field(default_factory=list)
     edit_methods: list[str] = field(default_factory=lambda: ["load_state_dict"])
-    compression: str = "none"
-    raw_copies: str = "ram"
-    compression_cache: bool = False
+    compression: str = NO_COMPRESSION
+    raw_copies: str | None = None
+    compression_cache: bool | None = None
     cache_dir: str | Path | None = None
     active_after_setup: bool = True
-    progressive_packing: bool = True
+    progressive_packing: bool | None = None
     background_encoding: bool | None = None
-    verify_loads: bool = False
+    verify_loads: bool | None = None
+    storage: StoragePlan = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.include_patterns, str):
@@ -234,44 +211,40 @@ class OffloadConfig:
         if not is_auto(self.gpu_budget):
             parse_bytes(self.gpu_budget)  # fail now, not at set-up
         self.entry_methods = list(self.entry_methods)
-        if self.compression not in COMPRESSION_MODES:
-            raise FlexTensorError(
-                f"compression={self.compression!r} is not one of {', '.join(COMPRESSION_MODES)}: "
-                "pass 'lossless' or 'none'"
-            )
-        if self.raw_copies not in ("ram", "disk"):
-            raise FlexTensorError(f"raw_copies={self.raw_copies!r} is not 'ram' or 'disk'")
-        if self.raw_copies == "disk" and self.compression == "none":
-            raise FlexTensorError(
-                "raw_copies='disk' keeps only compressed copies in RAM, and there are none: pass compression='lossless'"
-            )
-        if self.compression_cache and self.compression == "none":
-            raise FlexTensorError(
-                "compression_cache=True caches compressed copies, and there are none: pass compression='lossless'"
-            )
-        if self.background_encoding and (
-            self.compression == "none" or self.raw_copies == "disk" or not self.progressive_packing
-        ):
-            raise FlexTensorError(
-                "background_encoding=True encodes while the model streams its raw copies, packed as it runs: it needs "
-                "compression='lossless', raw_copies='ram' and progressive_packing=True"
-            )
-        if self.compression != "none" and self.shared_host is not None:
-            raise FlexTensorError("compression and shared_host cannot be combined yet: pass one of them")
+        self.storage = self._storage_plan()
         if "forward" in self.entry_methods:
             raise FlexTensorError("entry_methods lists methods besides forward (e.g. ['encode', 'decode'])")
 
-    @property
-    def compressed_only(self) -> bool:
-        """Host RAM keeps compressed copies only: the raw ones wait outside it (``raw_copies="disk"``, which
-        `__post_init__` allows with compression only)."""
-        return self.compression != "none" and self.raw_copies == "disk"
+    def _storage_plan(self) -> StoragePlan:
+        """The options resolved (`storage.plan.resolve_storage`): refused here, before anything is touched, when
+        they cannot be combined. A single model has no host budget; the device's kind decides the defaults."""
+        from ..storage.plan import MachineFacts, StorageRequest, resolve_storage  # it imports this module
+
+        request = StorageRequest(
+            compression=self.compression,
+            raw_copies=self.raw_copies,
+            compression_cache=self.compression_cache,
+            progressive_packing=self.progressive_packing,
+            background_encoding=self.background_encoding,
+            verify_loads=self.verify_loads,
+            shared_host=self.shared_host is not None,
+        )
+        return resolve_storage(request, MachineFacts(device_kind=device_kind(self.device)))
 
     @property
-    def writes_cache_files(self) -> bool:
-        """Set-up writes files in ``cache_dir``: the payload file (``compression_cache``) or the raw cache file
-        (``raw_copies="disk"``). The folder is then checked before anything is packed (`SetUp.run`)."""
-        return self.compression != "none" and (self.compression_cache or self.raw_copies == "disk")
+    def compressed_only(self) -> bool:
+        """Host RAM keeps compressed copies only (`StoragePlan.compressed_only`)."""
+        return self.storage.compressed_only
+
+
+def device_kind(device: str | torch.device | None) -> str:
+    """The kind of device `resolve_device` will give (``"cuda"``, ``"cpu"``), without its checks."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError):  # refused by `resolve_device`, naming the fix, when the handle is made
+        return str(device)
 
 
 def cache_folder(cache_dir: str | Path | None) -> Path:

@@ -1,13 +1,14 @@
 """Set-up: everything offloading adds to a model, done in one place and undone in one place.
 
-In order: host buffers packed (or attached to another process's shared ones) and page-locked (raw copies only:
-while the model is already in use, `packs_progressively`), compressed copies made while later units are still
-packed (with ``raw_copies="disk"`` each unit's raw bytes leave RAM for its raw home as soon as its payload is made,
-the packing kept a few units ahead of the encoder), the boundaries that route the model's and its units' calls to
-the handle, ``state_dict`` hooks that read host copies. A set-up that does not wait for its compressed copies
-leaves them to an `arrivals` object: the payload file, read once packing is over, or (``background_encoding``) the
-encoder between forwards. Any failure undoes all of it (`SetUp.undo`, with the host copies restored by the
-handle), so a model that could not be offloaded is left as it was.
+In order, as the storage plan says (`StoragePlan`): host buffers packed (or attached to another process's shared
+ones) and page-locked (raw copies only: while the model is already in use, `StoragePlan.packs_progressively`),
+compressed copies made while later units are still packed (with ``raw_copies="disk"`` each unit's raw bytes leave
+RAM for its raw home as soon as its payload is made, the packing kept a few units ahead of the encoder), the
+boundaries that route the model's and its units' calls to the handle, ``state_dict`` hooks that read host copies. A
+set-up that does not wait for its compressed copies leaves them to an `arrivals` object: the payload file, read once
+packing is over, or (``background_encoding``) the encoder between forwards. Any failure undoes all of it
+(`SetUp.undo`, with the host copies restored by the handle), so a model that could not be offloaded is left as it
+was.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from .errors import FlexTensorError
 from .units import PackedTensor, Unit, UnitLayout
 
 if TYPE_CHECKING:
-    from .config import OffloadConfig
+    from ..storage.plan import StoragePlan
     from .handle import OffloadHandle
 
 
@@ -66,41 +67,11 @@ class Copies:
     edits: Edits
 
 
-def packs_progressively(config: OffloadConfig) -> bool:
-    """Whether set-up leaves packing to go on while the model is in use (`HostCopies.start_progressive_packing`):
-    when asked (``progressive_packing``) and nothing at set-up reads the packed bytes. The encoder reads every
-    unit, and weights shared between processes are published once packed, so those pack before set-up returns."""
-    return config.progressive_packing and config.compression == "none" and config.shared_host is None
-
-
-def may_read_payloads_later(config: OffloadConfig) -> bool:
-    """Whether set-up may leave the payload file to be read while the model already runs raw, once progressive
-    packing (as without compression) is over (`CompressedCopies.start_arrival`): with the payload file
-    (``compression_cache``), raw copies in RAM (a raw load is then always possible), progressive packing asked and no
-    shared weights. Set-up still encodes, and waits, when the file is missing or refused."""
-    return (
-        config.progressive_packing
-        and config.compression == "lossless"
-        and config.compression_cache
-        and not config.compressed_only
-        and config.shared_host is None
-    )
-
-
-def encodes_between_forwards(
-    config: OffloadConfig, device: torch.device, budget: int | None, units: list[Unit]
-) -> bool:
-    """Whether a set-up that finds no payload file to read encodes between forwards (``background_encoding``): as
-    asked; by default (None) on CUDA wherever it can (compression with the raw copies in RAM, packed progressively)
-    and the device encoder's room for the largest unit fits the budget beside nothing else. Encoding first took 79×
-    raw's set-up on an H100, between forwards 1.28× (call V). On the CPU the encoder would share the cores with the
-    forwards for minutes (about 5 s a 703 MB block on one thread), so there it encodes before set-up returns."""
-    if config.background_encoding is not None:
-        return config.background_encoding
-    can = config.compression != "none" and not config.compressed_only and config.progressive_packing
-    if not can or device.type != "cuda" or config.shared_host is not None:
-        return False
-    return budget is None or encoder_room(largest_to_encode(units)) <= budget
+def encodes_between_forwards(plan: StoragePlan, budget: int | None, units: list[Unit]) -> bool:
+    """Whether a set-up that finds no payload file to read encodes between forwards (`StoragePlan.encoding`): by
+    default on CUDA wherever it can be and the device encoder's room for the largest unit fits the budget beside
+    nothing else. Encoding first took 79x raw's set-up on an H100, between forwards 1.28x (call V)."""
+    return plan.encodes_between_forwards(budget is None or encoder_room(largest_to_encode(units)) <= budget)
 
 
 def largest_to_encode(units: list[Unit]) -> int:
@@ -134,21 +105,22 @@ class SetUp:
         self._state_dict_hooks: list[Any] = []
 
     def run(self) -> None:
-        h = self.handle
-        if h.config.writes_cache_files:  # a cache_dir refused before anything is packed: the model as it was
+        """Each step as the storage plan (`OffloadConfig.storage`) says."""
+        h, plan = self.handle, self.handle.config.storage
+        if plan.writes_cache_files:  # a cache_dir refused before anything is packed: the model as it was
             self._cache_folder()
         shared = h.config.shared_host
         if shared is not None:
             self._open_shared(shared)
         pin = h.cuda and h.config.pin_memory
-        if packs_progressively(h.config):
+        if plan.packs_progressively:
             h.host.start_progressive_packing(pin, self._packed)
             self._finish(shared)
             return
-        background = encodes_between_forwards(h.config, h.device, h.budget_bytes, h.units)
+        background = encodes_between_forwards(plan, h.budget_bytes, h.units)
         if background:
             h.host.compressed.budget_bytes = h.budget_bytes  # the device encoder's bound
-        if may_read_payloads_later(h.config):
+        if plan.may_read_payloads_later:
             self.payload_cache = self._payload_cache()  # named before packing moves tensors
             if background:  # the file checked once packing is over: read then, or (missing, refused) encoded
                 if h.cuda:  # one unit over the budget: refused now, not at the forward that finds no payload file
@@ -159,22 +131,22 @@ class SetUp:
                 self._finish(shared)
                 return
         if background:  # no file to read: encode between forwards, while the model runs raw
-            if h.config.compression_cache and self.payload_cache is None:
+            if plan.compression_cache and self.payload_cache is None:
                 self.payload_cache = self._payload_cache()
             h.host.compressed.start_encoding(self.payload_cache, pin)
             h.host.start_progressive_packing(pin, self._packed)
             self._finish(shared)
             return
-        compressed_only = h.config.compressed_only
+        compressed_only = plan.compressed_only
         homes = h.host.keep_raw_in(self._raw_home or self._raw_cache_file()) if compressed_only else None
         window = PACKING_WINDOW if compressed_only and h.cuda else None  # the CPU encoder asks for all at once
         pin_now = pin and not compressed_only
         start = time.perf_counter()
-        if h.config.compression == "lossless" and h.config.compression_cache and self.payload_cache is None:
+        if plan.compressed and plan.compression_cache and self.payload_cache is None:
             self.payload_cache = self._payload_cache()  # named before packing moves tensors
         packing = h.host.start_packing(pin=pin_now, shared=shared, attaching=h.attaching, window=window)
         try:
-            if h.config.compression == "lossless":  # units are compressed as they are packed
+            if plan.compressed:  # units are compressed as they are packed
                 h.host.compressed.file = self.payload_cache
                 h.host.compressed.budget_bytes = h.budget_bytes  # the device encoder's bound
                 h.host.compressed.make(pin, self.payload_cache, settled=homes.settle if homes is not None else None)

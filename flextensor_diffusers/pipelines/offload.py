@@ -23,7 +23,7 @@ from torch import nn
 
 from ..engine import OffloadConfig, OffloadHandle, Phase, format_bytes, max_memory_allocated, offload_shared
 from ..engine.boundaries import refuse_whole_model_compile
-from ..engine.config import cache_folder, is_auto, parse_bytes, resolve_budget, resolve_device
+from ..engine.config import NO_COMPRESSION, cache_folder, is_auto, resolve_budget, resolve_device
 from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError, UnsupportedTensorError
 from ..engine.handle import UnitDone, is_offloaded
 from ..engine.planner import CUDA_ALLOCATION_GRANULE, smallest_budget
@@ -34,16 +34,20 @@ from ..storage.host_budget import (
     HostOverhead,
     HostRamDecision,
     anonymous_bytes,
-    auto_host_budget,
     check_host_budget,
-    check_ram_for_host_copies,
-    host_copies_fit_in_ram,
     least_compressed_bytes,
-    ram_needed_for_host_copies,
 )
 from ..storage.host_tier import HostTier, format_host_tier, kept_in_ram_bytes, offload_order, pipeline_folder
 from ..storage.host_tier.hand_over import LastForwardForecast
 from ..storage.machine_memory import AvailableMemory
+from ..storage.plan import (
+    HostCopiesSize,
+    HostTierPlan,
+    MachineFacts,
+    StoragePlan,
+    StorageRequest,
+    resolve_storage,
+)
 from ..storage.raw_home import WeightFilesHome
 from ..storage.weight_files import component_folders
 from .patterns import patterns_for
@@ -94,6 +98,7 @@ class PipelineOffload:
     host_tier: HostTier | None = None
     last_forward: LastForwardForecast | None = None  # with a host tier, for a pipeline with two experts
     host_ram: HostRamDecision | None = None  # the RAM available at enable, and what the host budget kept in RAM
+    storage: StoragePlan | None = None  # how the host copies are kept, and what the plan chose for options left to it
     call: EnableCall = field(default_factory=EnableCall)  # what `enable` was asked: a pipeline asking the same joins
     joined: list[Any] = field(default_factory=list)  # pipelines made from the same components, sharing this offload
 
@@ -221,6 +226,7 @@ class PipelineOffload:
             # what the process holds in host RAM now, anonymous and page-locked (what a host budget bounds)
             "process_host_bytes": anonymous_bytes(),
             "host_ram": self.host_ram.as_dict() if self.host_ram is not None else None,
+            "storage": self.storage.as_dict() if self.storage is not None else None,
             "host_tier": self.host_tier.report() if self.host_tier is not None else None,
             "components": components,
         }
@@ -302,6 +308,9 @@ def format_report(report: dict[str, Any]) -> str:
             f"RAM available at enable {format_bytes(report['host_ram']['ram_available']['bytes'])}: "
             + report["host_ram"]["described"]
         )
+    chosen = (report.get("storage") or {}).get("chosen")
+    if chosen:  # options left to the storage plan, set by it (e.g. by a host budget), and why
+        lines.append("storage plan chose: " + "; ".join(chosen))
     tier = report.get("host_tier")
     if tier:
         lines += format_host_tier(tier)
@@ -355,91 +364,93 @@ def enable(
     shared_host_root: str | Path = "/dev/shm",
     host_budget: int | str | None = "auto",
     cache_dir: str | Path | None = None,
+    compression: str = NO_COMPRESSION,
+    raw_copies: str | None = None,
+    compression_cache: bool | None = None,
+    progressive_packing: bool | None = None,
+    background_encoding: bool | None = None,
+    verify_loads: bool | None = None,
     **config: Any,
 ) -> PipelineOffload:
-    """Stream every component of ``pipeline`` from host memory under one GPU ``budget``.
+    """Stream every component of ``pipeline`` from host memory under one GPU ``budget`` (bytes, ``"24GiB"`` or
+    ``"auto"``; it bounds peak allocated memory).
 
-    Args:
-        budget: bytes, ``"24GiB"``-style string or ``"auto"``; bounds peak allocated memory.
-        profile_dir: folder for per-component profiles; a later run with the same model,
-            device and shapes skips discovery and profiling.
-        device: compute device (default: CUDA when available, else the CPU).
-        components: names of the components to wrap (default: all with weights); others are
-            moved to the device whole.
-        patterns: per-component include patterns overriding the built-in ones.
-        vae_tiling: diffusers' VAE tiling; ``None`` turns it on below 40 GiB of budget.
-        shared_host: a namespace: every process of a ``torch.distributed`` job on this host
-            streams from one host copy (local rank 0 packs each component into shared memory,
-            the others attach; build their pipeline on the meta device). See `offload_shared`.
-        shared_host_root: where the shared files live (a RAM-backed filesystem).
-        host_budget: bytes or a string like ``"32GiB"``: the process's anonymous and page-locked memory. Its own
-            memory when offload is enabled and a 1 GiB reserve come off the top, the components' host copies
-            get the rest; those that do not fit wait on disk (in the safetensors files they were loaded from,
-            else in cache files) and are read back unit by unit while they already run, the next one ahead as
-            far as room allows (see `host_tier`); with compression RAM holds compressed copies only.
-            ``"auto"`` (the default): every host copy in RAM when they fit in `AUTO_HOST_SHARE` of the RAM
-            available (no tier, nothing on disk); else the tier under what the process holds now plus that
-            share (`auto_host_budget`), so that the process never asks for more than the RAM available. The RAM
-            available is the least of the host's (MemAvailable), the room under the process's cgroup memory
-            limits (a container's, Slurm job's or systemd unit's) and its rlimits (`budgets.available_ram`); the
-            report says which, and what was kept in RAM.
-            With ``shared_host`` it is all in RAM (the processes' one shared copy). ``None``: every host copy
-            in RAM, refused before packing when they do not fit in the RAM available.
-        cache_dir: where cache files go (default: this user's cache folder, ``~/.cache/flextensor-diffusers``
-            or under ``$XDG_CACHE_HOME``, made 0700), for the host tier, the payload file and
-            ``raw_copies="disk"`` (with ``compression="lossless"``: the raw host copies wait in a mapped cache
-            file and host RAM holds the compressed copies only). Refused before anything is packed when it is a
-            symbolic link, belongs to another user or can be written by other users; its files are made 0600.
-        **config: further `OffloadConfig` fields (``max_slots``, ``profiling_runs``, ...).
+    ``profile_dir``: per-component profiles, reused by a later run with the same model, device and shapes.
+    ``device``: default CUDA when available, else the CPU. ``components``: those to wrap (default: all with
+    weights; the others move to the device whole); ``patterns``: per-component include patterns overriding the
+    built-in ones. ``vae_tiling``: ``None`` turns it on below 40 GiB of budget. ``shared_host``: a namespace:
+    every process of a ``torch.distributed`` job on this host streams from one host copy in ``shared_host_root``
+    (`offload_shared`; ranks that attach build their pipeline on the meta device). ``cache_dir``: where cache files
+    go (default: this user's cache folder, made 0700; refused when a link, another user's or writable by others).
+    ``host_budget`` and the storage options (``compression`` to ``verify_loads``; ``None``: the plan's choice) are
+    documented in `storage.plan.StorageRequest` and resolved once (`resolve_storage`); what the plan chose is logged
+    and in the report. ``**config``: the engine's tuning fields of `OffloadConfig`, passed to every component as
+    given (``max_slots``, ``profiling_runs``, ``pin_memory``, ``exclude_patterns``, ``activation_margin``...).
 
-    Everything is checked before anything is packed; a failure after that undoes all that was set up
-    (`PipelineOffload.disable`), so the pipeline is left as it was. A pipeline made from the components of
-    another offloaded one shares its offload when it asks for the same (see `sharing`).
+    Everything is checked before anything is packed; a failure after that undoes all of it, leaving the pipeline
+    as it was. A pipeline made from another offloaded one's components shares its offload when it asks the same.
     """
-    call = EnableCall.of(
-        budget=budget,
-        profile_dir=profile_dir,
-        device=device,
-        components=components,
-        patterns=patterns,
-        vae_tiling=vae_tiling,
-        shared_host=shared_host,
-        shared_host_root=shared_host_root,
+    asked = StorageRequest(
+        compression=compression,
+        raw_copies=raw_copies,
+        compression_cache=compression_cache,
+        progressive_packing=progressive_packing,
+        background_encoding=background_encoding,
+        verify_loads=verify_loads,
+        shared_host=shared_host is not None,
         host_budget=host_budget,
-        cache_dir=cache_dir,
-        **config,
     )
+    paths = {"profile_dir": profile_dir, "shared_host_root": shared_host_root, "cache_dir": cache_dir}
+    where = dict(budget=budget, host_budget=host_budget, device=device, components=components, patterns=patterns)
+    call = EnableCall.of(**where, **paths, vae_tiling=vae_tiling, shared_host=shared_host, **asked.keywords(), **config)
     joined = _join_an_offload(pipeline, call)
     if joined is not None:
         return joined
-    request = OffloadRequest.resolve(
-        pipeline, budget, device, components, patterns, profile_dir, shared_host, shared_host_root, cache_dir, config
-    )
     ram = budgets.available_ram()  # read once: every decision and message from RAM below takes this figure
-    tier_bytes = _tier_budget(request, host_budget, ram)
-    tier = None
-    if tier_bytes is not None:
-        config = _compressed_only_under_a_host_budget(request.config, auto=is_auto(host_budget))
-        # packed before set-up returns: progressive packing holds a few units twice, beyond the budget's reckoning
-        why_not = {
-            "progressive_packing": "it keeps a few units twice until they are used",
-            "background_encoding": "it keeps the raw copies in RAM beside the compressed ones",
-        }
-        for option, why in why_not.items():
-            if config.get(option):
-                raise FlexTensorError(
-                    f"{option}=True cannot hold host memory to a host budget ({why}): drop {option}, or pass "
-                    "host_budget=None (--host-budget none)"
-                )
-        config = _verified_under_a_compressed_tier({**config, "progressive_packing": False}, request.device)
-        request = dataclasses.replace(request, config=config)
-        tier = _host_tier(request, tier_bytes, ram if is_auto(host_budget) else None)
+    request = OffloadRequest.resolve(pipeline, where, paths, shared_host, config, asked, ram)
+    state = _pipeline_offload(request, ram, call)
+    _offload_components(state, request, vae_tiling)
+    return state
+
+
+def _machine_facts(
+    device: torch.device, ram: AvailableMemory, packed: dict[str, int], available: dict[str, nn.Module]
+) -> MachineFacts:
+    """What the storage plan decides from, measured now, before anything is packed: the device, the RAM available
+    (``ram``), the process's anonymous memory and what packing every host copy (``packed``) into RAM would take."""
+    modules = [available[name] for name in packed]
+    copies = HostCopiesSize(sum(packed.values()), budgets.new_host_bytes(packed, modules))
+    return MachineFacts(device.type, ram=ram, held_bytes=budgets.anonymous_bytes(), host_copies=copies)
+
+
+def _pipeline_offload(request: OffloadRequest, ram: AvailableMemory, call: EnableCall) -> PipelineOffload:
+    """The pipeline's offload state before any component is packed: the host tier the storage plan asks for
+    (refused here when under the smallest workable one), what the host budget kept in RAM, and the choices the
+    plan made for options left to it, logged."""
+    plan = request.storage
+    for choice in plan.choices:
+        logger.info("storage plan: %s", choice.line())
+    for warning in plan.warnings:
+        logger.warning(warning)
+    tier = _host_tier(request, plan.host_tier, ram) if plan.host_tier is not None else None
     state = PipelineOffload(
-        pipeline=pipeline, device=request.device, budget_bytes=request.budget_bytes, host_tier=tier, call=call
+        pipeline=request.pipeline,
+        device=request.device,
+        budget_bytes=request.budget_bytes,
+        host_tier=tier,
+        call=call,
+        storage=plan,
     )
-    state.host_ram = _host_ram_decision(request, host_budget, ram, tier)
-    if tier is not None and LastForwardForecast.applies_to(pipeline):
-        state.last_forward = LastForwardForecast(pipeline)
+    state.host_ram = _host_ram_decision(request, ram, tier)
+    if tier is not None and LastForwardForecast.applies_to(request.pipeline):
+        state.last_forward = LastForwardForecast(request.pipeline)
+    return state
+
+
+def _offload_components(state: PipelineOffload, request: OffloadRequest, vae_tiling: bool | None) -> None:
+    """Pack every chosen component (under a host tier in the order that leaves in RAM what runs first), move the
+    others whole, then VAE tiling and the guards; any failure undoes all of it, leaving the pipeline as it was."""
+    pipeline, tier = request.pipeline, state.host_tier
     try:
         for name in packing_order(request.chosen, offload_order(pipeline) if tier is not None else []):
             _offload_component(state, request, name)
@@ -453,7 +464,6 @@ def enable(
     pipeline._flextensor = state
     for module in state.components().values():
         OWNERS.claim(module, state)
-    return state
 
 
 def _join_an_offload(pipeline: Any, call: EnableCall) -> PipelineOffload | None:
@@ -484,7 +494,8 @@ def packing_order(chosen: list[str], declared: list[str]) -> list[str]:
 class OffloadRequest:
     """What `enable` was asked, resolved and checked before anything is packed: the components to wrap
     (``chosen``, among every component with weights, ``available``), their include patterns and packed host
-    bytes, the device and the GPU budget in bytes, and the options each component's `OffloadConfig` takes."""
+    bytes, the device and the GPU budget in bytes, the storage plan, and the engine's further `OffloadConfig`
+    fields each component takes."""
 
     pipeline: Any
     available: dict[str, nn.Module]
@@ -497,7 +508,8 @@ class OffloadRequest:
     cache_dir: str | Path | None
     shared_host: str | None
     shared_host_root: str | Path
-    config: dict[str, Any]  # further `OffloadConfig` fields
+    storage: StoragePlan  # how the host copies are kept, and the host tier (`storage.plan.resolve_storage`)
+    config: dict[str, Any]  # further `OffloadConfig` fields, the engine's tuning
 
     @property
     def packed(self) -> dict[str, int]:
@@ -508,23 +520,22 @@ class OffloadRequest:
     def resolve(
         cls,
         pipeline: Any,
-        budget: int | str,
-        device: str | torch.device | None,
-        components: list[str] | None,
-        patterns: dict[str, list[str]] | None,
-        profile_dir: str | Path | None,
+        where: dict[str, Any],
+        paths: dict[str, Any],
         shared_host: str | None,
-        shared_host_root: str | Path,
-        cache_dir: str | Path | None,
         config: dict[str, Any],
+        asked: StorageRequest,
+        ram: AvailableMemory,
     ) -> OffloadRequest:
-        """Refuse a pipeline already offloaded, unknown component names and a budget under any component's
-        set-up minimum (from the architecture alone), before anything is packed or moved."""
+        """Refuse a pipeline already offloaded, unknown component names, a budget under any component's set-up
+        minimum (from the architecture alone) and storage options that cannot be combined, before anything is
+        packed or moved. ``where``: `enable`'s budget, device, components and patterns; ``paths``: its folders."""
         if getattr(pipeline, "_flextensor", None) is not None:
             raise OffloadStateError("flextensor offload is already enabled on this pipeline: disable it first")
         available = _weighted_components(pipeline)
+        components, patterns = where["components"], where["patterns"] or {}
         chosen = list(available) if components is None else list(components)
-        unknown = [c for c in chosen + list(patterns or {}) if c not in available]
+        unknown = [c for c in chosen + list(patterns) if c not in available]
         if unknown:
             raise FlexTensorError(
                 f"unknown component(s) {', '.join(map(repr, unknown))}; this {type(pipeline).__name__} has "
@@ -536,14 +547,16 @@ class OffloadRequest:
                 f"component(s) {', '.join(map(repr, offloaded))} are offloaded already, with a handle of their own: "
                 "call remove() on that handle first"
             )
-        device = resolve_device(device)
-        budget_bytes = resolve_budget(budget, device)
-        includes = _includes(available, chosen, patterns or {})
+        device = resolve_device(where["device"])
+        budget_bytes = resolve_budget(where["budget"], device)
+        includes = _includes(available, chosen, patterns)
         shared = shared_host is not None  # processes that attach build their pipeline on the meta device
         excludes = list(config.get("exclude_patterns", []))
         layouts = _check_setup_budgets(
             available, includes, budget_bytes, device, canonical=shared, meta_ok=shared, excludes=excludes
         )
+        packed = {name: layout.base.nbytes + sum(u.nbytes for u in layout.units) for name, layout in layouts.items()}
+        storage = resolve_storage(asked, _machine_facts(device, ram, packed, available))
         return cls(
             pipeline=pipeline,
             available=available,
@@ -552,16 +565,15 @@ class OffloadRequest:
             layouts=layouts,
             device=device,
             budget_bytes=budget_bytes,
-            profile_dir=profile_dir,
-            cache_dir=cache_dir,
             shared_host=shared_host,
-            shared_host_root=shared_host_root,
+            storage=storage,
             config=config,
+            **paths,
         )
 
     def component_config(self, name: str) -> OffloadConfig:
         """``name``'s `OffloadConfig`: its patterns, the whole budget, its own profile folder, the entry and
-        edit methods its module has; nothing on the device until the component runs."""
+        edit methods its module has, the storage plan's options; nothing on the device until the component runs."""
         module = self.available[name]
         return OffloadConfig(
             include_patterns=self.includes[name],
@@ -572,111 +584,42 @@ class OffloadRequest:
             edit_methods=[m for m in EDIT_METHODS if callable(getattr(module, m, None))],
             cache_dir=self.cache_dir,
             active_after_setup=False,  # nothing on the device until the component runs
+            **self.storage.config_options(),
             **self.config,
         )
 
 
-#: Said when a host tier with compression is set up on a GPU with ``verify_loads=False`` (see the README and
-#: benchmarks/results/README.md, issue 25, fifth and sixth sessions): the one rule is bitwise or refused, and one
-#: run of four was neither.
-UNTRUSTED_COMPRESSED_TIER = (
-    "a host budget with compression and verify_loads=False is not to be trusted yet on a GPU: one of four runs of "
-    "the Wan2.2 pipeline gave latents not bitwise equal to native, cause unknown; drop verify_loads=False (every "
-    "load is then checked on the device, a wrong one raising instead of giving a wrong output), or pass "
-    "compression='none' (--compression none) for a host tier that was bitwise in every run"
-)
-
-
-def _verified_under_a_compressed_tier(config: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """A host tier with compression on a GPU verifies every load by default (``verify_loads=True``, see
-    `engine.load_checks`): one full-size run of it was not bitwise and its cause is not found, so its outputs are
-    checked instead of trusted. ``verify_loads=False`` given is kept, with a warning. On the CPU copies and decodes
-    are synchronous, and it stays as asked (off by default)."""
-    if config.get("compression", "none") == "none" or device.type != "cuda":
-        return config
-    if config.get("verify_loads") is False:
-        logger.warning(UNTRUSTED_COMPRESSED_TIER)
-        return config
-    logger.info("host tier with compression on %s: every load is verified on the device (verify_loads=True)", device)
-    return {**config, "verify_loads": True}
-
-
-def _compressed_only_under_a_host_budget(config: dict[str, Any], auto: bool = False) -> dict[str, Any]:
-    """A host budget with compression keeps compressed copies only (``raw_copies="disk"``: the raw bytes
-    wait in the weight files, else in a cache file) and writes them to the payload file
-    (``compression_cache``), where they wait while their component is on disk. Refused, naming the fix,
-    when the caller asked otherwise (``auto``: the tier is on because the copies do not fit in RAM)."""
-    if config.get("compression", "none") == "none":
-        return config
-    for key, needed in (("raw_copies", "disk"), ("compression_cache", True)):
-        if key in config and config[key] != needed:
-            why = (
-                'the host copies do not all fit in the RAM available, so host_budget="auto" keeps them under a host '
-                "budget, which with compression"
-                if auto
-                else "host_budget with compression"
-            )
-            raise FlexTensorError(
-                f"{why} keeps the compressed copies only and waits on disk in their file: drop {key}={config[key]!r} "
-                f"(it needs {key}={needed!r})"
-            )
-    return {**config, "raw_copies": "disk", "compression_cache": True}
-
-
-def _tier_budget(request: OffloadRequest, host_budget: int | str | None, ram: AvailableMemory) -> int | None:
-    """The host tier's budget in bytes for ``host_budget``, or None: every host copy in RAM (``None``, and
-    ``"auto"`` when they fit in ``ram``, the RAM available, or the processes share one host copy), refused when
-    they do not fit in ``ram``. A size with ``shared_host`` is refused. Decided before anything is packed."""
-    modules = [request.available[n] for n in request.packed]
-    if is_auto(host_budget):
-        need = ram_needed_for_host_copies(request.packed, modules, request.config)
-        if request.shared_host is not None or host_copies_fit_in_ram(need, ram):
-            return None
-        return auto_host_budget(ram)
-    if host_budget is None:
-        if request.shared_host is None and request.config.get("raw_copies", "ram") == "ram":
-            check_ram_for_host_copies(request.packed, modules, ram)
-        return None
-    if request.shared_host is not None:
-        raise FlexTensorError(
-            "host_budget cannot be combined with shared_host yet (the processes' one shared host copy is all in "
-            'RAM): drop host_budget (its default, "auto", keeps the shared copy in RAM)'
-        )
-    return parse_bytes(host_budget)
-
-
-def _host_ram_decision(
-    request: OffloadRequest, host_budget: int | str | None, ram: AvailableMemory, tier: HostTier | None
-) -> HostRamDecision:
+def _host_ram_decision(request: OffloadRequest, ram: AvailableMemory, tier: HostTier | None) -> HostRamDecision:
     """What the report says of the RAM available and of what the host budget kept in RAM; logged where
     ``"auto"`` turned the host tier on (the process asks for no more than that RAM, and runs slower)."""
+    plan = request.storage
     decision = HostRamDecision(
         ram=ram,
-        asked=repr("auto") if is_auto(host_budget) else repr(host_budget),
+        asked=repr("auto") if is_auto(plan.host_budget) else repr(plan.host_budget),
         packed_bytes=sum(request.packed.values()),
         tier_budget_bytes=None if tier is None else tier.budget,
         tier_weights_bytes=None if tier is None else tier.weights_budget,
     )
-    if tier is not None and is_auto(host_budget):
+    if plan.host_tier is not None and plan.host_tier.auto:
         logger.info("%s", decision.describe())
     return decision
 
 
-def _host_tier(request: OffloadRequest, host_bytes: int, auto_from: AvailableMemory | None) -> HostTier:
-    """The host tier under ``host_bytes``, refused before anything is packed when it is under the smallest
-    workable one (``auto_from``: the RAM available ``"auto"`` made it of, named in the refusal). The process's own
-    memory is measured now, before packing turns weights into host copies."""
+def _host_tier(request: OffloadRequest, plan: HostTierPlan, ram: AvailableMemory) -> HostTier:
+    """The host tier the storage plan asks for, refused before anything is packed when it is under the smallest
+    workable one (naming ``ram``, the RAM available, where ``"auto"`` made it). The process's own memory is
+    measured now, before packing turns weights into host copies."""
     root = pipeline_folder(request.pipeline)
     packed, available = request.packed, request.available
     overhead = HostOverhead.measure(available[n] for n in packed)  # before packing: the process's own memory
     kept = {n: kept_in_ram_bytes(n, available[n], root) for n in packed}
-    compressed = request.config.get("compression", "none") != "none"
+    compressed = request.storage.compressed
     if compressed:  # sizes known once encoded: the least they can be
         packed = {n: least_compressed_bytes(layout) for n, layout in request.layouts.items()}
-    check_host_budget(host_bytes, packed, overhead, kept, compressed, auto_from)
+    check_host_budget(plan.budget_bytes, packed, overhead, kept, compressed, ram if plan.auto else None)
     pin = request.device.type == "cuda" and request.config.get("pin_memory", True)
     return HostTier(
-        budget=host_bytes,
+        budget=plan.budget_bytes,
         folder=cache_folder(request.cache_dir),
         pin=pin,
         overhead=overhead,

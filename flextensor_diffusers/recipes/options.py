@@ -22,9 +22,10 @@ from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..engine.config import format_bytes, parse_bytes
+from ..engine.config import COMPRESSION_MODES, NO_COMPRESSION, format_bytes, parse_bytes
 from ..engine.errors import BudgetError, FlexTensorError
 from ..pipelines.compile import COMPILE_MODES
+from ..storage.plan import MachineFacts, Rule, StorageOptionError, StorageRequest, resolve_storage
 from .models import load_config
 
 #: Units of ``--budget`` that are powers of ten (a spec sheet's GB), worth a note with the GiB value.
@@ -63,7 +64,7 @@ class RecipeOptions:
     budget: str = "auto"
     host_budget: str | None = "auto"  # None: every host copy in RAM (--host-budget none)
     cache_dir: Path | None = None
-    compression: str = "none"
+    compression: str = NO_COMPRESSION
     raw_copies: str | None = None  # None: the offload's choice ("disk" under a host budget with compression)
     compression_cache: bool = False
     background_encoding: bool | None = None  # None: the offload's choice (on a GPU where it can be)
@@ -285,8 +286,8 @@ def add_memory(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compression",
-        choices=("none", "lossless"),
-        default="none",
+        choices=COMPRESSION_MODES,
+        default=NO_COMPRESSION,
         help="lossless: stream blocks compressed and decode them on the GPU, bit-exact",
     )
     parser.add_argument(
@@ -400,38 +401,9 @@ def common_values(ns: argparse.Namespace, recipe: str, defaults: dict[str, SizeD
         values["host_budget"] = None
     else:
         check_budget(ns.host_budget, "--host-budget")
-    sized = sized_host_budget(values["host_budget"])
     check_device(ns.device, ns.gpus)
     check_compile(ns.compile, ns.no_offload)
-    if ns.raw_copies == "disk" and ns.compression == "none":
-        raise OptionsError(
-            "--raw-copies disk keeps only compressed copies in RAM, and there are none: add --compression lossless"
-        )
-    if sized and ns.compression != "none" and ns.raw_copies == "ram":
-        raise OptionsError(
-            "--host-budget with --compression keeps the compressed copies only (the raw ones wait on disk): "
-            "drop --raw-copies ram"
-        )
-    if sized and ns.gpus > 1 and not ns.no_offload:
-        raise OptionsError(
-            f"--host-budget cannot be combined with --gpus {ns.gpus} yet (the ranks share one host copy of the "
-            "weights, all in RAM): drop --host-budget, or run on one GPU"
-        )
-    if getattr(ns, "compression_cache", False) and ns.compression == "none":
-        raise OptionsError(
-            "--compression-cache caches compressed copies, and there are none: add --compression lossless"
-        )
-    if getattr(ns, "background_encoding", False):
-        if ns.compression == "none" or ns.raw_copies == "disk":
-            raise OptionsError(
-                "--background-encoding compresses while the raw copies stream: add --compression lossless "
-                "and drop --raw-copies disk"
-            )
-        if sized:
-            raise OptionsError(
-                "--background-encoding keeps the raw copies in RAM beside the compressed ones, which --host-budget "
-                "would not hold to: drop one of them"
-            )
+    check_storage(ns, values["host_budget"])
     for flag in OUTPUT_SUFFIXES:  # kept as typed until checked: a trailing "/" says the user named a folder
         if getattr(ns, flag[2:], None) is not None:
             values[flag[2:]] = check_output(flag, getattr(ns, flag[2:]))
@@ -526,9 +498,49 @@ def require_weights(model: Path | None, random_weights: str | None, recipe: str)
         )
 
 
-def sized_host_budget(host_budget: str | None) -> bool:
-    """A host budget the user sized (not auto, not none): the host tier is on whatever fits."""
-    return host_budget is not None and host_budget.strip().lower() != "auto"
+def check_storage(ns: argparse.Namespace, host_budget: str | None) -> None:
+    """The storage flags' combinations, refused before anything loads by the offload's own rules (the storage plan,
+    `storage.plan.resolve_storage`), in the flags' words (`storage_refusal`). Whether ``--host-budget auto`` turns
+    a host tier on is known only once the weights are loaded (no RAM facts here): the offload refuses then what
+    that tier cannot combine."""
+    asked = StorageRequest(
+        compression=ns.compression,
+        raw_copies=ns.raw_copies,
+        compression_cache=getattr(ns, "compression_cache", False) or None,  # the flag, or the plan's choice
+        background_encoding=getattr(ns, "background_encoding", None),
+        verify_loads=getattr(ns, "verify_loads", None),
+        shared_host=ns.gpus > 1 and not ns.no_offload,  # --gpus N: the ranks share one host copy
+        host_budget=host_budget,
+    )
+    try:
+        resolve_storage(asked, MachineFacts(device_kind="cpu" if ns.device == "cpu" else "cuda"))
+    except StorageOptionError as exc:
+        raise OptionsError(storage_refusal(exc, ns)) from None
+
+
+def storage_refusal(exc: StorageOptionError, ns: argparse.Namespace) -> str:
+    """A storage plan's refusal in the flags' words (the plan's own line where no flag says it otherwise)."""
+    gpus = f"--gpus {ns.gpus}"
+    words = {
+        Rule.RAW_DISK_WITHOUT_COMPRESSION: "--raw-copies disk keeps only compressed copies in RAM, and there are none: "
+        "add --compression lossless",
+        Rule.CACHE_WITHOUT_COMPRESSION: "--compression-cache caches compressed copies, and there are none: add "
+        "--compression lossless",
+        Rule.BACKGROUND_WITHOUT_RAW_STREAM: "--background-encoding compresses while the raw copies stream: add "
+        "--compression lossless and drop --raw-copies disk",
+        Rule.COMPRESSION_WITH_SHARED_HOST: f"--compression {ns.compression} cannot be combined with {gpus} yet (the "
+        "ranks share one raw host copy of the weights): drop --compression, or run on one GPU",
+        Rule.HOST_BUDGET_WITH_SHARED_HOST: f"--host-budget cannot be combined with {gpus} yet (the ranks share one "
+        "host copy of the weights, all in RAM): drop --host-budget, or run on one GPU",
+        Rule.TIER_KEEPS_COMPRESSED_ONLY: "--host-budget with --compression keeps the compressed copies only (the raw "
+        "ones wait on disk): drop --raw-copies ram",
+    }
+    if exc.rule is Rule.TIER_HOLDS_NO_SECOND_COPY and exc.option == "background_encoding":
+        return (
+            "--background-encoding keeps the raw copies in RAM beside the compressed ones, which --host-budget "
+            "would not hold to: drop one of them"
+        )
+    return words.get(exc.rule, str(exc))
 
 
 def check_budget(text: str, flag: str = "--budget") -> None:

@@ -1,6 +1,6 @@
 """Compressed copies that arrive after set-up, while the model already streams raw.
 
-A set-up that does not wait for its payloads (`setup.may_read_payloads_later`, ``background_encoding``) leaves
+A set-up that does not wait for its payloads (`StoragePlan.may_read_payloads_later`, ``background_encoding``) leaves
 them to an *arrival*, which `CompressedCopies` keeps once all are here (`CompressedCopies.adopt_arrival`), each
 unproven until its first decoded load compares it with the weights:
 

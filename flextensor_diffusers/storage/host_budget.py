@@ -36,14 +36,6 @@ AUTO_HOST_SHARE = 0.8
 HOST_RESERVE_BYTES = 2**30
 
 
-def auto_host_budget(ram: AvailableMemory) -> int:
-    """``host_budget="auto"`` as bytes: what the process holds now (its anonymous memory, weights loaded in memory
-    included: packing turns them into host copies) plus `AUTO_HOST_SHARE` of ``ram``, the RAM available now
-    (`available_ram`; weights mapped from their files are page cache, part of what is available). Measured before
-    packing."""
-    return anonymous_bytes() + int(ram.nbytes * AUTO_HOST_SHARE)
-
-
 def anonymous_bytes() -> int:
     """The process's anonymous and page-locked memory now, what the host budget bounds: RssAnon + RssShmem
     of /proc/self/status (page-locked host copies are anonymous mappings registered with CUDA). Where that
@@ -197,43 +189,6 @@ def new_host_bytes(component_bytes: dict[str, int], modules: Iterable[nn.Module]
     packing turns into host copies (weights mapped from files, as ``from_pretrained`` gives, are not, and are
     copied)."""
     return sum(component_bytes.values()) - anonymous_weight_bytes(modules)
-
-
-def ram_needed_for_host_copies(
-    component_bytes: dict[str, int], modules: Iterable[nn.Module], config: dict[str, Any]
-) -> int:
-    """The RAM that keeping every host copy in RAM takes: the new memory packing takes plus `HOST_RESERVE_BYTES`.
-    With compression the compressed copies come on top of raw copies kept in RAM, of sizes not known before
-    encoding: counted as large as the raw ones (what they never exceed), so that auto never keeps in RAM what may
-    not fit there."""
-    need = new_host_bytes(component_bytes, modules) + HOST_RESERVE_BYTES
-    if config.get("compression", "none") != "none" and config.get("raw_copies", "ram") == "ram":
-        need += sum(component_bytes.values())
-    return need
-
-
-def host_copies_fit_in_ram(need: int, ram: AvailableMemory) -> bool:
-    """``host_budget="auto"`` keeps every host copy in RAM (no tier) when what that takes
-    (`ram_needed_for_host_copies`) fits in `AUTO_HOST_SHARE` of the RAM available."""
-    return need <= ram.nbytes * AUTO_HOST_SHARE
-
-
-def check_ram_for_host_copies(
-    component_bytes: dict[str, int], modules: Iterable[nn.Module], ram: AvailableMemory
-) -> None:
-    """With ``host_budget=None`` every host copy is made in RAM: refuse, before anything is packed, when the new
-    memory that takes (`new_host_bytes`) is more than ``ram``, the RAM available, which would end in the kernel
-    killing the process (or in swapping) halfway through the set-up. With compression the compressed copies come
-    on top, of sizes not known before encoding: not counted, so the figure is a lower bound and the check never
-    refuses what would fit."""
-    need = new_host_bytes(component_bytes, modules)
-    if need <= ram.nbytes:
-        return
-    raise HostBudgetError(
-        f"the host copies need {format_bytes(need)} of new host RAM but {format_bytes(ram.nbytes)} is available "
-        f'({ram.describe()}): leave host_budget at "auto" (--host-budget auto), the default, so that the '
-        "components that do not fit wait on disk, or free host memory" + (" or raise that limit" if ram.limited else "")
-    )
 
 
 @dataclass(frozen=True)
