@@ -178,7 +178,7 @@ class OffloadHandle:
         """Give every tensor its own storage again and remove what set-up added (failed set-up, removal)."""
         self.device_copies.release()
         self.host.restore(self.device_copies.restored)
-        self.device_copies.restore_loose()
+        self.device_copies.unpacked.restore_loose()
         self.set_up.undo()
 
     # ------------------------------------------------------------------------------------ state
