@@ -7,9 +7,9 @@ being loaded with; a slot is written only by `load_now` here or by the schedule'
 write after the slot's last reader. Which unit's tensors view which buffer is the `Binding`'s business: a
 streamed unit views its slot from its call until the slot is handed on (`evict`).
 
-Tensors of the model that are not packed (``loose``: they share storage with another tensor; ``foreign``: added
-after set-up, e.g. LoRA adapters) follow the model with ``.to()`` on activate and release, so they are always
-on the device the model computes on.
+Tensors of the model that are not packed (loose ones, which share storage with another tensor, and foreign ones,
+added after set-up, e.g. LoRA adapters) follow the model with ``.to()`` on activate and release
+(`unpacked.UnpackedTensors`), so they are always on the device the model computes on.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from torch import nn
 from ..storage.codec import EncodedUnit, decode_into
 from ..storage.host_copies import HostCopies
 from .binding import Binding
-from .errors import OffloadStateError
 from .planner import CUDA_ALLOCATION_GRANULE, Plan, allocated
 from .units import Unit, UnitLayout, aligned_buffer
+from .unpacked import UnpackedTensors
 
 
 @dataclass
@@ -55,13 +55,12 @@ class DeviceCopies:
         self.binding = binding
         self.units = layout.units
         self.base = layout.base
-        #: (tensor, device it came from) for tensors moved with ``.to()`` instead of packed.
-        self.loose: list[tuple[torch.Tensor, torch.device]] = [(t, t.device) for t in layout.loose]
-        self._packed_ids = {id(t) for u in host.positions for _, t in u.held()} | {id(t) for t, _ in self.loose}
-        self.foreign: list[tuple[torch.Tensor, torch.device]] = []
-        #: Packed tensors an edit inside ``editing()`` took out of the model (an adapter unloaded): the model's no
-        #: more, so their absence is not a swap to refuse (`Edits`).
-        self.dropped: set[int] = set()
+        #: The tensors that are not packed, moved with ``.to()``; the packed ones' identities, checked.
+        self.unpacked = UnpackedTensors(model, layout.loose, host, device)
+        #: (tensor, device it came from) for tensors moved with ``.to()`` instead of packed (the unpacked's own list).
+        self.loose = self.unpacked.loose
+        #: Packed tensors an edit inside ``editing()`` took out of the model (the unpacked's own set, `Edits`).
+        self.dropped = self.unpacked.dropped
         self.active = False
         self.buffers = Buffers()
         self.slot_of: list[int | None] = [0] * len(self.units)
@@ -97,16 +96,14 @@ class DeviceCopies:
         """Take device memory: the base, loose and foreign tensors, then resident units and slots."""
         if self.active:
             return
-        self.check_tensors_are_ours()
+        self.unpacked.check_tensors_are_ours()
         self.binding.sweep()  # edits made while inactive reach the copies made below
         with torch.no_grad(), torch.inference_mode(False):
             buffer = aligned_buffer(self.base.nbytes, self.device)
             self.host.copy_raw_into(self.base, buffer)
             self.binding.to_device(self.base, buffer)
             self.buffers.base = buffer
-            self.foreign = self.find_foreign()
-            for t, _ in [*self.loose, *self.foreign]:
-                t.data = t.data.to(self.device)
+            self.unpacked.to_device()
         self.active = True
         self.lay_out(plan)
 
@@ -118,35 +115,9 @@ class DeviceCopies:
         if self.base.host is not None:
             self.binding.to_host(self.base)
         with torch.no_grad(), torch.inference_mode(False):
-            for t, origin in [*self.loose, *self.foreign]:
-                t.data = t.data.to(origin)
+            self.unpacked.to_origin()
         self.buffers.base = None
         self.active = False
-
-    def find_foreign(self) -> list[tuple[torch.Tensor, torch.device]]:
-        """Tensors added to the model after set-up (adapters), with the device they are on when inactive."""
-        found = {}
-        for t in [*self.model.parameters(), *self.model.buffers()]:
-            if id(t) not in self._packed_ids and id(t) not in found:
-                found[id(t)] = (t, t.device if t.device != self.device else torch.device("cpu"))
-        return list(found.values())
-
-    def check_tensors_are_ours(self) -> None:
-        """Refuse to go on when a packed tensor is no longer in the model: it was swapped for another object
-        (in-place quantization, ``module.weight = nn.Parameter(...)``) outside ``editing()``, so its new value
-        would never reach the device. Identity, not names: adapters re-wrap layers."""
-        present = {id(t) for t in [*self.model.parameters(), *self.model.buffers()]}
-        for unit in self.host.positions:
-            if not self.host.offloaded(unit):
-                continue
-            for rel, t in unit.held():
-                if id(t) not in present and id(t) not in self.dropped:
-                    name = f"{unit.name}.{rel}" if unit.index >= 0 else rel
-                    raise OffloadStateError(
-                        f"{name!r} was replaced by another tensor while offloaded, so its new value would "
-                        "never reach the device: make such edits inside handle.editing() (pipelines: the "
-                        "LoRA/state-dict methods do it for you), or disable offload, edit, and enable again"
-                    )
 
     # ------------------------------------------------------------------------------------ layout
 
@@ -293,17 +264,8 @@ class DeviceCopies:
         the layout's), with one synchronisation. Equal: the payload is proven, and planned loads may decode it. Not
         equal: the file is stale; every unproven payload is dropped, the decodes that would use them stop, and this
         unit is loaded again raw, so this call computes with its weights."""
-        unit, dst, room = self.units[index], self._dst[index], self.buffers.staging[slot]
-        raw = self.host.raw_tensor(unit)
-        differs = torch.zeros((), dtype=torch.bool, device=self.device)
-        for packed in unit.tensors:
-            end = packed.offset + packed.nbytes
-            for start in range(packed.offset, end, room.numel()):
-                stop = min(start + room.numel(), end)
-                piece = room[: stop - start]
-                piece.copy_(raw[start:stop], non_blocking=True)
-                differs.logical_or_(torch.ne(piece, dst[start:stop]).any())  # type: ignore[index]
-        if not bool(differs):
+        unit, dst = self.units[index], self._dst[index]
+        if not decoded_differs(unit, dst, self.host.raw_tensor(unit), self.buffers.staging[slot]):  # type: ignore[arg-type]
             self.host.compressed.prove(index)
             return
         self.decoding = self.decoding - self.host.compressed.disprove(unit)
@@ -378,7 +340,17 @@ class DeviceCopies:
         if unit.index >= 0:
             self.slot_of[unit.index] = None
 
-    def restore_loose(self) -> None:
-        with torch.no_grad(), torch.inference_mode(False):
-            for t, origin in self.loose:
-                t.data = t.data.to(origin)
+
+def decoded_differs(unit: Unit, decoded: torch.Tensor, raw: torch.Tensor, room: torch.Tensor) -> bool:
+    """Whether ``decoded`` (``unit``'s bytes decoded into its slot) differs from ``raw`` (its raw host copy), tensor
+    by tensor, byte for byte: each piece of the raw bytes copied through ``room`` (a staging buffer, so no memory
+    beyond the layout's), compared on the device, with one synchronisation at the end."""
+    differs = torch.zeros((), dtype=torch.bool, device=decoded.device)
+    for packed in unit.tensors:
+        end = packed.offset + packed.nbytes
+        for start in range(packed.offset, end, room.numel()):
+            stop = min(start + room.numel(), end)
+            piece = room[: stop - start]
+            piece.copy_(raw[start:stop], non_blocking=True)
+            differs.logical_or_(torch.ne(piece, decoded[start:stop]).any())
+    return bool(differs)

@@ -80,7 +80,7 @@ class Edits:
         self.host.mark_spill_stale()  # the RAM copies may change: the next spill writes them
         self.host.compressed.cancel_arrival("an edit of the weights")  # payloads still being read: of the old ones
         with torch.no_grad(), torch.inference_mode(False):
-            for t, _ in self.device.find_foreign():  # adapters come to the host too: one device for the edit
+            for t, _ in self.device.unpacked.find_foreign():  # adapters come to the host too: one device for the edit
                 if t.device.type not in ("cpu", "meta"):  # meta: no bytes yet, the edit gives them
                     t.data = t.data.to("cpu")
         try:

@@ -14,19 +14,24 @@ call and at its end.
 
 The handle holds one phase object and hands it each boundary call; a phase switches the handle to the next
 phase with `Phases.switch`. A phase owns no state beyond its kind: what it works on (the schedule, the profiler,
-the device copies) is the handle's.
+the device copies) is the handle's, seen through `PhaseContext`.
 """
 
 from __future__ import annotations
 
 import logging
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .planner import Plan, allocated, everything_resident
 
 if TYPE_CHECKING:
-    from .handle import OffloadHandle
+    from ..storage.host_copies import HostCopies
+    from .config import OffloadConfig
+    from .device_copies import DeviceCopies
+    from .profiler import Profiler
+    from .schedule import SteadySchedule
+    from .units import Unit
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +50,44 @@ class Phase(StrEnum):
     REMOVED = "removed"
 
 
+class PlanSource(Protocol):
+    """What the phases ask of the planning: the plan in force, and a plan made once profiling is done."""
+
+    plan: Plan | None
+
+    def finish_profiling(self) -> None: ...
+
+
+class PhaseContext(Protocol):
+    """What the phases work on: the handle's parts and counters (the handle is one)."""
+
+    units: list[Unit]
+    config: OffloadConfig
+    host: HostCopies
+    device_copies: DeviceCopies
+    schedule: SteadySchedule
+    profiler: Profiler
+    counters: dict[str, int]
+    measured_forwards: int
+    resident_weight_bytes: int
+    phases: Phases
+
+    @property
+    def planning(self) -> PlanSource: ...
+
+    @property
+    def budget_bytes(self) -> int: ...
+
+    @property
+    def workload_entry(self) -> str: ...
+
+
 class PhaseBehaviour:
     """Defaults: units load on demand, nothing is recorded, a failure leaves the schedule."""
 
     kind: Phase
 
-    def __init__(self, handle: OffloadHandle) -> None:
+    def __init__(self, handle: PhaseContext) -> None:
         self.handle = handle
 
     def layout(self) -> Plan | None:
@@ -250,7 +287,7 @@ class Removed(PhaseBehaviour):
 class Phases:
     """The handle's current phase object, and the switches between phases."""
 
-    def __init__(self, handle: OffloadHandle, first: type[PhaseBehaviour]) -> None:
+    def __init__(self, handle: PhaseContext, first: type[PhaseBehaviour]) -> None:
         self.handle = handle
         self.current: PhaseBehaviour = first(handle)
 

@@ -11,26 +11,60 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from .config import format_bytes, parse_bytes
 from .errors import BudgetError, OffloadStateError
-from .phases import Desynced, OverBudget, Phase, Steady
+from .phases import Desynced, OverBudget, Phase, Phases, Steady
 from .planner import Plan, WorkloadProfile, check_budget, plan_residency, smallest_budget
 from .profile import ProfileStore, SavedProfile, device_name
 
 if TYPE_CHECKING:
-    from .handle import OffloadHandle
+    from torch import nn
+
+    from ..storage.host_copies import HostCopies
+    from .config import OffloadConfig
+    from .device_copies import DeviceCopies
+    from .profiler import Clock, Profiler
+    from .schedule import SteadySchedule
+    from .units import Unit
 
 logger = logging.getLogger(__name__)
+
+
+class PlanningContext(Protocol):
+    """What planning works on: the handle's model, parts and counters (the handle is one)."""
+
+    model: nn.Module
+    config: OffloadConfig
+    fingerprint: dict[str, Any]
+    device: torch.device
+    units: list[Unit]
+    resident_weight_bytes: int
+    host: HostCopies
+    device_copies: DeviceCopies
+    phases: Phases
+    counters: dict[str, int]
+    schedule: SteadySchedule
+    profiler: Profiler
+    clock: Clock
+
+    @property
+    def phase(self) -> Phase: ...
+
+    @property
+    def active(self) -> bool: ...
+
+    @property
+    def raw_on_disk(self) -> bool: ...
 
 
 class Planning:
     """The current workload's signature, profile and plan; the budget; the profiles of every workload seen."""
 
-    def __init__(self, handle: OffloadHandle, budget_bytes: int) -> None:
+    def __init__(self, handle: PlanningContext, budget_bytes: int) -> None:
         self.handle = handle
         self.budget_bytes = budget_bytes
         config = handle.config

@@ -16,9 +16,10 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -38,22 +39,10 @@ from .units import PackedTensor, Unit, UnitLayout
 
 if TYPE_CHECKING:
     from ..storage.plan import StoragePlan
-    from .handle import OffloadHandle
-
-
-@dataclass
-class SetupTimes:
-    """Where set-up time went (ms): unit layout, copies into the flat buffers and their page-locking (with
-    compression they overlap ``compress``), hooks. With ``background_encoding`` ``compress`` is the gaps between
-    forwards the encoding took so far, summed (after set-up returned)."""
-
-    layout: float = 0.0
-    pack: float = 0.0
-    hooks: float = 0.0
-    compress: float | None = None  # only with compression
-
-    def as_dict(self) -> dict[str, float]:
-        return {k: round(v, 3) for k, v in vars(self).items() if v is not None}
+    from .calls import BoundaryCalls
+    from .config import OffloadConfig
+    from .planning import Planning
+    from .stats import SetupTimes
 
 
 @dataclass(frozen=True)
@@ -93,10 +82,33 @@ def assemble(model: nn.Module, layout: UnitLayout, device: torch.device) -> Copi
     return Copies(host, device_copies, binding, edits)
 
 
+class SetUpContext(Protocol):
+    """What set-up works on: the handle's model, parts and boundary calls (the handle is one)."""
+
+    model: nn.Module
+    config: OffloadConfig
+    device: torch.device
+    cuda: bool
+    attaching: bool
+    units: list[Unit]
+    fingerprint: dict[str, Any]
+    host: HostCopies
+    device_copies: DeviceCopies
+    binding: Binding
+    planning: Planning
+    setup_times: SetupTimes
+    calls: BoundaryCalls
+
+    @property
+    def budget_bytes(self) -> int: ...
+
+    def editing(self) -> AbstractContextManager[None]: ...
+
+
 class SetUp:
     """Runs the set-up steps for ``handle`` and undoes them."""
 
-    def __init__(self, handle: OffloadHandle, raw_home: RawHome | None = None) -> None:
+    def __init__(self, handle: SetUpContext, raw_home: RawHome | None = None) -> None:
         self.handle = handle
         self.boundaries = Boundaries()
         self.payload_cache: PayloadCache | None = None  # compression_cache: the file of the compressed copies
@@ -221,19 +233,19 @@ class SetUp:
     def _hook(self) -> None:
         """Route the model's calls, its entry methods' and its units' through the handle; edit methods run
         inside ``editing()``; ``state_dict`` reads host copies."""
-        h, boundaries = self.handle, self.boundaries
-        workload = Crossing(hidden(h.enter_forward), hidden(h.exit_workload), hidden(h.fail_workload))
+        h, boundaries, calls = self.handle, self.boundaries, self.handle.calls
+        workload = Crossing(hidden(calls.enter_forward), hidden(calls.exit_workload), hidden(calls.fail_workload))
         boundaries.border(h.model, workload)
         for name in h.config.entry_methods:
-            entry = Crossing(enter=hidden(h.entry(name)), exit=workload.exit, fail=workload.fail)
+            entry = Crossing(enter=hidden(calls.entry(name)), exit=workload.exit, fail=workload.fail)
             boundaries.wrap_entry(h.model, name, entry)
         for name in h.config.edit_methods:
             if callable(getattr(h.model, name, None)):
                 boundaries.wrap_edit(h.model, name, h.editing)
-        unit_failed = hidden(h.unit_failed)
+        unit_failed = hidden(calls.unit_failed)
         for unit in h.units:
-            enter, exit_ = hidden(h.unit_entry(unit.index)), hidden(h.unit_exit(unit.index))
-            boundaries.border_unit(unit.module, Crossing(enter, exit_, unit_failed, h.units_compiled))
+            enter, exit_ = hidden(calls.unit_entry(unit.index)), hidden(calls.unit_exit(unit.index))
+            boundaries.border_unit(unit.module, Crossing(enter, exit_, unit_failed, calls.units_compiled))
         self._state_dict_hooks = [
             unit.module._register_state_dict_hook(self._state_dict_hook(unit)) for unit in h.host.positions
         ]

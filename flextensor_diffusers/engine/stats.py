@@ -1,9 +1,9 @@
-"""What happened: bytes moved, stalls, overlap and memory, per handle and per unit."""
+"""What happened: bytes moved, stalls, overlap and memory, per handle and per unit; where set-up time went."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..storage.codec import CODED_DTYPES
 from . import peaks
@@ -11,9 +11,63 @@ from .config import format_bytes
 from .phases import Phase
 
 if TYPE_CHECKING:
-    from .handle import OffloadHandle
-    from .planner import Plan
+    import torch
+
+    from ..storage.host_copies import HostCopies
+    from ..storage.payload_cache import PayloadCache
+    from .config import OffloadConfig
+    from .device_copies import DeviceCopies
+    from .phases import Phases
+    from .planner import Plan, WorkloadProfile
+    from .schedule import TransferTotals
     from .units import Unit
+
+
+@dataclass
+class SetupTimes:
+    """Where set-up time went (ms): unit layout, copies into the flat buffers and their page-locking (with
+    compression they overlap ``compress``), hooks. With ``background_encoding`` ``compress`` is the gaps between
+    forwards the encoding took so far, summed (after set-up returned)."""
+
+    layout: float = 0.0
+    pack: float = 0.0
+    hooks: float = 0.0
+    compress: float | None = None  # only with compression
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in vars(self).items() if v is not None}
+
+
+class Reported(Protocol):
+    """What a snapshot reads: the handle's parts, counters and totals (the handle is one)."""
+
+    config: OffloadConfig
+    device: torch.device
+    cuda: bool
+    units: list[Unit]
+    host: HostCopies
+    device_copies: DeviceCopies
+    phases: Phases
+    totals: TransferTotals
+    counters: dict[str, int]
+    measured_forwards: int
+    resident_weight_bytes: int
+    setup_times: SetupTimes
+
+    @property
+    def phase(self) -> Phase: ...
+
+    @property
+    def budget_bytes(self) -> int: ...
+
+    @property
+    def plan(self) -> Plan | None: ...
+
+    @property
+    def profile(self) -> WorkloadProfile | None: ...
+
+    @property
+    def payload_cache(self) -> PayloadCache | None: ...
 
 
 @dataclass
@@ -97,7 +151,7 @@ class OffloadStats:
         return "\n".join(lines)
 
 
-def collect_stats(handle: OffloadHandle) -> OffloadStats:
+def collect_stats(handle: Reported) -> OffloadStats:
     """A snapshot of ``handle`` (its pending timings harvested already)."""
     calls: dict[int, int] = {}
     compute: dict[int, float] = {}
@@ -143,7 +197,7 @@ def collect_stats(handle: OffloadHandle) -> OffloadStats:
     )
 
 
-def _compression(handle: OffloadHandle, unit: Unit) -> str:
+def _compression(handle: Reported, unit: Unit) -> str:
     """How ``unit`` streams under compression: its payload's ratio, or raw and why."""
     compressed = handle.host.compressed
     encoded = compressed.encoded.get(unit.index)
@@ -170,7 +224,7 @@ def raw_reason(unit: Unit) -> str:
     return "its payload would not be enough smaller than its bytes to pay for decoding"
 
 
-def _placement(handle: OffloadHandle, layout: Plan | None, index: int) -> str:
+def _placement(handle: Reported, layout: Plan | None, index: int) -> str:
     if layout is None:
         return "on demand"
     if handle.phase not in (Phase.STEADY, Phase.DESYNCED):

@@ -15,8 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from ..engine.errors import FlexTensorError
-from ..engine.units import find_units
+from ..engine import FlexTensorError, find_units
 from .patterns import patterns_for
 
 logger = logging.getLogger(__name__)

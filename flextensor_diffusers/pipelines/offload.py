@@ -21,35 +21,56 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine import OffloadConfig, OffloadHandle, Phase, format_bytes, max_memory_allocated, offload_shared
-from ..engine.boundaries import refuse_whole_model_compile
-from ..engine.config import NO_COMPRESSION, cache_folder, is_auto, resolve_budget, resolve_device
-from ..engine.errors import BudgetError, FlexTensorError, OffloadStateError, UnsupportedTensorError
-from ..engine.handle import UnitDone, is_offloaded
-from ..engine.planner import CUDA_ALLOCATION_GRANULE, smallest_budget
-from ..engine.units import UnitLayout, find_units, plan_layout
-from ..storage import host_budget as budgets
-from ..storage.cache_files import RawCacheFile
-from ..storage.host_budget import (
+from ..engine import (
+    CUDA_ALLOCATION_GRANULE,
+    NO_COMPRESSION,
+    BudgetError,
+    FlexTensorError,
+    HandleHooks,
+    OffloadConfig,
+    OffloadHandle,
+    OffloadStateError,
+    Phase,
+    UnitDone,
+    UnitLayout,
+    UnsupportedTensorError,
+    cache_folder,
+    find_units,
+    format_bytes,
+    is_auto,
+    is_offloaded,
+    max_memory_allocated,
+    offload_shared,
+    plan_layout,
+    refuse_whole_model_compile,
+    resolve_budget,
+    resolve_device,
+    smallest_budget,
+)
+from ..storage import (
+    AvailableMemory,
+    HostCopiesSize,
     HostOverhead,
     HostRamDecision,
-    anonymous_bytes,
-    check_host_budget,
-    least_compressed_bytes,
-)
-from ..storage.host_tier import HostTier, format_host_tier, kept_in_ram_bytes, offload_order, pipeline_folder
-from ..storage.host_tier.hand_over import LastForwardForecast
-from ..storage.machine_memory import AvailableMemory
-from ..storage.plan import (
-    HostCopiesSize,
+    HostTier,
     HostTierPlan,
+    LastForwardForecast,
     MachineFacts,
+    RawCacheFile,
     StoragePlan,
     StorageRequest,
+    WeightFilesHome,
+    anonymous_bytes,
+    check_host_budget,
+    component_folders,
+    format_host_tier,
+    kept_in_ram_bytes,
+    least_compressed_bytes,
+    offload_order,
+    pipeline_folder,
     resolve_storage,
 )
-from ..storage.raw_home import WeightFilesHome
-from ..storage.weight_files import component_folders
+from ..storage import host_budget as budgets
 from .patterns import patterns_for
 from .sharing import OWNERS, EnableCall, SharedOffload, refuse_unshareable
 
@@ -155,7 +176,7 @@ class PipelineOffload:
         budget for the whole pipeline (measured activations where profiled, set-up minimums elsewhere); None when
         none does.
 
-        Every component asks it as each of its workload calls begins (`OffloadHandle.budget_refusal`), so a
+        Every component asks it as each of its workload calls begins (`HandleHooks.budget_refusal`), so a
         shortfall measured by a component's profiling forward, inside the generation the user asked for, refuses
         the very next forward of any component: the generation stops in the step that measured it, not at its end,
         and the model is left as it was (offload enabled; disable restores every weight). It is asked at the end
@@ -636,18 +657,18 @@ def _offload_component(state: PipelineOffload, request: OffloadRequest, name: st
     tier = state.host_tier
     if tier is not None:
         tier.room_for_packing(request.packed[name])
+    on_forward = state.forward_begins if state.last_forward is not None else None
+    # any component over budget refuses every component's next call
+    hooks = HandleHooks(on_activate=state.activate, on_forward=on_forward, budget_refusal=state.budget_error)
     try:
         if request.shared_host is None:
             home = _raw_home(name, module, request) if cfg.compressed_only else None
-            handle = OffloadHandle(module, cfg, layout=request.layouts[name], raw_home=home)  # laid out when checked
+            handle = OffloadHandle(module, cfg, request.layouts[name], home, hooks)  # laid out when checked
         else:
-            handle = offload_shared(module, cfg, f"{request.shared_host}-{name}", root=request.shared_host_root)
+            root = request.shared_host_root
+            handle = offload_shared(module, cfg, f"{request.shared_host}-{name}", root=root, hooks=hooks)
     except BudgetError as exc:
         raise BudgetError(f"component {name!r}: {exc}", required_bytes=exc.required_bytes) from exc
-    handle.on_activate = state.activate
-    if state.last_forward is not None:
-        handle.on_forward = state.forward_begins
-    handle.budget_refusal = state.budget_error  # any component over budget refuses every component's next call
     state.handles[name] = handle
     if tier is not None:
         tier.add(name, handle)

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from ..engine.errors import OffloadStateError
+from ..engine import OffloadStateError
 
 
 @dataclass(frozen=True)

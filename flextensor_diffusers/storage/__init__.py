@@ -7,4 +7,53 @@ device; this package owns *where* they are on the host and in what form: raw cop
 (`raw_homes`, `raw_home`, `weight_files`, `disk_reads`, `file_reads`, `cache_files`, `private_files`), copies shared
 between processes (`shared_host`), the machine's memory (`machine_memory`), the pipeline-wide host budget
 (`host_budget`) and the tier that reads components back from disk while others compute (`host_tier`).
+
+Its face for the pipelines (all they import of the storage wing): the pipeline-wide host budget (`host_budget`, whose
+functions tests replace on the module, so it is named whole, and the names below), the host tier (`HostTier`,
+`format_host_tier`, `kept_in_ram_bytes`, `offload_order`, `pipeline_folder`, `LastForwardForecast`), the RAM
+available (`AvailableMemory`) and where raw bytes wait on disk (`WeightFilesHome`, `component_folders`,
+`RawCacheFile`). The names are looked up on first use: the engine imports storage modules while the engine package is
+still being imported, and the host tier imports the engine's face, so importing the tier here at once would go round
+in a circle.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: Each name of the face, and the module (below this package) that defines it.
+_FACE = {
+    "HostOverhead": "host_budget",
+    "HostRamDecision": "host_budget",
+    "anonymous_bytes": "host_budget",
+    "check_host_budget": "host_budget",
+    "least_compressed_bytes": "host_budget",
+    "HostTier": "host_tier",
+    "format_host_tier": "host_tier",
+    "kept_in_ram_bytes": "host_tier",
+    "offload_order": "host_tier",
+    "pipeline_folder": "host_tier",
+    "LastForwardForecast": "host_tier.hand_over",
+    "AvailableMemory": "machine_memory",
+    "WeightFilesHome": "raw_home",
+    "component_folders": "weight_files",
+    "RawCacheFile": "cache_files",
+    "HostCopiesSize": "plan",
+    "HostTierPlan": "plan",
+    "MachineFacts": "plan",
+    "StoragePlan": "plan",
+    "StorageRequest": "plan",
+    "resolve_storage": "plan",
+}
+
+__all__ = ["host_budget", *_FACE]
+
+
+def __getattr__(name: str) -> Any:
+    """A name of the face, imported from its module on first use (see the module docstring)."""
+    if name == "host_budget":
+        return importlib.import_module(f"{__name__}.host_budget")
+    if name not in _FACE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_FACE[name]}"), name)

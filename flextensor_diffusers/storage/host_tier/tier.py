@@ -26,8 +26,7 @@ from .records import Reading, Switch
 from .report import tier_report
 
 if TYPE_CHECKING:
-    from ...engine import OffloadHandle
-    from ...engine.handle import UnitDone
+    from ...engine import OffloadHandle, UnitDone
 
 
 class HostTier:
