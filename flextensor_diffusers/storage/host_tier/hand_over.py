@@ -134,7 +134,7 @@ class HandOver:
         self.found_wrong = False  # the component ran again: nothing more is let go until it switches out
         self._events: queue.SimpleQueue[tuple[Unit, torch.cuda.Event] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        handle.host.expect_arrivals(self.gate)
+        self._opened = handle.host.expect_arrivals(self.gate)
 
     @property
     def component(self) -> str:
@@ -201,4 +201,4 @@ class HandOver:
             self._closed = True
             self._pending.clear()
         self._events.put(None)
-        self._handle.host.arrivals_done(self.gate)
+        self._opened.close()
