@@ -42,7 +42,7 @@ import torch
 
 from ..engine.binding import Binding
 from ..engine.errors import OffloadStateError
-from ..engine.units import Unit, pack_unit, pin_unit, restore_unit
+from ..engine.units import Unit, restore_unit
 from .codec import EncodedUnit
 from .compressed_copies import CompressedCopies
 from .file_reads import SERIAL, PieceReader
@@ -50,9 +50,8 @@ from .host_bytes import Flat, HostBytes
 from .host_forms import CompressedOnly, HostForm, RawInRam, ReadInto, ReadUnit, copy_by_tensor
 from .host_gates import Gate, HostGates, OpenGate
 from .host_memory import host_buffer
-from .packing import Packing, PackingWindow, ProgressivePacking, give_back_freed_originals
+from .packing import Packing, PackingWindow, ProgressivePacking, start_packing
 from .raw_homes import RawHome, RawHomes
-from .setup_threads import ThreadedWork
 from .shared_host import SharedHostMemory
 
 logger = logging.getLogger(__name__)
@@ -121,42 +120,12 @@ class HostCopies:
     def start_packing(
         self, pin: bool, shared: SharedHostMemory | None, attaching: bool, window: int | None = None
     ) -> Packing:
-        """Start copying every unit and the base into flat host buffers (or attaching them to shared ones),
-        each page-locked by the task that packed it when ``pin``; set-up goes on meanwhile, and `host_of` waits
-        for the unit it asks for (the device encoder codes the first blocks while the last are packed).
-
-        One task per unit on a few threads: a copy into host memory is bound by one core's memory bandwidth,
-        and the copies and ``cudaHostRegister`` release the GIL, so one thread's registration overlaps the
-        others' copies. Host memory grows by at most one unit per thread. A failure is raised by
-        `Packing.finish` once every task has ended: the caller restores whatever was packed. With ``window``, a
-        unit is packed only within that many positions of the furthest one asked for (`PackingWindow`)."""
-        gate = PackingWindow(window) if window is not None else None
-        positions = {unit.index: position for position, unit in enumerate(self.positions)}
-
-        def pack_one(unit: Unit) -> None:
-            if gate is not None:
-                gate.wait_to_pack(positions[unit.index])
-            with torch.no_grad():
-                pack_unit(unit, host=shared.buffer(unit.index) if shared is not None else None, filled=attaching)
-            give_back_freed_originals(unit)
-            if pin:
-                pin_unit(unit, attached=attaching)
-            buffer = unit.buffer
-            if self.on_packed is not None and buffer is not None:
-                self.on_packed(unit, buffer)
-            homes = self.form.raw_homes
-            if homes is not None and unit.index >= 0:  # while its bytes are at hand; the base stays in RAM
-                homes.home.prepare(positions[unit.index], unit)
-
-        units = self.positions
-        verb = "attaching to shared weights" if attaching else "packing weights"
-        work = ThreadedWork(pack_one, units, f"{verb} and pinning them" if pin else verb)
-        return Packing(self.gates, work, positions, gate)
+        """Start copying every unit and the base into flat host buffers on threads (`packing.start_packing`)."""
+        return start_packing(self, pin, shared, attaching, window)
 
     def start_progressive_packing(self, pin: bool, on_done: Callable[[float], None]) -> ProgressivePacking:
-        """Start packing every unit and the base on threads, to be adopted as each is first asked for
-        (`ProgressivePacking`): set-up does not wait for it. ``on_done`` is told the seconds it took once the
-        last unit is adopted."""
+        """Start packing every unit and the base, each adopted as first asked for (`ProgressivePacking`): set-up
+        does not wait for it. ``on_done`` is told the seconds it took once the last unit is adopted."""
         self._progressive = ProgressivePacking(self, pin, on_done)
         return self._progressive
 
@@ -166,8 +135,7 @@ class HostCopies:
             self._progressive = None
 
     def offloaded(self, unit: Unit) -> bool:
-        """Whether ``unit`` has a host copy, or is getting one (packed progressively, not adopted yet); False
-        once `restore` gave its tensors back."""
+        """Whether ``unit`` has a host copy, or is getting one (packed progressively); False once restored."""
         if unit.stored is not None:
             return True
         return self._progressive is not None and unit.index + 1 in self._progressive.pending
@@ -197,8 +165,7 @@ class HostCopies:
         return homes
 
     def raw_at_hand(self, unit: Unit) -> bool:
-        """Whether ``unit``'s raw bytes are in a RAM buffer of its own (a raw load copies them at full speed),
-        not in a stand-in of the raw home or of a spill."""
+        """Whether ``unit``'s raw bytes are in a RAM buffer of its own (`HostForm.raw_at_hand`)."""
         return self.form.raw_at_hand(unit)
 
     def raw_tensor(self, unit: Unit) -> torch.Tensor:
@@ -237,28 +204,25 @@ class HostCopies:
 
     @property
     def holds_movable_bytes(self) -> bool:
-        """Host copies are in RAM that could move to disk: payloads not waiting yet (compressed only), else the
-        raw copies, unless spilled."""
+        """`HostForm.holds_movable_bytes` of the current form."""
         return self.form.holds_movable_bytes
 
     @property
     def waiting_on_disk(self) -> bool:
-        """Whether bytes a load needs wait on disk: the payloads (compressed only), else the raw host copies."""
+        """`HostForm.waiting_on_disk` of the current form."""
         return self.form.waiting_on_disk
 
     def waiting_positions(self) -> list[int]:
-        """The positions a read back brings into RAM: those whose payloads wait in the payload file
-        (compressed only), else all of a spill's."""
+        """`HostForm.waiting_positions` of the current form."""
         return self.form.waiting_positions()
 
     def arrival_bytes(self) -> list[int]:
-        """Per position, the bytes a read back of it brings into RAM (0 for one that does not wait)."""
+        """`HostForm.arrival_bytes` of the current form."""
         return self.form.arrival_bytes()
 
     @property
     def stored_bytes(self) -> int:
-        """Host RAM the host copies take when all are in RAM: raw and compressed copies, less the raw bytes
-        that wait in the raw home for good (compressed only)."""
+        """`HostForm.stored_bytes` of the current form."""
         return self.form.stored_bytes
 
     # ------------------------------------------------------------------------------------ reading host bytes
@@ -289,14 +253,11 @@ class HostCopies:
         return self.gates.any_open
 
     def where(self) -> HostPlaces:
-        """Where the host copies are now, in bytes: in RAM (all of them; while spilled, what stand-ins keep in
-        RAM and the units already taken back), compressed in RAM, the rest on disk (and which file or folder),
-        and whether units are arriving from disk."""
+        """Where the host copies are now, in bytes (`HostForm.where` of the current form)."""
         return self.form.where()
 
     def gate_all(self) -> None:
-        """Every host copy final: units still packed are adopted and locked, units still arriving waited for,
-        one by one."""
+        """Every host copy final: units still packed adopted and locked, units still arriving waited for."""
         if self._progressive is not None:
             self._progressive.wait_all()
         if self.gates.any_open:
@@ -309,8 +270,7 @@ class HostCopies:
         return self.compressed.encoded
 
     def transfer_bytes(self, index: int) -> int:
-        """What a load of unit ``index`` moves over the link when it loads compressed (its raw bytes when it is
-        not kept compressed)."""
+        """What a load of unit ``index`` moves over the link: its payload, or its raw bytes when not compressed."""
         encoded = self.encoded.get(index)
         return encoded.payload.numel() if encoded is not None else self.units[index].nbytes
 
@@ -346,8 +306,7 @@ class HostCopies:
 
     @property
     def spill_is_current(self) -> bool:
-        """No edit since the last spill or `mark_spill_current`: where the copies spill to still holds them
-        (compressed only: the payload file holds every payload as it is)."""
+        """`HostForm.spill_is_current` of the current form."""
         return self.form.spill_is_current
 
     # ------------------------------------------------------------------------------------ spilling
@@ -358,18 +317,8 @@ class HostCopies:
         return self.form.spilled_to
 
     def spill(self, path: Path, hosts: list[Flat] | None = None, held_bytes: int = 0) -> None:
-        """Move the host copies out of RAM (the model must be inactive: no tensor views a device copy): into
-        the cache file ``path``, or, given ``hosts``, onto bytes that are already elsewhere, writing nothing
-        (``path`` then names that place).
-
-        ``hosts``: per position, a stand-in for the unit's flat host buffer that gives a tensor's bytes when
-        sliced at the tensor's range, as `PackedTensor.view_of` slices (e.g. private mappings of the weight
-        files the model was loaded from); ``held_bytes`` of them stay in RAM. The caller vouches that they hold
-        the current bytes (`mark_spill_current`, and `spill_is_current` since).
-
-        A cache file is written completely before any tensor points at it, so a full or unwritable disk
-        raises with the copies still in RAM; writing is skipped when the file holds these bytes already
-        (spilled before, no edit since). Units still arriving are waited for first."""
+        """Move the raw host copies out of RAM, into the cache file ``path`` or onto ``hosts`` (`RawInRam.spill`);
+        units still arriving are waited for first."""
         self.gate_all()
         if self.spilled_to is not None:
             return
@@ -378,9 +327,7 @@ class HostCopies:
         self.form.spill(path, hosts, held_bytes)
 
     def spilled_hosts(self) -> list[HostBytes | None]:
-        """What each position's bytes are while spilled: what `read_unit` reads from and what `untake_units`
-        points units back at (compressed only: None each, the payloads are read from the payload file). Taken
-        with the model spilled and nothing taken yet."""
+        """`HostForm.spilled_hosts` of the current form."""
         return self.form.spilled_hosts()
 
     def read_unit(
@@ -392,27 +339,15 @@ class HostCopies:
         reader: PieceReader = SERIAL,
         buffered: Callable[[], None] = lambda: None,
     ) -> ReadUnit:
-        """One waiting unit's bytes in a new RAM buffer, for `take_unit`: from ``read(position, buffer,
-        reader)`` when given, else copied from its spilled bytes ``host``; in pieces on ``reader``'s threads
-        (`file_reads`: units then arrive in the order read). Page-locked when ``pin`` (in place where CUDA
-        allows, else a pinned copy), so that taking it back does no heavy work. Changes nothing of the model:
-        runs on any thread, while the model waits or computes.
-
-        Compressed only, the unit's payload is read from the payload file instead (checked against its
-        checksum). ``buffered`` is told once the new buffer is had (`CompressedCopies.read_payload`)."""
+        """`HostForm.read_unit` of the current form."""
         return self.form.read_unit(position, host, pin, read, reader, buffered)
 
     def take_unit(self, new: ReadUnit) -> None:
-        """Adopt one unit's buffer that `read_unit` filled, on the main thread, while the model waits on disk
-        (active or not): tensors that viewed the spilled bytes follow. No copy still reads them: every read of
-        host bytes asks the reader's gate, which adopts first. The last unit taken ends the spill; a cache file
-        is kept for the next one, its pages dropped from the page cache."""
+        """`HostForm.take_unit` of the current form."""
         self.form.take_unit(new)
 
     def untake_units(self, hosts: list[HostBytes | None]) -> None:
-        """Undo `take_unit` for every unit taken so far, pointing them back at their spilled bytes ``hosts``
-        (`spilled_hosts`), which still hold them: a read back given up leaves the model on disk as before. The
-        taken buffers are freed, so copies that may still read them finish first."""
+        """`HostForm.untake_units` of the current form."""
         self.form.untake_units(hosts)
 
     @staticmethod

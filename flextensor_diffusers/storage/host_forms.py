@@ -115,7 +115,9 @@ class HostForm:
         raise NotImplementedError
 
     def spilled_hosts(self) -> list[HostBytes | None]:
-        """Per position, what `read_unit` reads from and what `untake_units` points units back at."""
+        """What each position's bytes are while spilled: what `read_unit` reads from and what `untake_units`
+        points units back at (compressed only: None each, the payloads are read from the payload file). Taken
+        with the model spilled and nothing taken yet."""
         raise NotImplementedError
 
     def read_unit(
@@ -127,15 +129,27 @@ class HostForm:
         reader: PieceReader,
         buffered: Callable[[], None],
     ) -> ReadUnit:
-        """`HostCopies.read_unit`."""
+        """One waiting unit's bytes in a new RAM buffer, for `take_unit`: from ``read(position, buffer,
+        reader)`` when given, else copied from its spilled bytes ``host``; in pieces on ``reader``'s threads
+        (`file_reads`: units then arrive in the order read). Page-locked when ``pin`` (in place where CUDA
+        allows, else a pinned copy), so that taking it back does no heavy work. Changes nothing of the model:
+        runs on any thread, while the model waits or computes.
+
+        Compressed only, the unit's payload is read from the payload file instead (checked against its
+        checksum). ``buffered`` is told once the new buffer is had (`CompressedCopies.read_payload`)."""
         raise NotImplementedError
 
     def take_unit(self, new: ReadUnit) -> None:
-        """`HostCopies.take_unit`."""
+        """Adopt one unit's buffer that `read_unit` filled, on the main thread, while the model waits on disk
+        (active or not): tensors that viewed the spilled bytes follow. No copy still reads them: every read of
+        host bytes asks the reader's gate, which adopts first. The last unit taken ends the spill; a cache file
+        is kept for the next one, its pages dropped from the page cache."""
         raise NotImplementedError
 
     def untake_units(self, hosts: list[HostBytes | None]) -> None:
-        """`HostCopies.untake_units`."""
+        """Undo `take_unit` for every unit taken so far, pointing them back at their spilled bytes ``hosts``
+        (`spilled_hosts`), which still hold them: a read back given up leaves the model on disk as before. The
+        taken buffers are freed, so copies that may still read them finish first."""
         raise NotImplementedError
 
     def spill_payloads(self) -> None:
@@ -221,7 +235,18 @@ class RawInRam(HostForm):
         )
 
     def spill(self, path: Path, hosts: list[Flat] | None, held_bytes: int) -> None:
-        """`HostCopies.spill`: the model is inactive and every host copy final."""
+        """Move the host copies out of RAM (the model must be inactive: no tensor views a device copy): into
+        the cache file ``path``, or, given ``hosts``, onto bytes that are already elsewhere, writing nothing
+        (``path`` then names that place).
+
+        ``hosts``: per position, a stand-in for the unit's flat host buffer that gives a tensor's bytes when
+        sliced at the tensor's range, as `PackedTensor.view_of` slices (e.g. private mappings of the weight
+        files the model was loaded from); ``held_bytes`` of them stay in RAM. The caller vouches that they hold
+        the current bytes (`mark_spill_current`, and `spill_is_current` since).
+
+        A cache file is written completely before any tensor points at it, so a full or unwritable disk
+        raises with the copies still in RAM; writing is skipped when the file holds these bytes already
+        (spilled before, no edit since). Every host copy is final here (`HostCopies.spill`)."""
         host = self._host
         if any(host.binding.on_device(unit) is not None for unit in host.positions):
             raise OffloadStateError("spill() needs an inactive model: release() it first")
