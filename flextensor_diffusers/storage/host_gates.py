@@ -3,9 +3,10 @@
 Several owners may make a unit's host bytes not final for a while: set-up's packing (`packing.Packing`),
 packing while the model runs (`packing.ProgressivePacking`), and the host tier's read back and hand-over
 (`host_tier.read_back`, `host_tier.hand_over`). Each opens a gate of its own (`HostGates.open`) and holds the
-`OpenGate` it gets; it alone closes it (`OpenGate.close`), so no owner can lift another's. A read asks every
-open gate, in the order they were opened (`HostGates.ask`); each returns once the unit's bytes are final as far
-as its owner is concerned. With no gate open a read costs one check.
+`OpenGate` it gets; it alone closes it (`OpenGate.close`), so no owner can lift another's. A gate opened later
+supersedes the one open before (a read back of bytes a hand-over let go takes over their arrival): the earlier
+one is closed then, and its owner's close does nothing. A read asks the open gate (`HostGates.ask`), which
+returns once the unit's bytes are final. With no gate open a read costs one check.
 """
 
 from __future__ import annotations
@@ -32,34 +33,35 @@ class OpenGate:
 
     @property
     def is_open(self) -> bool:
-        return self in self._gates._open
+        return self._gates._open is self
 
 
 class HostGates:
     """The gates open on one model's host bytes (see the module docstring)."""
 
     def __init__(self) -> None:
-        #: Replaced, never changed in place: a reader on another thread iterates the tuple it read.
-        self._open: tuple[OpenGate, ...] = ()
+        self._open: OpenGate | None = None
         self._lock = threading.Lock()
 
     def open(self, gate: Gate) -> OpenGate:
-        """Reads ask ``gate`` first from now until the `OpenGate` returned is closed."""
+        """Reads ask ``gate`` first from now until the `OpenGate` returned is closed, or superseded."""
         opened = OpenGate(self, gate)
         with self._lock:
-            self._open = (*self._open, opened)
+            self._open = opened
         return opened
 
     def _close(self, opened: OpenGate) -> None:
         with self._lock:
-            self._open = tuple(g for g in self._open if g is not opened)
+            if self._open is opened:
+                self._open = None
 
     @property
     def any_open(self) -> bool:
         """Some host bytes are not final yet (packed, or arriving from disk)."""
-        return bool(self._open)
+        return self._open is not None
 
     def ask(self, unit: Unit) -> None:
-        """Return once every open gate says ``unit``'s host bytes are final."""
-        for opened in self._open:
+        """Return once the open gate says ``unit``'s host bytes are final."""
+        opened = self._open  # read once: its owner may close it on another thread meanwhile
+        if opened is not None:
             opened.gate(unit)
