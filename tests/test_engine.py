@@ -299,7 +299,7 @@ def test_failure_during_set_up_leaves_model_as_it_was(monkeypatch: pytest.Monkey
     """A unit that fails to pack ends set-up with its error and the model as it was; with compression the
     encoder is at work on the units packed meanwhile (it waits for each at the host gate). Raw copies pack
     before set-up returns here (as with shared weights); progressive packing's failures are tested below."""
-    from flextensor_diffusers.storage import host_copies as runtime  # where set-up packs
+    from flextensor_diffusers.storage import packing as runtime  # where set-up packs
 
     model, _ = make()
     before = snapshot(model)
@@ -469,12 +469,12 @@ def test_ctrl_c_while_set_up_waits_for_the_packing_threads_leaves_every_tensor_i
     each in a storage of its own as before, bit for bit."""
     import threading
 
-    from flextensor_diffusers.storage import host_copies, setup_threads
+    from flextensor_diffusers.storage import packing, setup_threads
 
     model, x = make(depth=8)
     ref = native(model, x, "cpu")
     before = snapshot(model)
-    real_pack, real_wait = host_copies.pack_unit, setup_threads.wait
+    real_pack, real_wait = packing.pack_unit, setup_threads.wait
     changed = threading.Condition()
     began: list[str] = []
     ended: list[str] = []
@@ -498,7 +498,7 @@ def test_ctrl_c_while_set_up_waits_for_the_packing_threads_leaves_every_tensor_i
         raise KeyboardInterrupt
 
     monkeypatch.setattr(setup_threads, "PACK_THREADS", 2)
-    monkeypatch.setattr(host_copies, "pack_unit", held_pack)
+    monkeypatch.setattr(packing, "pack_unit", held_pack)
     monkeypatch.setattr(setup_threads, "wait", interrupted_wait)
     with pytest.raises(KeyboardInterrupt):  # packed before set-up returns, as under a pipeline's host tier
         ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**9, device="cpu", progressive_packing=False)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.storage import host_copies, packing_line
+from flextensor_diffusers.storage import host_copies, packing, packing_line
 from tests.models import Stack, assert_same, snapshot
 from tests.test_engine import make, native
 
@@ -41,7 +41,7 @@ def hold_packing(
     """Hold the packing thread of unit ``name`` after it copied the unit's bytes (or before), until the second
     event is set; the first is set once it is held."""
     copied, go_on = threading.Event(), threading.Event()
-    real = host_copies.copy_into
+    real = packing.copy_into
 
     def held(unit, buffer) -> None:
         if not before_copy:
@@ -52,7 +52,7 @@ def hold_packing(
         if before_copy:
             real(unit, buffer)
 
-    monkeypatch.setattr(host_copies, "copy_into", held)
+    monkeypatch.setattr(packing, "copy_into", held)
     return copied, go_on
 
 
@@ -85,7 +85,7 @@ def test_set_up_returns_before_packing_ends_and_the_first_forward_waits(device: 
     assert torch.equal(forward(model, x, device), ref)
     releaser.join()
     assert seen == [True]
-    assert not pending(handle) and handle.host.host_gate is None  # the last unit adopted ends the gate
+    assert not pending(handle) and not handle.host.arriving  # the last unit adopted ends the gate
     assert torch.equal(forward(model, x, device), ref)
     handle.wait_until_packed()
     assert handle.host._progressive is None
@@ -159,14 +159,14 @@ def test_a_unit_that_fails_to_pack_is_refused_when_reached_and_remove_restores(m
     model, x = make()
     ref = native(model, x, "cpu")
     before = snapshot(model)
-    real = host_copies.copy_into
+    real = packing.copy_into
 
     def failing(unit, buffer) -> None:
         if unit.name == HELD:
             raise MemoryError("simulated: host memory exhausted while packing")
         real(unit, buffer)
 
-    monkeypatch.setattr(host_copies, "copy_into", failing)
+    monkeypatch.setattr(packing, "copy_into", failing)
     handle = offload(model, "cpu")
     for _ in range(2):  # every forward that reaches it says so
         with pytest.raises(ft.FlexTensorError, match=r"packing 'blocks\.2' into host memory failed .*simulated"):

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import flextensor_diffusers as ft
-from flextensor_diffusers.storage import host_copies, packing_line
+from flextensor_diffusers.storage import packing, packing_line
 from flextensor_diffusers.storage.host_memory import return_freed_heap
 
 #: What the process holds beyond the weights and one unit while packing: the copying thread's stack and malloc
@@ -112,7 +112,7 @@ def line(monkeypatch: pytest.MonkeyPatch) -> packing_line.PackingLine:
     """A packing line for this test's models alone; eight locking threads, as on a GPU machine."""
     line = packing_line.PackingLine()
     monkeypatch.setattr(packing_line, "LINE", line)
-    monkeypatch.setattr(host_copies, "PACK_THREADS", 8)
+    monkeypatch.setattr(packing, "PACK_THREADS", 8)
     return line
 
 

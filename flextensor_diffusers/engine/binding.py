@@ -43,6 +43,7 @@ from operator import attrgetter
 
 import torch
 
+from ..storage.host_bytes import Flat
 from .units import Unit
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class Binding:
         self,
         units: list[Unit],
         device: torch.device,
-        host_of: Callable[[Unit], torch.Tensor],
+        host_of: Callable[[Unit], Flat],
         on_edit: Callable[[Unit, bool], None],
     ) -> None:
         self._units = units
@@ -99,15 +100,17 @@ class Binding:
         self._on[unit.index + 1] = flat
         return edit is Edit.ON_HOST
 
-    def to_host(self, unit: Unit, host: torch.Tensor | None = None) -> None:
+    def to_host(self, unit: Unit, host: Flat | None = None) -> None:
         """Point ``unit``'s tensors at its host copy (``host``: a new one that holds the same bytes), after an
         edit made in the device buffer they viewed is copied back."""
         self.check(unit)
+        flat = host if host is not None else unit.host
+        assert flat is not None, f"{unit.name} has no host copy"
         with torch.no_grad(), torch.inference_mode(False):
-            unit.bind(host if host is not None else unit.host)  # type: ignore[arg-type]
+            unit.bind(flat)
         self._on[unit.index + 1] = None
 
-    def rehost(self, unit: Unit, host: torch.Tensor) -> None:
+    def rehost(self, unit: Unit, host: Flat) -> None:
         """``unit``'s host copy moves to ``host`` (same bytes): tensors viewing the old one follow."""
         if self._on[unit.index + 1] is None:
             self.to_host(unit, host)

@@ -41,6 +41,7 @@ from enum import Enum
 
 import torch
 
+from ..storage.host_bytes import Flat
 from .errors import FlexTensorError
 from .units import Unit
 
@@ -95,11 +96,11 @@ def fingerprint(flat: torch.Tensor, runs: list[ByteRun]) -> torch.Tensor:
     return torch.stack([span_sum(flat[r.start : r.stop], r.start) for r in runs])
 
 
-def host_fingerprint(host: object, runs: list[ByteRun]) -> torch.Tensor:
+def host_fingerprint(host: Flat, runs: list[ByteRun]) -> torch.Tensor:
     """`fingerprint` of a unit's host copy, tensor by tensor: ``host`` is its flat buffer or a stand-in for it
     (which gives bytes only when sliced at a tensor's range, e.g. views of the weight files), so nothing of the
     unit is gathered into new memory."""
-    sums = [torch.stack([span_sum(host[a:b], a) for a, b in r.spans]).sum() for r in runs]  # type: ignore[index]
+    sums = [torch.stack([span_sum(host[a:b], a) for a, b in r.spans]).sum() for r in runs]
     return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
 
 
@@ -136,7 +137,7 @@ class LoadChecks:
 
     ``host_of(unit)`` gives the unit's host copy: its flat buffer or a stand-in for it (`HostCopies.host_of`)."""
 
-    def __init__(self, units: list[Unit], device: torch.device, host_of: Callable[[Unit], object]) -> None:
+    def __init__(self, units: list[Unit], device: torch.device, host_of: Callable[[Unit], Flat]) -> None:
         self.units = units
         self.device = device
         self.cuda = device.type == "cuda"

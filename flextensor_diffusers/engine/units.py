@@ -50,6 +50,7 @@ from operator import itemgetter
 import torch
 from torch import nn
 
+from ..storage.host_bytes import Flat, HostBytes, InRam, InSharedMemory
 from ..storage.host_memory import host_buffer, pin_in_place, unpin_in_place
 from .errors import FlexTensorError, PatternError, UnsupportedTensorError
 from .subclasses import UNSHARE, Flattened, Wrapper, as_type_of, copy_leaves, flatten, is_plain
@@ -205,7 +206,7 @@ class PackedTensor:
     persistent: bool  # appears in state_dict()
     inside: bool = False  # a leaf inside a wrapper subclass: no module holds it (`subclasses`)
 
-    def view_of(self, flat: torch.Tensor) -> torch.Tensor:
+    def view_of(self, flat: Flat) -> torch.Tensor:
         """This tensor as a view of ``flat`` (a uint8 buffer laid out like the host buffer)."""
         return flat[self.offset : self.offset + self.nbytes].view(self.dtype).as_strided(self.shape, self.stride)
 
@@ -219,9 +220,22 @@ class Unit:
     module: nn.Module
     tensors: list[PackedTensor] = field(default_factory=list)
     nbytes: int = 0  # size of the flat buffer (a multiple of ALIGNMENT)
-    host: torch.Tensor | None = None  # flat uint8 host buffer, pinned when streaming to CUDA
+    #: Its host bytes: where they are and in what form (`storage.host_bytes`); None before packing and once
+    #: restored. Only the host copies' owner (`storage.host_copies`) and packing set it.
+    stored: HostBytes | None = None
     pinned_in_place: bool = False  # registered with cudaHostRegister (must be unregistered)
     wrappers: list[Wrapper] = field(default_factory=list)  # the unit's tensor subclasses held by its modules
+
+    @property
+    def host(self) -> Flat | None:
+        """What the unit's tensors view while they view its host copy (the flat buffer, pinned when streaming to
+        CUDA, or a stand-in for it); None when it has none."""
+        return self.stored.flat if self.stored is not None else None
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        """Its host bytes as one flat uint8 tensor; None when it has none, or a stand-in holds them."""
+        return self.stored.buffer if self.stored is not None else None
 
     def held(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) of each tensor the unit's modules hold: its packed tensors, a subclass in place of its
@@ -267,7 +281,7 @@ class Unit:
             refused.extend(wrapper.adopt_replaced(f"{self.name}.{wrapper.names[0]}"))
         return refused
 
-    def bind(self, flat: torch.Tensor) -> None:
+    def bind(self, flat: Flat) -> None:
         """Point every tensor of the unit at its bytes inside ``flat`` (host buffer, slot or resident copy)."""
         if isinstance(flat, torch.Tensor):  # a stand-in for a spilled host copy has no address of its own
             assert flat.data_ptr() % ALIGNMENT == 0, f"a flat buffer of {self.name} is not {ALIGNMENT}-byte aligned"
@@ -575,8 +589,8 @@ def _placement_on(device: torch.device, canonical: bool, t: torch.Tensor, origin
 def unpin_unit(unit: Unit) -> None:
     """Undo `pin_unit`'s in-place registration (a pinned copy is simply dropped with its buffer)."""
     if unit.pinned_in_place:
-        assert unit.host is not None
-        unpin_in_place(unit.host)
+        assert unit.buffer is not None
+        unpin_in_place(unit.buffer)
         unit.pinned_in_place = False
 
 
@@ -588,8 +602,8 @@ def pack_unit(unit: Unit, host: torch.Tensor | None = None, filled: bool = False
     buffer to use instead of a new one (shared memory); ``filled``: it already holds this unit's
     bytes (another process packed them), so the tensors are only pointed at it.
     """
-    if host is None:
-        host = host_buffer(unit.nbytes)
+    stored: HostBytes = InRam(host_buffer(unit.nbytes)) if host is None else InSharedMemory(host)
+    host = stored.flat
     if not filled:
         copy_into(unit, host)
     for packed in unit.tensors:
@@ -599,7 +613,7 @@ def pack_unit(unit: Unit, host: torch.Tensor | None = None, filled: bool = False
             torch.utils.swap_tensors(packed.tensor, new)
         else:
             packed.tensor.data = view
-    unit.host = host
+    unit.stored = stored
 
 
 def copy_into(unit: Unit, host: torch.Tensor) -> None:
@@ -629,14 +643,15 @@ def pin_unit(unit: Unit, attached: bool = False) -> None:
     the buffer holds weights another process packed (shared memory), so a private copy would
     defeat the sharing.
     """
-    assert unit.host is not None
-    if pin_in_place(unit.host):
+    buffer = unit.buffer
+    assert buffer is not None
+    if pin_in_place(buffer):
         unit.pinned_in_place = True
     elif attached:
         raise FlexTensorError("cudaHostRegister failed on the shared weights: they cannot be pinned in place")
     else:
-        unit.host = unit.host.pin_memory()
-        unit.bind(unit.host)
+        unit.stored = InRam(buffer.pin_memory())  # a copy of its own, even of shared weights
+        unit.bind(unit.stored.flat)
 
 
 def restore_unit(unit: Unit) -> None:
@@ -656,10 +671,10 @@ def restore_unit(unit: Unit) -> None:
     for wrapper in unit.wrappers:
         wrapper.follow(wrapper.origin_device)
     unpin_unit(unit)
-    unit.host = None
+    unit.stored = None
 
 
-def _restored(packed: PackedTensor, flat: torch.Tensor) -> torch.Tensor:
+def _restored(packed: PackedTensor, flat: Flat) -> torch.Tensor:
     """A copy of ``packed``'s values from ``flat`` in new storage, placed as it was on its origin device: the
     bytes of its span when its strides there are those it has in ``flat``, else element by element."""
     device = packed.origin_device if packed.origin_device.type != "meta" else torch.device("cpu")

@@ -114,7 +114,9 @@ class RawCacheFile:
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system that cannot reserve: write on
                     raise self._error(exc) from exc
         room = mapped[start : start + unit.nbytes]
-        room.copy_(unit.host)  # type: ignore[arg-type]
+        host = unit.host
+        assert isinstance(host, torch.Tensor), f"{unit.name} moves to the cache file from a flat buffer"
+        room.copy_(host)
         return room
 
     def ram_bytes(self) -> int:

@@ -39,7 +39,8 @@ from .locked_pool import rounded
 if TYPE_CHECKING:
     from ..engine import OffloadHandle
     from ..engine.units import Unit
-    from .host_copies import HostCopies, ReadInto
+    from .host_copies import HostCopies
+    from .host_forms import ReadInto, ReadUnit
 
 #: Threads that read the pieces of the units in flight: a disk serves several large reads in flight faster
 #: than one.
@@ -59,7 +60,7 @@ class ReadHooks:
 
     No hook is called under the job's lock (the host tier's may be held: a hook must not call into the tier)."""
 
-    def read(self, job: ReadJob, position: int, read: Callable[[], Unit]) -> Unit:
+    def read(self, job: ReadJob, position: int, read: Callable[[], ReadUnit]) -> ReadUnit:
         """Read unit ``position`` of ``job`` on one of the job's threads: ``read()`` does it and returns the unit.
         What this raises is the read's failure (raised at the next gate as `read_error`)."""
         return read()
@@ -125,7 +126,7 @@ class ReadJob:
         self.running = False  # the reader thread began it
         self.submitted = 0  # reader thread: units of the order handed to a unit thread
         self.buffered: set[int] = set()  # positions whose read has its buffer (`unbuffered_bytes`)
-        self.delivered: dict[int, Unit] = {}
+        self.delivered: dict[int, ReadUnit] = {}
         self.delivered_at: dict[int, float] = {}  # when each position was delivered (`clock`)
         self.read_bytes = 0
         self.read_s = 0.0
@@ -194,7 +195,7 @@ class ReadJob:
                 self.finished = True
             self._cond.wait_for(lambda: self.finished)
 
-    def wait_for(self, position: int) -> Unit | None:
+    def wait_for(self, position: int) -> ReadUnit | None:
         """Block until ``position`` is read and hand it over; None when the job stopped first. A failure
         of the read is raised here."""
         read_hooks.waiting(self, position)
@@ -205,7 +206,7 @@ class ReadJob:
                 raise self.error
             return unit
 
-    def take_all(self) -> list[Unit]:
+    def take_all(self) -> list[ReadUnit]:
         with self._cond:
             units = list(self.delivered.values())
             self.delivered.clear()
@@ -275,7 +276,7 @@ class ReadJob:
         with self._cond:
             self.buffered.add(position)
 
-    def _landed(self, unit: Unit | None) -> None:
+    def _landed(self, unit: ReadUnit | None) -> None:
         """A unit read ended (``unit`` None: it failed): deliver it, or free it when the job was stopped."""
         drop = None
         with self._cond:

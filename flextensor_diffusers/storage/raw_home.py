@@ -30,6 +30,7 @@ import torch
 
 from ..engine.units import Unit
 from .cache_files import RawCacheFile, drop_cached_pages
+from .host_bytes import Flat, InRam
 from .raw_homes import Moved
 from .weight_files import (
     FileStamp,
@@ -109,7 +110,7 @@ class WeightFilesHome:
                 os.close(fd)
         self._found[position] = found
 
-    def stand_in(self, position: int, unit: Unit) -> object:
+    def stand_in(self, position: int, unit: Unit) -> Flat:
         """The unit's tensors in its weight files when `prepare` found them all there, byte for byte; else its
         room in the fallback cache file (written there)."""
         if position not in self._found:  # packed before this home was told (not on the set-up path)
@@ -119,7 +120,9 @@ class WeightFilesHome:
             for place in places:
                 if place.entry is not None:
                     self._mapping(place.entry.file)
-            stand_in = scattered_host(places, unit.host, self._maps)  # type: ignore[arg-type]
+            buffer = unit.buffer
+            assert buffer is not None, f"{unit.name} moves to its weight files from a flat buffer"
+            stand_in = scattered_host(places, buffer, self._maps)
             self._kept[position] = stand_in.kept_bytes
             self._ranges[position] = [
                 (self._maps[p.entry.file].data_ptr() + p.entry.start, p.nbytes) for p in places if p.entry
@@ -140,7 +143,7 @@ class WeightFilesHome:
         ranges = self._ranges.get(position)
         if ranges is None or not any_written(ranges):
             return None
-        stand_in = self._fallback.stand_in(position, dataclasses.replace(unit, host=raw))
+        stand_in = self._fallback.stand_in(position, dataclasses.replace(unit, stored=InRam(raw)))
         del self._ranges[position]
         self._kept.pop(position, None)
         logger.info("%s: %s was edited; its raw bytes move to a cache file", self.component, unit.name)

@@ -21,6 +21,7 @@ import torch
 
 from ..engine.binding import Binding
 from ..engine.units import Unit, pin_unit, unpin_unit
+from .host_bytes import AtRawHome, Flat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +29,7 @@ class Moved:
     """A unit's raw bytes moved within its raw home (`RawHome.moved_if_written`): the new stand-in, and what to
     call once the unit's tensors point at it (the old place's memory goes back)."""
 
-    stand_in: object
+    stand_in: Flat
     release: Callable[[], None]
 
 
@@ -44,7 +45,7 @@ class RawHome(Protocol):
         can run there, in parallel with other units' (comparing its bytes with a file's, say)."""
         ...
 
-    def stand_in(self, position: int, unit: Unit) -> object:
+    def stand_in(self, position: int, unit: Unit) -> Flat:
         """A stand-in for ``unit``'s flat host buffer (``unit.host``, in RAM now, holds its current bytes) that
         holds the same bytes outside RAM: a tensor, or an object that gives each tensor's bytes when sliced at
         its range, as `PackedTensor.view_of` slices."""
@@ -95,17 +96,17 @@ class RawHomes:
         if not kept or position in self.homed:
             return
         stand_in = self.home.stand_in(position, unit)
-        self._binding.to_host(unit, stand_in)  # type: ignore[arg-type]
+        self._binding.to_host(unit, stand_in)
         unpin_unit(unit)
-        unit.host = stand_in  # type: ignore[assignment]
+        unit.stored = AtRawHome(stand_in)
         self.homed.add(position)
 
     def pin_the_rest(self) -> None:
         """Once set-up encoded everything: page-lock what stays in RAM raw (the base, units not worth
         compressing), which loads copy as they are."""
         for position, unit in enumerate(self._positions):
-            stays = position not in self.homed and isinstance(unit.host, torch.Tensor)
-            if stays and not unit.pinned_in_place and not unit.host.is_pinned():  # type: ignore[union-attr]
+            buffer = unit.buffer if position not in self.homed else None
+            if buffer is not None and not unit.pinned_in_place and not buffer.is_pinned():
                 pin_unit(unit)
 
     def rehome_written(self, positions: list[int] | None = None) -> None:
@@ -116,8 +117,8 @@ class RawHomes:
             unit = self._positions[position]
             moved = self.home.moved_if_written(position, unit, self._raw_tensor(unit))
             if moved is not None:  # tensors viewing the old stand-in follow; a device copy stays as it is
-                self._binding.rehost(unit, moved.stand_in)  # type: ignore[arg-type]
-                unit.host = moved.stand_in  # type: ignore[assignment]
+                self._binding.rehost(unit, moved.stand_in)
+                unit.stored = AtRawHome(moved.stand_in)
                 moved.release()
 
     def close(self) -> None:

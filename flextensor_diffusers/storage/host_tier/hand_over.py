@@ -134,7 +134,7 @@ class HandOver:
         self.found_wrong = False  # the component ran again: nothing more is let go until it switches out
         self._events: queue.SimpleQueue[tuple[Unit, torch.cuda.Event] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        handle.host.expect_arrivals(self.gate)
+        self._opened = handle.host.expect_arrivals(self.gate)
 
     @property
     def component(self) -> str:
@@ -195,10 +195,15 @@ class HandOver:
             self.record.taken_back_units += 1
 
     def finish(self) -> None:
-        """Stop: units still waiting for their event stay in RAM (moving the component out takes them), and the
-        handle's loads no longer ask `gate` (those let go wait on disk as a moved-out component's do)."""
+        """Stop: units still waiting for their event stay in RAM (moving the component out takes them); nothing more
+        is let go.
+
+        The gate stays open: a unit let go is still taken back at its next read, until a read back of the component
+        supersedes the gate (`host_gates`). That is how the engine has behaved so far (the gate was meant to be
+        lifted here, but the check that it was still this hand-over's compared a fresh bound method by identity
+        and never matched), and an edit of a component whose payloads were let go relies on it: lifting it here
+        makes `test_verified_loads_under_the_compressed_tier_find_nothing` decode stale payloads."""
         with self._lock:
             self._closed = True
             self._pending.clear()
         self._events.put(None)
-        self._handle.host.arrivals_done(self.gate)

@@ -2,7 +2,7 @@
 
 Reading back is progressive, unit by unit (`disk_reads`: a `ReadJob` on the `Reader`'s threads): the
 units are read in the order the component will need them, a few at once, each into its own (pinned)
-buffer, and the component starts at once. The engine asks the gate given to `HostCopies.expect_arrivals`
+buffer, and the component starts at once. The engine asks the gate opened by `HostCopies.expect_arrivals`
 before it reads a unit's host bytes (`FillGate`): the gate blocks until the reader delivered that unit, then adopts the
 buffer on the main thread, so the first blocks compute while the last ones are still being read. The time
 blocked there (plus `HostTier.bring_in`'s own) is the switch's exposed disk time, ``wait_s``; the reader's
@@ -22,6 +22,7 @@ from ...engine import format_bytes
 from ...engine.errors import FlexTensorError
 from .. import disk_reads
 from ..disk_reads import FillGate, Reader, ReadJob, read_error
+from ..host_gates import OpenGate
 from ..weight_files import WeightSource
 from .forecast import SlowSwitchWarning
 from .jobs import is_stale, read_job
@@ -40,6 +41,12 @@ class Fill:
     switch: Switch
     source: WeightSource | None
     gate: FillGate | None = None
+    opened: OpenGate | None = None  # the gate open on the component's host copies, closed by this read back alone
+
+    def close_gate(self) -> None:
+        """Reads of the component's host bytes no longer ask this read back's gate."""
+        if self.opened is not None:
+            self.opened.close()
 
 
 class ReadBack:
@@ -93,7 +100,7 @@ class ReadBack:
         fill = Fill(job, switch, source)
         fill.gate = FillGate(len(job.nbytes), job.order, functools.partial(self._arrive, fill))
         self._fill = fill
-        host_copies.expect_arrivals(fill.gate)
+        fill.opened = host_copies.expect_arrivals(fill.gate)
         self.switches.append(switch)
         try:
             self._placement.make_room({name}, job.total_bytes - job.reserved_bytes)
@@ -159,7 +166,7 @@ class ReadBack:
         """Every unit arrived: the gate goes, the switch is complete (and warned of when it was slow)."""
         job, switch = fill.job, fill.switch
         self._fill = None
-        job.host_copies.arrivals_done(fill.gate)
+        fill.close_gate()
         switch.read_s, switch.complete = job.read_s, True
         if fill.source is not None:
             fill.source.read_done()
@@ -194,7 +201,7 @@ class ReadBack:
         if fill is None:
             return
         host_copies = fill.job.host_copies
-        host_copies.arrivals_done(fill.gate)
+        fill.close_gate()
         self._reader.give_up(fill.job)
         host_copies.untake_units(fill.job.hosts)
         fill.switch.read_s = fill.job.read_s
