@@ -10,6 +10,7 @@
 #   quantized_card  only that smallest card, weights $CARD_WEIGHTS (int8, fp8: layerwise casting); where it fails,
 #                its floor measured under a $FLOOR_CAP-byte card  -> $OUT/quantized_card_<card>.json, .log
 #   engine17     engine_bench.py, 17 frames, 3 budgets        -> $OUT/engine17_<card>.json, .log
+#   engine81     engine_bench.py, 81 frames with CFG, 3 budgets, native in the same run -> $OUT/engine81_<card>.json, .log
 #   engine       engine_bench.py, 81 and 17 frames, 3 budgets -> $OUT/engine_<card>.json, .log
 #   compile17    compile_bench.py, 17 frames                  -> $OUT/compile17_<card>.json, .log
 #   tiers        tiers_bench.py on the full Wan2.2 pipeline, configurations $TIERS_CONFIGS (default: the reference
@@ -53,6 +54,8 @@ for step in "$@"; do
         --out "$OUT/quantized_card_${card}.json" >"$OUT/quantized_card_${card}.log" 2>&1 ;;
     engine17) timeout "$limit" python3 benchmarks/engine_bench.py --workloads 17f_480x272 --budgets 3 --reps 3 \
         --out "$OUT/engine17_${card}.json" >"$OUT/engine17_${card}.log" 2>&1 ;;
+    engine81) timeout "$limit" python3 benchmarks/engine_bench.py --workloads 81f_832x480_cfg --budgets 3 --reps 2 \
+        --out "$OUT/engine81_${card}.json" >"$OUT/engine81_${card}.log" 2>&1 ;;
     engine) timeout "$limit" python3 benchmarks/engine_bench.py --budgets 3 --reps 2 \
         --out "$OUT/engine_${card}.json" >"$OUT/engine_${card}.log" 2>&1 ;;
     compile17) timeout "$limit" python3 benchmarks/compile_bench.py --workloads 17f_480x272 \
