@@ -402,15 +402,20 @@ def rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def anon_shmem_bytes() -> int:
-    """RssAnon + RssShmem of this process: its own memory, pinned buffers included, mapped files' pages not."""
+def proc_status_bytes(*keys: str) -> int:
+    """The sum of ``keys`` (``RssAnon``, ``RssShmem``, ``RssFile``...) of this process's /proc/self/status, bytes."""
     total = 0
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/status").read_text().splitlines():
             key, _, rest = line.partition(":")
-            if key in ("RssAnon", "RssShmem"):
+            if key in keys:
                 total += int(rest.split()[0]) * 1024
     return total
+
+
+def anon_shmem_bytes() -> int:
+    """RssAnon + RssShmem of this process: its own memory, pinned buffers included, mapped files' pages not."""
+    return proc_status_bytes("RssAnon", "RssShmem")
 
 
 class HostMemorySampler:

@@ -53,7 +53,6 @@ import gc
 import os
 import shutil
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -117,45 +116,29 @@ def planned_runs(configs: list[str], later_runs: int) -> list[Run]:
 # ---------------------------------------------------------------------------------------- measuring
 
 
-def proc_status_bytes() -> dict[str, int]:
-    """RssAnon and RssFile of this process (bytes): its own pages, and mapped files' pages."""
-    found = {"RssAnon": 0, "RssFile": 0}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            if key in found:
-                found[key] = int(rest.split()[0]) * 1024
-    return found
-
-
 class HostPeaks:
-    """Peaks of RssAnon and RssFile, each on its own, sampled on a thread from `start` to `stop`."""
+    """Peaks of RssAnon and RssFile, each on its own, over a configuration (`bench_common.HostMemorySampler` each)."""
 
     def __init__(self, interval_s: float) -> None:
-        self.interval_s = interval_s
-        self.anon = 0
-        self.file = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._anon = bc.HostMemorySampler(lambda: bc.proc_status_bytes("RssAnon"), interval_s)
+        self._file = bc.HostMemorySampler(lambda: bc.proc_status_bytes("RssFile"), interval_s)
 
-    def sample(self) -> None:
-        now = proc_status_bytes()
-        self.anon, self.file = max(self.anon, now["RssAnon"]), max(self.file, now["RssFile"])
+    @property
+    def anon(self) -> int:
+        return self._anon.peak()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.interval_s)
+    @property
+    def file(self) -> int:
+        return self._file.peak()
 
     def __enter__(self) -> HostPeaks:
-        self.sample()
-        self._thread.start()
+        self._anon.start()
+        self._file.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sample()
+        self._anon.stop()
+        self._file.stop()
 
 
 @dataclass
