@@ -511,6 +511,11 @@ def packing_order(chosen: list[str], declared: list[str]) -> list[str]:
     return sorted(chosen, key=lambda name: -rank.get(name, len(declared)))
 
 
+def packed_bytes(layouts: dict[str, UnitLayout]) -> dict[str, int]:
+    """Each component's packed host bytes (its base and its units), by name."""
+    return {name: layout.base.nbytes + sum(u.nbytes for u in layout.units) for name, layout in layouts.items()}
+
+
 @dataclass(frozen=True)
 class OffloadRequest:
     """What `enable` was asked, resolved and checked before anything is packed: the components to wrap
@@ -535,7 +540,7 @@ class OffloadRequest:
     @property
     def packed(self) -> dict[str, int]:
         """Each chosen component's packed host bytes: what the host tier makes room for."""
-        return {name: layout.base.nbytes + sum(u.nbytes for u in layout.units) for name, layout in self.layouts.items()}
+        return packed_bytes(self.layouts)
 
     @classmethod
     def resolve(
@@ -576,8 +581,7 @@ class OffloadRequest:
         layouts = _check_setup_budgets(
             available, includes, budget_bytes, device, canonical=shared, meta_ok=shared, excludes=excludes
         )
-        packed = {name: layout.base.nbytes + sum(u.nbytes for u in layout.units) for name, layout in layouts.items()}
-        storage = resolve_storage(asked, _machine_facts(device, ram, packed, available))
+        storage = resolve_storage(asked, _machine_facts(device, ram, packed_bytes(layouts), available))
         return cls(
             pipeline=pipeline,
             available=available,

@@ -352,7 +352,7 @@ def _resolve_tier(request: StorageRequest, machine: MachineFacts) -> HostTierPla
         return HostTierPlan(parse_bytes(asked), auto=False)
     if ram is None or copies is None or request.shared_host:
         return None
-    if request.host_budget is None:
+    if asked is None:
         if request.raw_copies != "disk" and copies.new_bytes > ram.nbytes:
             raise HostBudgetError(
                 f"the host copies need {format_bytes(copies.new_bytes)} of new host RAM but "
@@ -404,9 +404,9 @@ def _under_a_tier(request: StorageRequest, machine: MachineFacts, tier: HostTier
         if tier.auto
         else "a host budget"
     )
-    choices = [StorageChoice("progressive_packing", False, f"{why_tier} packs before set-up returns")]
-    if request.progressive_packing is not None:
-        choices = []
+    choices = []
+    if request.progressive_packing is None:
+        choices.append(StorageChoice("progressive_packing", False, f"{why_tier} packs before set-up returns"))
     verify, warnings = bool(request.verify_loads), ()
     if request.compressed:
         choices += [
