@@ -17,6 +17,7 @@ below give the bits of diffusers' expressions. Refused, model unchanged, with th
 than diffusers' ``transformer_wan.WanTransformerBlock``, a diffusers whose ``WanTransformerBlock.forward`` is not
 the one verified here (its source tokens are compared), a block whose ``forward`` something else replaced (a
 diffusers hook), and a model that is offloaded now (its profiles measured the other forward: disable offload first).
+Each chunked block names its count in ``VARIANT_ATTRIBUTE``, which the engine's profile fingerprint includes.
 
     import flextensor_diffusers as ft
     ft.chunk_feed_forward(pipe.transformer, chunks=4)  # and pipe.transformer_2
@@ -30,6 +31,7 @@ import functools
 import hashlib
 import inspect
 import io
+import numbers
 import textwrap
 import tokenize
 import types
@@ -124,9 +126,10 @@ def chunk_feed_forward(model: nn.Module, chunks: int) -> int:
     over ``chunks`` slices of the sequence (see the module docstring); returns the number of blocks changed.
 
     Again with another count replaces it; `unchunk_feed_forward` restores diffusers' forward. Call it before
-    offloading and before compiling (a compiled block recompiles when its count changes)."""
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+    offloading (refused while offloaded); a compiled block recompiles at its next call, and at each new count."""
+    if isinstance(chunks, bool) or not isinstance(chunks, numbers.Integral) or chunks < 1:
         raise FeedForwardChunkingError(f"chunk_feed_forward: chunks={chunks!r}: pass a whole number >= 1")
+    chunks = int(chunks)
     blocks = _blocks(model)
     _check_free(model, blocks, "chunk_feed_forward on")
     for _, block in blocks:
