@@ -187,7 +187,9 @@ def test_the_peak_at_81_frames_falls_with_chunks_until_attention_binds(tmp_path:
     feed-forward residual; chunked, the feed-forward stage shrinks with the count and self-attention binds."""
     out = tmp_path / "peak.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "block_peak.py"), "--weights", "bf16", "--chunks", "1,4"]
-    subprocess.run([*cmd, "--out", str(out)], check=True, cwd=ROOT, capture_output=True)
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    proc = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     native, one, four = json.loads(out.read_text())["rows"]
     assert native["tokens"] == 32760 and native["forward"] == "native" and four["chunks"] == 4
     stages = [row["stage_peak_bytes"] for row in (native, one, four)]
