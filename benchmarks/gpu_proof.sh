@@ -6,9 +6,11 @@
 #                                                             -> $OUT/gpu_tests_reverse_<card>.log
 #   quantized    quantized_bench.py: the 40-block stack at 17 frames under 2.8 GB, bf16/int8/fp8 ($QUANT_ROWS) against
 #                native, each bitwise; then the full pipeline with int8 transformers on an emulated 5 GB card unless
-#                $QUANT_CARD is 0                             -> $OUT/quantized_<card>.json, .log
-#   quantized_card  only that smallest card, weights $CARD_WEIGHTS (int8, fp8: layerwise casting); where it fails,
-#                its floor measured under a $FLOOR_CAP-byte card  -> $OUT/quantized_card_<card>.json, .log
+#                $QUANT_CARD is 0; $FFN_CHUNKS as below       -> $OUT/quantized_<card>.json, .log
+#   quantized_card  only that smallest card, weights $CARD_WEIGHTS (int8, fp8: layerwise casting), each block's
+#                feed-forward in $FFN_CHUNKS chunks when set (chunk_feed_forward; the native reference alike); where
+#                it completes, the same generation natively, frames compared bitwise; where it fails, its floor
+#                measured under a $FLOOR_CAP-byte card          -> $OUT/quantized_card_<card>.json, .log
 #   engine17     engine_bench.py, 17 frames, 3 budgets        -> $OUT/engine17_<card>.json, .log
 #   engine81     engine_bench.py, 81 frames with CFG, 3 budgets, native in the same run -> $OUT/engine81_<card>.json, .log
 #   engine       engine_bench.py, 81 and 17 frames, 3 budgets -> $OUT/engine_<card>.json, .log
@@ -48,9 +50,10 @@ for step in "$@"; do
         --order reverse ${TESTS:-tests} >"$OUT/gpu_tests_reverse_${card}.log" 2>&1 ;;
     quantized) timeout "$limit" python3 benchmarks/quantized_bench.py --rows "${QUANT_ROWS:-bf16,int8,fp8}" \
         $([ "${QUANT_CARD:-1}" = 0 ] && echo --skip-smallest-card) --time-limit "${QUANT_TIME_LIMIT_S:-$((limit - 200))}" \
+        ${FFN_CHUNKS:+--ffn-chunks "$FFN_CHUNKS"} \
         --out "$OUT/quantized_${card}.json" >"$OUT/quantized_${card}.log" 2>&1 ;;
     quantized_card) timeout "$limit" python3 benchmarks/quantized_bench.py --rows "" \
-        --card-weights "${CARD_WEIGHTS:-int8}" ${FLOOR_CAP:+--floor-cap "$FLOOR_CAP"} \
+        --card-weights "${CARD_WEIGHTS:-int8}" ${FLOOR_CAP:+--floor-cap "$FLOOR_CAP"} ${FFN_CHUNKS:+--ffn-chunks "$FFN_CHUNKS"} \
         --out "$OUT/quantized_card_${card}.json" >"$OUT/quantized_card_${card}.log" 2>&1 ;;
     engine17) timeout "$limit" python3 benchmarks/engine_bench.py --workloads 17f_480x272 --budgets 3 --reps 3 \
         --out "$OUT/engine17_${card}.json" >"$OUT/engine17_${card}.log" 2>&1 ;;

@@ -12,15 +12,27 @@ with int8 transformers, 81 frames 832x480 with CFG, 2 steps and a tiled VAE deco
 card (``set_per_process_memory_fraction``; ``mem_get_info`` does not see it, so the budget is passed as the cap):
 whether it completed, its peak, and the floor, the smallest budget the package accepts for this workload (the
 largest of the components' minimums, with the activations they measured), its parts by the package's own rule,
-and the package's refusal of one byte less. The JSON is written after each row: a run cut off keeps its rows.
+and the package's refusal of one byte less. Where it completed, the same generation then runs natively on the
+uncapped device, the same model, and its frames are compared bitwise (``native``; ``--skip-card-native``: not).
+The JSON is written after each row: a run cut off keeps its rows.
+
+``--ffn-chunks N``: `flextensor_diffusers.chunk_feed_forward` on every Wan transformer built here (the stack's
+blocks, both experts) before anything runs, so that the native reference computes the same thing as the offloaded
+run: a chunked feed-forward lowers the 81-frame activations (`block_peak.py`). On a CUDA device the card path runs
+with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless it is set (``alloc_conf`` in the record): under a
+5 GB cap the caching allocator's fragmentation alone refused call E's first forward (2.83 GiB allocated, 1.46 GiB
+reserved but free, no block for 640 MiB).
 
     bash benchmarks/gpu_proof.sh quantized                             # on one H100/H200
+    CARD_WEIGHTS=fp8 FFN_CHUNKS=4 bash benchmarks/gpu_proof.sh quantized_card
     python benchmarks/quantized_bench.py --small --out /tmp/q.json     # tiny shapes, on the CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -29,7 +41,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+if "--skip-smallest-card" not in sys.argv:  # before CUDA starts (see the module docstring)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 import bench_common as bc
+import numpy as np
 import torch
 from torch import nn
 
@@ -137,6 +153,8 @@ def stack_row(name: str, args: argparse.Namespace, device: torch.device) -> dict
     rep, shape = REPRESENTATIONS[name], SMALL_SHAPE if args.small else bc.StackShape()
     model = bc.build_stack(shape, device)
     rep.apply(model)
+    if args.ffn_chunks is not None:
+        ft.chunk_feed_forward(model, args.ffn_chunks)
     native = native_forwards(model, shape, args.reps, device)
     model.to("cpu")
     _free(device)
@@ -146,7 +164,7 @@ def stack_row(name: str, args: argparse.Namespace, device: torch.device) -> dict
     row = {"weights": rep.label, "weights_how": rep.how, "workload": WORKLOAD, "frames": 17, "blocks": shape.blocks}
     row |= bc.check_budget(f"{rep.label} stack", args.budget, offloaded.pop("peak_allocated_bytes"), bc.WHOLE_RUN)
     row |= {"step_s": round(offloaded.pop("step_s"), 5), "native_step_s": round(native["step_s"], 5)}
-    row |= {"bitwise_equal": bool(torch.equal(native_out, out)), "small": args.small}
+    row |= {"bitwise_equal": bool(torch.equal(native_out, out)), "small": args.small, "ffn_chunks": args.ffn_chunks}
     row["max_abs_diff"] = (native_out.float() - out.float()).abs().max().item() if same_shape else None
     return row | {"native_peak_allocated_bytes": native["peak_allocated_bytes"], **offloaded}
 
@@ -207,6 +225,8 @@ def card_options(args: argparse.Namespace, cap: int) -> Any:
 
     argv = ["--random-weights", "tiny" if args.small else "full", "--steps", str(CARD_STEPS), "--budget", str(cap)]
     argv += ["--vae-tiling", "on", "-q"]
+    if args.ffn_chunks is not None:  # wan22_t2v.load chunks both experts
+        argv += ["--ffn-chunks", str(args.ffn_chunks)]
     if not args.small:
         argv += ["--frames", "81", "--height", "480", "--width", "832"]
     return wan22_t2v.parse_args(argv)
@@ -224,7 +244,8 @@ def smallest_card(args: argparse.Namespace, device: torch.device) -> dict[str, A
         quantize_on(getattr(pipe, name), rep, device)
     record: dict[str, Any] = {"weights": rep.label, "weights_how": f"{rep.how}, both transformers", "cap_bytes": cap}
     record |= {"frames": options.frames, "height": options.height, "width": options.width, "cfg": options.guidance > 1}
-    record |= {"steps": CARD_STEPS, "vae_tiling": True, "small": args.small}
+    record |= {"steps": CARD_STEPS, "vae_tiling": True, "small": args.small, "ffn_chunks": options.ffn_chunks}
+    record["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") if device.type == "cuda" else None
     record["build_s"] = round(time.perf_counter() - start, 1)
     _free(device)
     cap_device_memory(device, str(cap))
@@ -250,8 +271,34 @@ def smallest_card(args: argparse.Namespace, device: torch.device) -> dict[str, A
         if device.type == "cuda":
             torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
     record.setdefault("floor_parts", {})
+    if record["completed"] and not args.skip_card_native:
+        record["native"] = native_reference(pipe, options, device, video)
     if not record["completed"] and args.floor_cap:
         record["floor_at_larger_cap"] = floor_at(pipe, args, args.floor_cap, device)
+    return record
+
+
+def native_reference(pipe: Any, options: Any, device: torch.device, video: np.ndarray) -> dict[str, Any]:
+    """The card's generation natively on the uncapped device (the same model: chunked alike, same VAE tiling, same
+    seed), its frames compared bitwise with the card's; the pipeline back on the CPU after."""
+    from flextensor_diffusers.recipes import common, wan22_t2v
+
+    record: dict[str, Any] = {"ffn_chunks": options.ffn_chunks}
+    try:
+        with bc.PeakWatch(device) as watch:
+            start = time.perf_counter()
+            common.place_natively(pipe, options, device)
+            native = wan22_t2v.generate(pipe, options, device, CARD_STEPS, "np")
+            record |= {"completed": True, "generation_s": round(time.perf_counter() - start, 1)}
+            record["peak_allocated_bytes"] = watch.peak
+        record["frames_bitwise_equal"] = bool(np.array_equal(native, video))
+        record["frames_max_abs_diff"] = float(np.abs(native.astype(np.float64) - video).max())
+    except Exception as exc:
+        traceback.print_exc()
+        record |= {"completed": False, "error": f"{type(exc).__name__}: {first_line(exc)}"}
+    finally:
+        pipe.to("cpu")
+        _free(device)
     return record
 
 
@@ -300,6 +347,10 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--floor-cap", type=int, help="where the card fails: measure the floor's parts under this larger card, bytes"
     )
+    parser.add_argument(
+        "--ffn-chunks", type=int, help="chunk_feed_forward(N) on every Wan transformer built here, native and offloaded"
+    )
+    parser.add_argument("--skip-card-native", action="store_true", help="no native reference of a completed card")
     return parser
 
 
@@ -315,8 +366,12 @@ def print_table(result: dict[str, Any]) -> None:
             f"{peak:>8.2f} {row['streamed_bytes_per_step'] / 2**30:>8.2f}"
         )
     if card := result["smallest_card"]:
-        said = {k: card.get(k) for k in ("weights", "cap_bytes", "steps", "completed", "peak_allocated_bytes")}
+        said = {k: card.get(k) for k in ("weights", "cap_bytes", "ffn_chunks", "steps", "completed")}
+        said["peak_allocated_bytes"] = card.get("peak_allocated_bytes")
         print(f"smallest card: {said}, floor {card.get('floor_bytes')} {card.get('error', '')}")
+        if native := card.get("native"):
+            equal = native.get("frames_bitwise_equal")
+            print(f"native reference: frames bitwise equal {equal} {native.get('error', '')}")
     for skipped in result["skipped"]:
         print(f"skipped (time limit): {skipped}")
 
@@ -344,6 +399,8 @@ def main() -> None:
     args.budget = args.budget or (SMALL_STACK_BUDGET if args.small else STACK_BUDGET)
     args.card_bytes = args.card_bytes or (SMALL_CARD_BYTES if args.small else CARD_BYTES)
     args.reps = args.reps or (2 if args.small else 5)
+    if args.ffn_chunks is not None and args.ffn_chunks < 1:
+        parser().error(f"--ffn-chunks {args.ffn_chunks}: pass a whole number of 1 or more")
     started = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     names = [n for n in args.rows.split(",") if n]
@@ -351,6 +408,7 @@ def main() -> None:
         parser().error(f"--rows {args.rows}: use some of {', '.join(REPRESENTATIONS)}")
     versions = {name: installed(name) for name in ("torch", "diffusers", "torchao")}
     result: dict[str, Any] = {"issue": 47, "device": bc.device_name(device), **versions, **bc.provenance()}
+    result |= {"alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "ffn_chunks": args.ffn_chunks}
     result |= {"stack": [], "smallest_card": None, "skipped": []}
     print(f"device {result['device']}, torch {result['torch']}, torchao {result['torchao']}", flush=True)
 

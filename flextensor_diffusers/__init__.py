@@ -25,7 +25,16 @@ from .engine import (
     offload_shared,
     reset_peak_memory_stats,
 )
-from .pipelines import FlexTensorPipelineMixin, PipelineOffload, attach_to_diffusers, pipeline_offload
+from .pipelines import (
+    FeedForwardChunkingError,
+    FlexTensorPipelineMixin,
+    PipelineOffload,
+    attach_to_diffusers,
+    chunk_feed_forward,
+    feed_forward_chunks,
+    pipeline_offload,
+    unchunk_feed_forward,
+)
 
 __version__ = "0.1.0"
 
@@ -35,6 +44,7 @@ attach_to_diffusers()
 
 __all__ = [
     "BudgetError",
+    "FeedForwardChunkingError",
     "FlexTensorError",
     "FlexTensorPipelineMixin",
     "HostBudgetError",
@@ -53,9 +63,12 @@ __all__ = [
     "UnsupportedTensorError",
     "__version__",
     "attach_to_diffusers",
+    "chunk_feed_forward",
+    "feed_forward_chunks",
     "max_memory_allocated",
     "offload",
     "offload_shared",
     "pipeline_offload",
     "reset_peak_memory_stats",
+    "unchunk_feed_forward",
 ]

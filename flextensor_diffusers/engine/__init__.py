@@ -11,6 +11,7 @@ Its public face, all that other layers import (the pipelines import nothing else
 * the typed errors, `OffloadStats`, the pure planner (`plan_residency`, `simulate`, `smallest_budget`,
   `CUDA_ALLOCATION_GRANULE`) and the unit layout a caller may check budgets from before offloading
   (`find_units`, `plan_layout`, `UnitLayout`; `refuse_whole_model_compile`);
+* `VARIANT_ATTRIBUTE`: how a module says that it computes otherwise than its class (profiles tell such models apart);
 * the process's true peaks of device memory (`peaks`: `max_memory_allocated`, `max_memory_reserved`,
   `reset_peak_memory_stats`, `open_window`).
 
@@ -56,12 +57,14 @@ from .planner import (
     simulate,
     smallest_budget,
 )
+from .profile import VARIANT_ATTRIBUTE
 from .stats import OffloadStats
 from .units import UnitLayout, find_units, plan_layout
 
 __all__ = [
     "CUDA_ALLOCATION_GRANULE",
     "NO_COMPRESSION",
+    "VARIANT_ATTRIBUTE",
     "BudgetError",
     "Call",
     "FlexTensorError",

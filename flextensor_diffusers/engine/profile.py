@@ -32,10 +32,13 @@ from .subclasses import representation
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+#: An instance attribute by which a module that computes otherwise than its class says how (a string, e.g. a
+#: feed-forward in chunks): part of the fingerprint, so that activations measured one way never plan the other.
+VARIANT_ATTRIBUTE = "_flextensor_variant"
 
 
 def model_fingerprint(model: nn.Module, unit_names: list[str]) -> dict[str, Any]:
-    """A digest of every tensor's name, shape and dtype, and of the unit list."""
+    """A digest of every tensor's name, shape and dtype, of the unit list, and of modules' variants."""
     digest = hashlib.sha256()
     dtypes: dict[str, int] = {}
     count = 0
@@ -46,6 +49,9 @@ def model_fingerprint(model: nn.Module, unit_names: list[str]) -> dict[str, Any]
         dtypes[str(t.dtype)] = dtypes.get(str(t.dtype), 0) + t.numel()
         count += 1
     digest.update(("|".join(unit_names)).encode())
+    for name, module in model.named_modules():
+        if (variant := module.__dict__.get(VARIANT_ATTRIBUTE)) is not None:
+            digest.update(f";{name}:{variant}".encode())
     return {"class": type(model).__name__, "sha256": digest.hexdigest(), "tensors": count, "dtypes": dtypes}
 
 

@@ -7,6 +7,7 @@ examples:
   flextensor-wan22-t2v --random-weights tiny --quantize int8 --output wan-int8.mp4
   flextensor-wan22-t2v --model /models/Wan2.2-T2V-A14B-Diffusers --lora style.safetensors:0.8
   flextensor-wan22-t2v --model /models/Wan2.2-T2V-A14B-Diffusers --quantize int8
+  flextensor-wan22-t2v --random-weights tiny --ffn-chunks 4 --output wan-chunked.mp4
   flextensor-wan22-t2v --model /models/Wan2.2-T2V-A14B-Diffusers --gguf high-Q8_0.gguf,low-Q8_0.gguf
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..pipelines.feed_forward import FeedForwardChunkingError, chunk_feed_forward, verified_block
 from . import common
 from .models import build_pipeline, load_pipeline
 from .options import (
@@ -55,6 +57,7 @@ class WanOptions(RecipeOptions):
     loras: tuple[LoraFile, ...] = ()
     quantize: str | None = None  # torchao weight-only: int8 or fp8
     gguf: GgufFiles | None = None
+    ffn_chunks: int | None = None  # chunk_feed_forward on both experts
 
 
 def parse_args(argv: list[str] | None = None) -> WanOptions:
@@ -70,6 +73,13 @@ def parse_args(argv: list[str] | None = None) -> WanOptions:
         "second; all others: the first), its adapter weighted by SCALE (default 1); repeat for several",
     )
     add_quantized(parser)
+    parser.add_argument(
+        "--ffn-chunks",
+        metavar="N",
+        help="run each transformer block's feed-forward over N slices of the video's tokens, natively and offloaded "
+        "alike (chunk_feed_forward on both experts): its activations shrink about N-fold; the video may differ in "
+        "the last bits from an unchunked run",
+    )
     add_output(parser, "wan-t2v.mp4")
     ns = parser.parse_args(argv)
     values = common_values(ns, "wan22_t2v", DEFAULTS)
@@ -80,6 +90,7 @@ def parse_args(argv: list[str] | None = None) -> WanOptions:
         loras=tuple(lora_file(t) for t in ns.lora),
         quantize=ns.quantize,
         gguf=None if ns.gguf is None else gguf_files(ns.gguf),
+        ffn_chunks=ffn_chunks(ns.ffn_chunks),
     )
     check_geometry(options)
     return options
@@ -100,6 +111,23 @@ def add_quantized(parser: argparse.ArgumentParser) -> None:
         "(transformer_2) from the file after the comma if there is one, the rest from the model folder; needs the "
         "gguf extra",
     )
+
+
+def ffn_chunks(text: str | None) -> int | None:
+    """``--ffn-chunks N``: a whole number >= 1, and a diffusers whose block forward the chunking was verified on."""
+    if text is None:
+        return None
+    try:
+        chunks = int(text)
+    except ValueError:
+        chunks = 0
+    if chunks < 1:
+        raise OptionsError(f"--ffn-chunks {text}: pass a whole number of 1 or more, e.g. --ffn-chunks 4")
+    try:
+        verified_block()
+    except FeedForwardChunkingError as exc:
+        raise OptionsError(f"--ffn-chunks {text}: {exc}") from None
+    return chunks
 
 
 def check_combinations(ns: argparse.Namespace) -> None:
@@ -148,7 +176,8 @@ def check_geometry(options: WanOptions) -> None:
 
 def load(options: WanOptions, device: torch.device, attach: bool = False) -> Any:
     """The pipeline with ``--gguf`` transformers, ``--lora`` files loaded (not when ``attach``: a build on the meta
-    device, for checks), then ``--quantize``d: all before offload is enabled."""
+    device, for checks), then ``--quantize``d, then its feed-forward in ``--ffn-chunks``: all before offload is
+    enabled."""
     if options.model is not None:
         from diffusers import WanPipeline
 
@@ -162,6 +191,10 @@ def load(options: WanOptions, device: torch.device, attach: bool = False) -> Any
         load_loras(pipe, options.loras)
     if options.quantize is not None and not attach:
         quantize_experts(pipe, options.quantize)
+    if options.ffn_chunks is not None:  # a rank attaching to shared weights computes with this build too
+        for expert in ("transformer", "transformer_2"):
+            if getattr(pipe, expert, None) is not None:
+                chunk_feed_forward(getattr(pipe, expert), options.ffn_chunks)
     return pipe
 
 
