@@ -2,7 +2,7 @@
 tiny Wan2.2 pipeline offloaded is bitwise equal to the same chunked pipeline run natively (eagerly, with layerwise
 fp8 casting, regionally compiled, and through the recipe's ``--ffn-chunks``); what it cannot change without changing
 the math is refused, the model unchanged; and the block's activation peak at 81 frames falls with the chunk count
-(`benchmarks/block_peak.py`, on the meta device)."""
+(`benchmarks/quantized_bench.py --trace-block`, on the meta device)."""
 
 from __future__ import annotations
 
@@ -186,7 +186,15 @@ def test_the_peak_at_81_frames_falls_with_chunks_until_attention_binds(tmp_path:
     """One full-size block at 32 760 tokens on the meta device (no FLOPs): diffusers' forward peaks in its fp32
     feed-forward residual; chunked, the feed-forward stage shrinks with the count and self-attention binds."""
     out = tmp_path / "peak.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "block_peak.py"), "--weights", "bf16", "--chunks", "1,4"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "quantized_bench.py"),
+        "--trace-block",
+        "--trace-weights",
+        "bf16",
+        "--trace-chunks",
+        "1,4",
+    ]
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     proc = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
