@@ -112,7 +112,7 @@ class Placement:
         self.handles[name] = handle
         self.recency.append(name)
         host_copies = handle.host
-        if not host_copies.compressed_only:  # compressed only, its raw bytes already wait in their raw home
+        if not host_copies.form.moves_payloads:  # its raw bytes move: its weight files may hold them
             folders = component_folders(name, handle.model, self.weights_root)
             source = WeightSource.find(name, folders, host_copies.positions) if folders else None
             if source is not None:
@@ -124,8 +124,9 @@ class Placement:
     def check_fits(self) -> None:
         """Once every component is added: refuse a host budget in which one component's host copies, all in
         RAM, do not fit next to what the others keep in RAM while they wait on disk (compressed only: their raw
-        base; the sizes are known only once encoded), naming the smallest workable host budget."""
-        on_disk = {n: h.host.where().ram_raw_bytes if h.host.compressed_only else 0 for n, h in self.handles.items()}
+        base; the sizes are known only once encoded: `HostForm.ram_bytes_while_waiting`), naming the smallest
+        workable host budget."""
+        on_disk = {n: h.host.form.ram_bytes_while_waiting for n, h in self.handles.items()}
         need = {n: h.host.stored_bytes + sum(b for o, b in on_disk.items() if o != n) for n, h in self.handles.items()}
         name = max(need, key=lambda n: need[n], default=None)
         if name is None or need[name] <= self.budget.weights_budget:
@@ -164,7 +165,7 @@ class Placement:
         component kept compressed only moves its compressed copies to their payload file."""
         handle = self.handles[name]
         host_copies = handle.host
-        if host_copies.compressed_only:
+        if host_copies.form.moves_payloads:
             host_copies.spill_payloads()
             logger.info("host tier: %s's compressed copies moved to disk (%s)", name, host_copies.where().disk_path)
             return
@@ -201,7 +202,7 @@ class Placement:
         A changed file is restored as it is now (a warning says so); a truncated one would fault, so it is
         refused."""
         for name, source in self._files_waited_in():
-            if self.handles[name].host.spilled_to is None and not self.handles[name].host.compressed_only:
+            if not self.handles[name].host.form.restores_from_disk:
                 continue
             truncated = source.truncated_file()
             if truncated is not None:

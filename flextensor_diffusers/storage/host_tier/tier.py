@@ -182,8 +182,7 @@ class HostTier:
             current = self._hand_over
             if current is not None and current.component == name:
                 return None if current.found_wrong else current.unit_done  # its gate still takes units back
-            host = handle.host
-            if not host.compressed_only or host.arriving or not host.compressed.file_current:
+            if not handle.host.form.lets_go_payloads or handle.host.arriving:
                 return None
             if not self._aheads.readable_after(name):
                 return None  # none expected waits on disk: nothing would read into the room
