@@ -90,8 +90,7 @@ class Edits:
                 self._settle_taken_out()
                 self._adopt_replaced()
                 self._drop_quantized_taken_out()
-            if self.host.raw_homes is not None:  # compressed only: edited raw bytes leave copy-on-write pages
-                self.host.raw_homes.rehome_written()
+            self.host.form.edit_ended()  # compressed only: edited raw bytes leave copy-on-write pages
             if self.host.encoded:  # the compressed copies must say what the edited host copies say
                 self.host.compressed.make(self.host.compressed.pinned, at_set_up=False)
             self.binding.record()  # every copy was made again from the edited host copies

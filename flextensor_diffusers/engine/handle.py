@@ -97,7 +97,7 @@ class OffloadHandle:
             # Weights shared between processes are laid out alike in each (canonically); others keep their place.
             shared = config.shared_host is not None
             layout = plan_layout(model, selected, self.device, meta_ok=self.attaching, canonical=shared)
-        copies = assemble(model, layout, self.device)
+        copies = assemble(model, layout, self.device, config.shared_host)
         self.host, self.device_copies, self.binding, self.edits = (
             copies.host,
             copies.device,
@@ -192,8 +192,9 @@ class OffloadHandle:
 
     @property
     def raw_on_disk(self) -> bool:
-        """``raw_copies="disk"``: the raw host copies wait in a cache file; loads decode compressed copies."""
-        return self.host.compressed_only
+        """``raw_copies="disk"``: the raw host copies wait in a raw home; loads decode compressed copies
+        (`HostForm.raw_in_ram`)."""
+        return not self.host.form.raw_in_ram
 
     @property
     def payload_cache(self) -> PayloadCache | None:

@@ -34,11 +34,11 @@ from .boundaries import Boundaries, Crossing, hidden
 from .config import cache_folder
 from .device_copies import DeviceCopies
 from .edits import Edits
-from .errors import FlexTensorError
 from .units import PackedTensor, Unit, UnitLayout
 
 if TYPE_CHECKING:
     from ..storage.plan import StoragePlan
+    from ..storage.shared_host import SharedHostMemory
     from .calls import BoundaryCalls
     from .config import OffloadConfig
     from .planning import Planning
@@ -68,14 +68,17 @@ def largest_to_encode(units: list[Unit]) -> int:
     return max((sum(packed.nbytes for packed in unit.tensors) for unit in units), default=0)
 
 
-def assemble(model: nn.Module, layout: UnitLayout, device: torch.device) -> Copies:
-    """The four owners of a model's bytes, wired to each other (nothing is packed yet)."""
+def assemble(
+    model: nn.Module, layout: UnitLayout, device: torch.device, shared: SharedHostMemory | None = None
+) -> Copies:
+    """The four owners of a model's bytes, wired to each other (nothing is packed yet); the host copies in memory
+    ``shared`` by the processes of the host when given (`host_forms.RawInSharedMemory`)."""
     positions = [layout.base, *layout.units]
     parts: dict[str, Any] = {}
     binding = Binding(
         positions, device, lambda unit: parts["host"].host_of(unit), lambda u, on: parts["edits"].found(u, on)
     )
-    host = HostCopies(layout.base, layout.units, device, binding)
+    host = HostCopies(layout.base, layout.units, device, binding, shared)
     device_copies = DeviceCopies(model, layout, device, host, binding)
     edits = Edits(host, device_copies, binding)
     parts.update(host=host, edits=edits)
@@ -89,7 +92,6 @@ class SetUpContext(Protocol):
     config: OffloadConfig
     device: torch.device
     cuda: bool
-    attaching: bool
     units: list[Unit]
     fingerprint: dict[str, Any]
     host: HostCopies
@@ -121,13 +123,11 @@ class SetUp:
         h, plan = self.handle, self.handle.config.storage
         if plan.writes_cache_files:  # a cache_dir refused before anything is packed: the model as it was
             self._cache_folder()
-        shared = h.config.shared_host
-        if shared is not None:
-            self._open_shared(shared)
+        h.host.form.open(h.fingerprint["sha256"], len(h.device_copies.loose))  # its files (shared memory's) first
         pin = h.cuda and h.config.pin_memory
         if plan.packs_progressively:
             h.host.start_progressive_packing(pin, self._packed)
-            self._finish(shared)
+            self._finish()
             return
         background = encodes_between_forwards(plan, h.budget_bytes, h.units)
         if background:
@@ -140,14 +140,14 @@ class SetUp:
                 h.host.compressed.start_arrival_else_encoding(self.payload_cache, pin)
             if background or h.host.compressed.start_arrival(self.payload_cache, pin):
                 h.host.start_progressive_packing(pin, self._packed_then_read_payloads)
-                self._finish(shared)
+                self._finish()
                 return
         if background:  # no file to read: encode between forwards, while the model runs raw
             if plan.compression_cache and self.payload_cache is None:
                 self.payload_cache = self._payload_cache()
             h.host.compressed.start_encoding(self.payload_cache, pin)
             h.host.start_progressive_packing(pin, self._packed)
-            self._finish(shared)
+            self._finish()
             return
         compressed_only = plan.compressed_only
         homes = h.host.keep_raw_in(self._raw_home or self._raw_cache_file()) if compressed_only else None
@@ -156,7 +156,7 @@ class SetUp:
         start = time.perf_counter()
         if plan.compressed and plan.compression_cache and self.payload_cache is None:
             self.payload_cache = self._payload_cache()  # named before packing moves tensors
-        packing = h.host.start_packing(pin=pin_now, shared=shared, attaching=h.attaching, window=window)
+        packing = h.host.start_packing(pin=pin_now, window=window)
         try:
             if plan.compressed:  # units are compressed as they are packed
                 h.host.compressed.file = self.payload_cache
@@ -170,14 +170,13 @@ class SetUp:
                 homes.pin_the_rest()
             given = h.planning.profiles.given
             h.planning.check_budget(h.budget_bytes, given.profile if given is not None else None)  # staging room now
-        self._finish(shared)
+        self._finish()
 
-    def _finish(self, shared: Any) -> None:
+    def _finish(self) -> None:
         """The steps after packing began: edit counts recorded, shared weights published, boundaries hooked."""
         h = self.handle
         h.binding.record()  # packing re-points tensors without counting; edits count from here
-        if shared is not None and shared.create:
-            shared.publish(h.fingerprint["sha256"])
+        h.host.form.publish(h.fingerprint["sha256"])
         hooking = time.perf_counter()
         self._hook()
         h.setup_times.hooks = 1e3 * (time.perf_counter() - hooking)
@@ -192,25 +191,14 @@ class SetUp:
         self.handle.host.compressed.begin_arrival()
 
     def undo(self) -> None:
-        """Undo what set-up added besides packing: boundaries, state-dict hooks, shared files, the raw file, the
-        claim on the payload file's name."""
+        """Undo what set-up added besides packing: boundaries, state-dict hooks, the claim on the payload file's
+        name (the files the host copies' form kept, shared or raw, went with the host copies: `HostForm.restored`)."""
         self.boundaries.remove()
         for hook in self._state_dict_hooks:
             hook.remove()
         self._state_dict_hooks = []
-        if self.handle.config.shared_host is not None:
-            self.handle.config.shared_host.unlink()
         if self.payload_cache is not None:
             self.payload_cache.close()
-
-    def _open_shared(self, shared: Any) -> None:
-        h = self.handle
-        if h.device_copies.loose:
-            raise FlexTensorError(
-                f"shared host memory cannot hold tensors that share storage ({len(h.device_copies.loose)} here, "
-                "e.g. weights tied outside one unit): offload without shared_host"
-            )
-        shared.open(h.fingerprint["sha256"], {u.index: u.nbytes for u in h.host.positions})
 
     def _raw_cache_file(self) -> RawCacheFile:
         """The raw home of ``raw_copies="disk"`` when the caller gave none: a cache file in ``cache_dir``."""

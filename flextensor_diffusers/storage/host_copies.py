@@ -25,7 +25,8 @@ these places, and this object alone knows which:
   gate returns once the unit's final buffer is adopted. With no gate open a read costs one check.
 
 Where a unit's bytes are is a typed record on the unit (`Unit.stored`, `host_bytes`); how they move between RAM
-and disk is the form's (`host_forms`: raw in RAM, or compressed only); packing is `packing`'s.
+and disk is the form's (`host_forms`: raw in RAM, raw in memory shared between processes, or compressed only);
+packing is `packing`'s.
 
 Which components wait where is policy, and lives with the caller (the pipelines' host tier); this object only
 moves bytes and says where they are.
@@ -47,7 +48,7 @@ from .codec import EncodedUnit
 from .compressed_copies import CompressedCopies
 from .file_reads import SERIAL, PieceReader
 from .host_bytes import Flat, HostBytes
-from .host_forms import CompressedOnly, HostForm, RawInRam, ReadInto, ReadUnit, copy_by_tensor
+from .host_forms import CompressedOnly, HostForm, RawInRam, RawInSharedMemory, ReadInto, ReadUnit, copy_by_tensor
 from .host_gates import Gate, HostGates, OpenGate
 from .host_memory import host_buffer
 from .packing import Packing, PackingWindow, ProgressivePacking, start_packing
@@ -89,11 +90,14 @@ class HostCopies:
 
     Units are numbered by *position*: 0 is the base, ``i + 1`` is unit ``i``. Re-pointing tensors from one
     host buffer to another goes through ``binding``, so that a unit computing on the device keeps its device
-    copy and every edit found on the way reaches the truth first. How the bytes move between RAM and disk is
-    ``form``'s (`host_forms`): raw in RAM, until set-up keeps raw bytes in a raw home (`keep_raw_in`).
+    copy and every edit found on the way reaches the truth first. How the bytes are kept and move between RAM and
+    disk is ``form``'s (`host_forms`), chosen here: raw in RAM, or in ``shared`` memory, the processes of the host
+    share; until set-up keeps raw bytes in a raw home (`keep_raw_in`).
     """
 
-    def __init__(self, base: Unit, units: list[Unit], device: torch.device, binding: Binding) -> None:
+    def __init__(
+        self, base: Unit, units: list[Unit], device: torch.device, binding: Binding, shared: SharedHostMemory | None
+    ) -> None:
         self.base = base
         self.units = units
         self.device = device
@@ -103,8 +107,8 @@ class HostCopies:
         self.compressed = CompressedCopies(units, device, self.raw_tensor)
         #: What a read of a unit's host bytes asks first while some are not final (see the module docstring).
         self.gates = HostGates()
-        #: How the host bytes are stored and moved: raw in RAM, or compressed only (`keep_raw_in`).
-        self.form: HostForm = RawInRam(self)
+        #: How the host bytes are kept and moved: raw in RAM (shared or not), or compressed only (`keep_raw_in`).
+        self.form: HostForm = RawInRam(self) if shared is None else RawInSharedMemory(self, shared)
         self._progressive: ProgressivePacking | None = None  # packing still under way after set-up
         #: Told of each unit's bytes as they are packed, on the thread that packed them (``verify_loads``
         #: fingerprints them while they are at hand: compressed only, they leave RAM soon after); None: nobody.
@@ -117,11 +121,10 @@ class HostCopies:
 
     # ------------------------------------------------------------------------------------ packing
 
-    def start_packing(
-        self, pin: bool, shared: SharedHostMemory | None, attaching: bool, window: int | None = None
-    ) -> Packing:
-        """Start copying every unit and the base into flat host buffers on threads (`packing.start_packing`)."""
-        return start_packing(self, pin, shared, attaching, window)
+    def start_packing(self, pin: bool, window: int | None = None) -> Packing:
+        """Start copying every unit and the base into the form's flat host buffers on threads
+        (`packing.start_packing`)."""
+        return start_packing(self, pin, window)
 
     def start_progressive_packing(self, pin: bool, on_done: Callable[[float], None]) -> ProgressivePacking:
         """Start packing every unit and the base, each adopted as first asked for (`ProgressivePacking`): set-up
@@ -141,11 +144,6 @@ class HostCopies:
         return self._progressive is not None and unit.index + 1 in self._progressive.pending
 
     # ------------------------------------------------------------------------------------ compressed only
-
-    @property
-    def compressed_only(self) -> bool:
-        """Raw bytes of units kept compressed wait outside RAM (``raw_copies="disk"``; see the module docstring)."""
-        return isinstance(self.form, CompressedOnly)
 
     @property
     def raw_homes(self) -> RawHomes | None:
@@ -322,8 +320,6 @@ class HostCopies:
         self.gate_all()
         if self.spilled_to is not None:
             return
-        if not isinstance(self.form, RawInRam):
-            raise OffloadStateError("compressed only, the payloads move to disk: call spill_payloads()")
         self.form.spill(path, hosts, held_bytes)
 
     def spilled_hosts(self) -> list[HostBytes | None]:
@@ -379,6 +375,4 @@ class HostCopies:
                     ) from exc
                 on_restored(unit)
         self.compressed.release()
-        if isinstance(self.form, CompressedOnly):
-            self.form.close()
-            self.form = RawInRam(self)
+        self.form = self.form.restored()

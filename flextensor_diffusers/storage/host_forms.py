@@ -1,14 +1,19 @@
 """The forms a model's host bytes are stored in, one class each, behind the small interface `HostForm` that
-`HostCopies` and the host tier (`host_tier`) use to move them between RAM and disk.
+`HostCopies`, packing and the host tier (`host_tier`) use: each form owns its bytes, the files it keeps for them,
+and the answers the tier asks of it (what moves to disk, what stays in RAM meanwhile, what removal reads back).
 
-* `RawInRam`: the raw bytes are the truth and sit in RAM, in a flat buffer per unit (shared with other
-  processes when set-up packed them into shared memory; compressed payloads may be kept beside them, see
-  `compressed_copies`). They leave RAM as a whole (`RawInRam.spill`): into one cache file, or onto the weight
-  files the model was loaded from, and come back unit by unit (`read_unit`, `take_unit`).
+* `RawInRam`: the raw bytes are the truth and sit in RAM, in a flat buffer per unit (compressed payloads may be
+  kept beside them, see `compressed_copies`). They leave RAM as a whole (`RawInRam.spill`): into one cache file,
+  or onto the weight files the model was loaded from, and come back unit by unit (`read_unit`, `take_unit`).
+* `RawInSharedMemory`: raw in RAM, each unit's buffer a file shared with the other processes of the host
+  (`shared_host`): packed and published by one process, attached to by the others; its files go at removal.
 * `CompressedOnly` (``raw_copies="disk"``): the raw bytes of units kept compressed wait in a raw home for good
-  (`raw_homes`); RAM holds payloads, which leave for the payload file and come back unit by unit.
+  (`raw_homes`: the weight files, else a cache file); RAM holds payloads, which leave for the payload file and
+  come back unit by unit.
 
-What moves where is the host tier's policy; a form only moves bytes and says where they are.
+The form is chosen once: shared or not by `HostCopies`' constructor, compressed only by set-up as the storage plan
+says (`HostCopies.keep_raw_in`). What moves where is the host tier's policy; a form only moves bytes and says where
+they are.
 """
 
 from __future__ import annotations
@@ -17,11 +22,11 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..engine.errors import OffloadStateError
+from ..engine.errors import FlexTensorError, OffloadStateError
 from ..engine.units import Unit, unpin_unit
 from .cache_files import drop_cached_pages_later, map_cache_file, write_cache_file
 from .file_reads import SERIAL, PieceReader
@@ -31,6 +36,7 @@ from .raw_homes import RawHomes
 
 if TYPE_CHECKING:
     from .host_copies import HostCopies, HostPlaces
+    from .shared_host import SharedHostMemory
 
 #: ``read(position, buffer, reader)``: fills one unit's new buffer (position 0: the base) straight from where its
 #: stand-in's bytes live, e.g. large reads of a weight file instead of page faults through a mapping, in pieces
@@ -77,6 +83,55 @@ class HostForm:
     spilled_to: Path | None = None
     #: Compressed only: where raw bytes of units kept compressed wait.
     raw_homes: RawHomes | None = None
+    #: The raw bytes of every unit are in RAM, or come back there from a spill: a unit kept compressed may load raw
+    #: instead of decoding (`plan_residency`'s ``raw_fallback``). False: compressed only, they wait in a raw home.
+    raw_in_ram: ClassVar[bool] = True
+    #: What leaves RAM when the host tier moves the copies to disk: the payloads, for their payload file
+    #: (`spill_payloads`); else the raw bytes as a whole (`spill`: to a cache file, or onto the weight files they
+    #: were loaded from, which the tier looks for).
+    moves_payloads: ClassVar[bool] = False
+    #: The bytes were packed by another process: packing only points the tensors at them, and pins them in place
+    #: or not at all (a private copy would defeat the sharing).
+    attached: bool = False
+
+    # ------------------------------------------------------------------------------------ set-up and removal
+
+    def open(self, fingerprint: str, loose: int) -> None:
+        """Before set-up packs the weights (``fingerprint``: their digest; ``loose``: tensors outside any unit's
+        buffer, sharing storage): the files the form keeps them in are made or checked."""
+
+    def buffer_for(self, unit: Unit) -> torch.Tensor | None:
+        """The flat buffer packing puts ``unit``'s bytes in; None: a new one of its own in RAM (`pack_unit`)."""
+        return None
+
+    def unit_packed(self, position: int, unit: Unit) -> None:
+        """``unit`` was just packed, on a packing thread, its bytes at hand in RAM."""
+
+    def publish(self, fingerprint: str) -> None:
+        """Set-up packed what it packs before returning: bytes kept for other processes are theirs to use now."""
+
+    def restored(self) -> HostForm:
+        """Every unit restored (removal): the files the form kept go; the form the host copies have from now on."""
+        return self
+
+    # ------------------------------------------------------------------------------------ what the host tier asks
+
+    @property
+    def ram_bytes_while_waiting(self) -> int:
+        """RAM the host copies keep while they wait on disk, which another component must fit next to: compressed
+        only, the raw bytes of the base and of units not kept compressed; raw bytes leave RAM as a whole."""
+        return 0
+
+    @property
+    def restores_from_disk(self) -> bool:
+        """Removal reads the raw bytes back from disk: they wait there now (a spill), or for good (a raw home)."""
+        raise NotImplementedError
+
+    @property
+    def lets_go_payloads(self) -> bool:
+        """Payloads may leave RAM one by one while the model is active (`let_go_payload`, a hand-over): compressed
+        only, with the payload file holding every payload as it is."""
+        return False
 
     @property
     def spill_is_current(self) -> bool:
@@ -152,6 +207,10 @@ class HostForm:
         taken buffers are freed, so copies that may still read them finish first."""
         raise NotImplementedError
 
+    def spill(self, path: Path, hosts: list[Flat] | None, held_bytes: int) -> None:
+        """`HostCopies.spill`, every host copy final and none spilled: the raw bytes leave RAM as a whole."""
+        raise NotImplementedError
+
     def spill_payloads(self) -> None:
         """`HostCopies.spill_payloads`, every host copy final: the payloads move to the payload file."""
         host = self._host
@@ -173,8 +232,8 @@ class HostForm:
     def mark_spill_stale(self) -> None:
         """The host copies may change (an edit begins): the next spill writes them."""
 
-    def close(self) -> None:
-        """Every unit restored: files written for the copies go."""
+    def edit_ended(self) -> None:
+        """An edit of the weights ended (`Edits.editing`), every copy it changed final."""
 
 
 class RawInRam(HostForm):
@@ -206,6 +265,10 @@ class RawInRam(HostForm):
 
     @property
     def waiting_on_disk(self) -> bool:
+        return self.spilled_to is not None
+
+    @property
+    def restores_from_disk(self) -> bool:
         return self.spilled_to is not None
 
     def waiting_positions(self) -> list[int]:
@@ -328,14 +391,74 @@ class RawInRam(HostForm):
         self._taken = set()
 
 
+class RawInSharedMemory(RawInRam):
+    """Raw in RAM, each unit's flat buffer a file of ``shared`` (`shared_host.SharedHostMemory`) that every process
+    of the host maps: the creating process packs the weights into those files and publishes them, the others
+    attach, copying nothing. The form keeps the files: checked or made before packing, deleted at removal (the
+    creator's; mappings stay valid in every process until it drops its tensors)."""
+
+    def __init__(self, host: HostCopies, shared: SharedHostMemory) -> None:
+        super().__init__(host)
+        self.shared = shared
+        self.attached = not shared.create
+
+    def open(self, fingerprint: str, loose: int) -> None:
+        if loose:
+            raise FlexTensorError(
+                f"shared host memory cannot hold tensors that share storage ({loose} here, "
+                "e.g. weights tied outside one unit): offload without shared_host"
+            )
+        self.shared.open(fingerprint, {u.index: u.nbytes for u in self._host.positions})
+
+    def buffer_for(self, unit: Unit) -> torch.Tensor:
+        return self.shared.buffer(unit.index)
+
+    def publish(self, fingerprint: str) -> None:
+        if self.shared.create:
+            self.shared.publish(fingerprint)
+
+    def restored(self) -> HostForm:
+        self.shared.unlink()
+        return self
+
+
 class CompressedOnly(HostForm):
     """Compressed only: raw bytes of units kept compressed wait in ``raw_homes`` for good; their payloads are the
     bytes that move, to the payload file and back unit by unit."""
+
+    raw_in_ram = False
+    moves_payloads = True
 
     def __init__(self, host: HostCopies, raw_homes: RawHomes) -> None:
         super().__init__(host)
         self.raw_homes = raw_homes
         self._payloads_taken: list[int] = []  # units whose payloads were taken back during a payload spill
+
+    def unit_packed(self, position: int, unit: Unit) -> None:
+        if unit.index >= 0:  # the base stays in RAM
+            self.raw_homes.home.prepare(position, unit)
+
+    def restored(self) -> HostForm:
+        self.raw_homes.close()
+        return RawInRam(self._host)
+
+    @property
+    def ram_bytes_while_waiting(self) -> int:
+        return self.raw_homes.raw_ram_bytes(self._host.packed_bytes)
+
+    @property
+    def restores_from_disk(self) -> bool:
+        return True
+
+    @property
+    def lets_go_payloads(self) -> bool:
+        return self._host.compressed.file_current
+
+    def spill(self, path: Path, hosts: list[Flat] | None, held_bytes: int) -> None:
+        raise OffloadStateError("compressed only, the payloads move to disk: call spill_payloads()")
+
+    def edit_ended(self) -> None:
+        self.raw_homes.rehome_written()  # edited raw bytes leave the weight files' copy-on-write pages
 
     @property
     def spill_is_current(self) -> bool:
@@ -427,6 +550,3 @@ class CompressedOnly(HostForm):
     def untake_units(self, hosts: list[HostBytes | None]) -> None:
         self._host.compressed.untake(self._payloads_taken)
         self._payloads_taken = []
-
-    def close(self) -> None:
-        self.raw_homes.close()

@@ -25,7 +25,6 @@ from .setup_threads import PACK_THREADS, ThreadedWork
 
 if TYPE_CHECKING:
     from .host_copies import HostCopies
-    from .shared_host import SharedHostMemory
 
 #: Packing a unit of this many bytes gives the C heap's free pages back (`give_back_freed_originals`).
 TRIM_AFTER_BYTES = 1 << 20
@@ -240,12 +239,12 @@ class ProgressivePacking:
         self._host.packing_done(self)
 
 
-def start_packing(
-    host: HostCopies, pin: bool, shared: SharedHostMemory | None, attaching: bool, window: int | None = None
-) -> Packing:
-    """Start copying every unit and the base of ``host`` into flat host buffers (or attaching them to shared ones),
-    each page-locked by the task that packed it when ``pin``; set-up goes on meanwhile, and `HostCopies.host_of`
-    waits for the unit it asks for (the device encoder codes the first blocks while the last are packed).
+def start_packing(host: HostCopies, pin: bool, window: int | None = None) -> Packing:
+    """Start copying every unit and the base of ``host`` into the flat host buffers its form gives (or attaching
+    them to the bytes another process packed: `HostForm.attached`), each page-locked by the task that packed it
+    when ``pin``, the form told of each (`HostForm.unit_packed`); set-up goes on meanwhile, and
+    `HostCopies.host_of` waits for the unit it asks for (the device encoder codes the first blocks while the last
+    are packed).
 
     One task per unit on a few threads: a copy into host memory is bound by one core's memory bandwidth,
     and the copies and ``cudaHostRegister`` release the GIL, so one thread's registration overlaps the
@@ -254,22 +253,21 @@ def start_packing(
     unit is packed only within that many positions of the furthest one asked for (`PackingWindow`)."""
     gate = PackingWindow(window) if window is not None else None
     positions = {unit.index: position for position, unit in enumerate(host.positions)}
+    form = host.form
 
     def pack_one(unit: Unit) -> None:
         if gate is not None:
             gate.wait_to_pack(positions[unit.index])
         with torch.no_grad():
-            pack_unit(unit, host=shared.buffer(unit.index) if shared is not None else None, filled=attaching)
+            pack_unit(unit, host=form.buffer_for(unit), filled=form.attached)
         give_back_freed_originals(unit)
         if pin:
-            pin_unit(unit, attached=attaching)
+            pin_unit(unit, attached=form.attached)
         buffer = unit.buffer
         if host.on_packed is not None and buffer is not None:
             host.on_packed(unit, buffer)
-        homes = host.raw_homes
-        if homes is not None and unit.index >= 0:  # while its bytes are at hand; the base stays in RAM
-            homes.home.prepare(positions[unit.index], unit)
+        form.unit_packed(positions[unit.index], unit)  # while its bytes are at hand
 
-    verb = "attaching to shared weights" if attaching else "packing weights"
+    verb = "attaching to shared weights" if form.attached else "packing weights"
     work = ThreadedWork(pack_one, host.positions, f"{verb} and pinning them" if pin else verb)
     return Packing(host.gates, work, positions, gate)

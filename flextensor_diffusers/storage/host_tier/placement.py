@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,9 +20,12 @@ from torch import nn
 from ...engine import format_bytes
 from ...engine.errors import FlexTensorError, HostBudgetError
 from ..host_budget import HostOverhead
+from ..locked_pool import LockedPool
 from ..private_files import default_cache_folder
 from ..raw_home import WeightFilesHome
 from ..weight_files import WeightSource, component_folders
+from .pool_room import PoolRoom
+from .records import ReadRecords
 
 if TYPE_CHECKING:
     from ...engine import OffloadHandle
@@ -63,21 +65,15 @@ def kept_in_ram_bytes(name: str, module: nn.Module, root: Path | None) -> int:
 class Placement:
     """The components' host copies against ``budget.weights_budget``: which are in RAM, which wait on disk and
     where (``sources``: those that wait in their own weight files; the others' cache files in ``folder``), and
-    the peak. ``reserved`` tells what the reads under way may still take: RAM they hold before the host copies
-    adopt it, counted here so that the share holds at all times; ``held(reserving)``, what RAM is held beyond that
-    once ``reserving`` more bytes are reserved (idle buffers kept for reads, `storage.locked_pool`, which the reads
-    reserved will take), counted in the peak and when making room; ``moved_out`` is told after each
-    component moves out (the RAM it frees may be held that way, and must be given up when others need it).
-    Not thread-safe: `HostTier` holds its lock."""
+    the peak. The reads under way (``reads``) may still take RAM they hold before the host copies adopt it, and
+    the locked pool's lent buffers may hold more than their reads' pages (``pool``): both are counted here, so that
+    the share holds at all times. The pool's idle buffers, kept for reads to come, are held to the share by
+    ``pool_room`` (`PoolRoom`, built on this count): counted in the peak and when making room beyond what the
+    reads reserved will take, and trimmed after each component moves out (the RAM it frees may be held that way,
+    and must be given up when others need it). Not thread-safe: `HostTier` holds its lock."""
 
     def __init__(
-        self,
-        budget: TierBudget,
-        folder: Path,
-        weights_root: Path | None,
-        reserved: Callable[[], int],
-        held: Callable[[int], int] = lambda reserving: 0,
-        moved_out: Callable[[], None] = lambda: None,
+        self, budget: TierBudget, folder: Path, weights_root: Path | None, reads: ReadRecords, pool: LockedPool
     ) -> None:
         self.budget = budget
         self.folder = folder
@@ -87,17 +83,20 @@ class Placement:
         self.sources: dict[str, WeightSource] = {}  # components that wait in their own weight files
         self.peak_ram_bytes = 0
         self._files: list[Path] = []  # cache files written, deleted by `delete_files`
-        self._reserved = reserved
-        self._held = held
-        self._moved_out = moved_out
+        self._reads = reads
+        self._pool = pool
+        #: The locked pool held to the share, on this placement's count of RAM (`ram_bytes`: all it reads is set).
+        self.pool_room = PoolRoom(pool, budget, self.ram_bytes, reads.readings)
 
     def ram_bytes(self) -> int:
-        """Host RAM of the host copies now, and what the reads under way may hold (reserved ahead)."""
-        return sum(h.host.host_ram_bytes for h in self.handles.values()) + self._reserved()
+        """Host RAM of the host copies now, what the reads under way may hold (reserved ahead), and what the
+        locked pool's lent buffers hold beyond their reads' pages."""
+        copies = sum(h.host.host_ram_bytes for h in self.handles.values())
+        return copies + self._reads.reserved_bytes + self._pool.slack_bytes
 
     def note_peak(self) -> None:
-        """The peak of `ram_bytes` and what else ``held`` says is held: RAM kept for the reads to come."""
-        self.peak_ram_bytes = max(self.peak_ram_bytes, self.ram_bytes() + self._held(0))
+        """The peak of `ram_bytes` and of the pool's idle buffers no read will take: RAM kept for the reads to come."""
+        self.peak_ram_bytes = max(self.peak_ram_bytes, self.ram_bytes() + self.pool_room.held_beyond(0))
 
     def stored_bytes(self, name: str) -> int:
         """What ``name``'s host copies take in RAM when all are there (`HostCopies.stored_bytes`)."""
@@ -112,7 +111,7 @@ class Placement:
         self.handles[name] = handle
         self.recency.append(name)
         host_copies = handle.host
-        if not host_copies.compressed_only:  # compressed only, its raw bytes already wait in their raw home
+        if not host_copies.form.moves_payloads:  # its raw bytes move: its weight files may hold them
             folders = component_folders(name, handle.model, self.weights_root)
             source = WeightSource.find(name, folders, host_copies.positions) if folders else None
             if source is not None:
@@ -124,8 +123,9 @@ class Placement:
     def check_fits(self) -> None:
         """Once every component is added: refuse a host budget in which one component's host copies, all in
         RAM, do not fit next to what the others keep in RAM while they wait on disk (compressed only: their raw
-        base; the sizes are known only once encoded), naming the smallest workable host budget."""
-        on_disk = {n: h.host.where().ram_raw_bytes if h.host.compressed_only else 0 for n, h in self.handles.items()}
+        base; the sizes are known only once encoded: `HostForm.ram_bytes_while_waiting`), naming the smallest
+        workable host budget."""
+        on_disk = {n: h.host.form.ram_bytes_while_waiting for n, h in self.handles.items()}
         need = {n: h.host.stored_bytes + sum(b for o, b in on_disk.items() if o != n) for n, h in self.handles.items()}
         name = max(need, key=lambda n: need[n], default=None)
         if name is None or need[name] <= self.budget.weights_budget:
@@ -149,11 +149,11 @@ class Placement:
         """Move least recently used components out (never those in ``keep`` nor an active one) until
         ``nbytes`` more fit, or none is left to move."""
         for other in list(self.recency):
-            if self.ram_bytes() + nbytes + self._held(nbytes) <= self.budget.weights_budget:
+            if self.ram_bytes() + nbytes + self.pool_room.held_beyond(nbytes) <= self.budget.weights_budget:
                 return
             if self._movable(other, keep):
                 self._move_out(other)
-                self._moved_out()
+                self.pool_room.trim()
 
     def _movable(self, name: str, keep: set[str]) -> bool:
         handle = self.handles[name]
@@ -164,7 +164,7 @@ class Placement:
         component kept compressed only moves its compressed copies to their payload file."""
         handle = self.handles[name]
         host_copies = handle.host
-        if host_copies.compressed_only:
+        if host_copies.form.moves_payloads:
             host_copies.spill_payloads()
             logger.info("host tier: %s's compressed copies moved to disk (%s)", name, host_copies.where().disk_path)
             return
@@ -201,7 +201,7 @@ class Placement:
         A changed file is restored as it is now (a warning says so); a truncated one would fault, so it is
         refused."""
         for name, source in self._files_waited_in():
-            if self.handles[name].host.spilled_to is None and not self.handles[name].host.compressed_only:
+            if not self.handles[name].host.form.restores_from_disk:
                 continue
             truncated = source.truncated_file()
             if truncated is not None:

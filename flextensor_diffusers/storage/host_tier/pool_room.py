@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from ..locked_pool import LockedPool
-from .placement import TierBudget
 from .records import Reading
+
+if TYPE_CHECKING:
+    from .placement import TierBudget
 
 
 class PoolRoom:
     """``pool`` against ``budget``'s share, with the host copies' RAM (``ram_bytes``, reservations and the pool's
-    slack included) and the reads under way (``readings``) as the tier counts them; the tier makes each change of
-    what it counts inside `changing`, under its lock."""
+    slack included) and the reads under way (``readings``) as the tier counts them (`Placement`, which holds this
+    room); the tier makes each change of what it counts inside `changing`, under its lock."""
 
     def __init__(
         self,

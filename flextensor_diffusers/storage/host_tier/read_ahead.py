@@ -25,26 +25,30 @@ from ..locked_pool import LockedPool
 from .jobs import read_job
 from .order import ComponentOrder
 from .placement import Placement
-from .records import READ_AHEAD, Reading
+from .records import ReadRecords
 
 logger = logging.getLogger(__name__)
 
 
 class ReadAheads:
-    """The read aheads under way, by component, in the order expected (the order the reader runs them)."""
+    """The read aheads under way, by component, in the order expected (the order the reader runs them), kept in
+    ``reads`` (`ReadRecords.ahead`), where the placement counts what they reserve."""
 
     def __init__(
-        self, placement: Placement, reader: Reader, order: ComponentOrder, pin: bool, pool: LockedPool
+        self,
+        placement: Placement,
+        reads: ReadRecords,
+        reader: Reader,
+        order: ComponentOrder,
+        pin: bool,
+        pool: LockedPool,
     ) -> None:
         self._placement = placement
         self._reader = reader
         self._order = order
         self._pin = pin
         self._pool = pool
-        self._jobs: dict[str, ReadJob] = {}
-
-    def readings(self) -> list[Reading]:
-        return [Reading(READ_AHEAD, job) for job in self._jobs.values()]
+        self._jobs: dict[str, ReadJob] = reads.ahead
 
     def take(self, name: str) -> ReadJob | None:
         """``name`` becomes active: its read ahead (if any), which becomes its read back."""

@@ -28,7 +28,7 @@ from .forecast import SlowSwitchWarning
 from .jobs import is_stale, read_job
 from .placement import Placement
 from .read_ahead import ReadAheads
-from .records import READ_BACK, Reading, Switch
+from .records import ReadRecords, Switch
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,8 @@ class Fill:
 
 
 class ReadBack:
-    """The active component's read back (at most one at a time) and the `Switch` of every read back so far.
+    """The active component's read back (at most one at a time), kept in ``reads`` (`ReadRecords.back`, where the
+    placement counts what it reserves), and the `Switch` of every read back so far (`ReadRecords.switches`).
 
     ``lock`` is the host tier's: the gate is called by the engine, outside the tier, and takes it itself. A
     component's read ahead becomes its read back (``aheads``), and a new read back gives every read ahead up
@@ -60,22 +61,25 @@ class ReadBack:
         self,
         lock: threading.RLock,
         placement: Placement,
+        reads: ReadRecords,
         reader: Reader,
         aheads: ReadAheads,
         slow: SlowSwitchWarning,
         pin: bool,
     ) -> None:
-        self.switches: list[Switch] = []
         self._lock = lock
         self._placement = placement
+        self._reads = reads
         self._reader = reader
         self._aheads = aheads
         self._slow = slow
         self._pin = pin
         self._fill: Fill | None = None
 
-    def readings(self) -> list[Reading]:
-        return [] if self._fill is None else [Reading(READ_BACK, self._fill.job)]
+    def _hold(self, fill: Fill | None) -> None:
+        """``fill`` is the read back under way now (None: none), counted among the reads under way."""
+        self._fill = fill
+        self._reads.back = None if fill is None else fill.job
 
     def serves(self, name: str) -> bool:
         """``name``'s units are still arriving (activated again meanwhile: its gate still serves them)."""
@@ -99,9 +103,9 @@ class ReadBack:
         switch = Switch(name, job.total_bytes, read_ahead_bytes=job.read_bytes)
         fill = Fill(job, switch, source)
         fill.gate = FillGate(len(job.nbytes), job.order, functools.partial(self._arrive, fill))
-        self._fill = fill
+        self._hold(fill)
         fill.opened = host_copies.expect_arrivals(fill.gate)
-        self.switches.append(switch)
+        self._reads.switches.append(switch)
         try:
             self._placement.make_room({name}, job.total_bytes - job.reserved_bytes)
             job.allow(job.total_bytes)
@@ -165,7 +169,7 @@ class ReadBack:
     def _end(self, fill: Fill) -> None:
         """Every unit arrived: the gate goes, the switch is complete (and warned of when it was slow)."""
         job, switch = fill.job, fill.switch
-        self._fill = None
+        self._hold(None)
         fill.close_gate()
         switch.read_s, switch.complete = job.read_s, True
         if fill.source is not None:
@@ -197,7 +201,8 @@ class ReadBack:
     def give_up(self) -> None:
         """Stop the read back under way between units: what was taken goes back to the stand-ins, which
         hold the same bytes, what was read is freed, and the component is spilled as it was."""
-        fill, self._fill = self._fill, None
+        fill = self._fill
+        self._hold(None)
         if fill is None:
             return
         host_copies = fill.job.host_copies

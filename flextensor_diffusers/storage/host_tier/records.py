@@ -1,7 +1,7 @@
 """What the host tier records of its reads: a `Switch` per component brought in from disk (kept for the
 report and the forecasts), with an `UnitArrival` per unit taken (when its read ended, when the component asked
 for it: where a switch's wait went), and a `Reading` per read under way (what RAM it may still take, what it has
-read)."""
+read); `ReadRecords` holds both, for the parts that count them and the parts that make them."""
 
 from __future__ import annotations
 
@@ -112,3 +112,27 @@ class Reading:
             "allowed_bytes": min(job.allowed, total),
             "nbytes": total,
         }
+
+
+class ReadRecords:
+    """The host tier's reads: every switch from disk so far, in order (`ReadBack` appends each), and the reads
+    under way, in the order the reader runs them: the active component's read back (``back``, kept by `ReadBack`),
+    then the read aheads in the order expected (``ahead``, by component, kept by `ReadAheads`).
+
+    Built before any part of the tier, it is given whole to those that count what the reads hold (`Placement`, and
+    its `PoolRoom`) and to those that start and end them: none reads another part that is not built yet."""
+
+    def __init__(self) -> None:
+        self.switches: list[Switch] = []
+        self.back: ReadJob | None = None
+        self.ahead: dict[str, ReadJob] = {}
+
+    def readings(self) -> list[Reading]:
+        """The reads under way: the read back, then the read aheads in order."""
+        back = [] if self.back is None else [Reading(READ_BACK, self.back)]
+        return back + [Reading(READ_AHEAD, job) for job in self.ahead.values()]
+
+    @property
+    def reserved_bytes(self) -> int:
+        """RAM the reads under way may still take before the host copies adopt it (`ReadJob.reserved_bytes`)."""
+        return sum(r.job.reserved_bytes for r in self.readings())

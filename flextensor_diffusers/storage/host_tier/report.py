@@ -79,8 +79,7 @@ def _components(placement: Placement, switches: list[Switch]) -> dict[str, dict[
 def _source(placement: Placement, name: str) -> str:
     """Where a component waits on disk: its weight files, a cache file, or (compressed only) its payload file,
     its raw bytes in the weight files or a cache file."""
-    host = placement.handles[name].host
-    if host.compressed_only:
+    if placement.handles[name].host.form.moves_payloads:
         return PAYLOAD_FILE
     return WEIGHTS_FILES if name in placement.sources else CACHE_FILE
 

@@ -22,7 +22,7 @@ from .placement import Placement, TierBudget
 from .pool_room import PoolRoom
 from .read_ahead import ReadAheads
 from .read_back import ReadBack
-from .records import Reading, Switch
+from .records import ReadRecords, Switch
 from .report import tier_report
 
 if TYPE_CHECKING:
@@ -64,21 +64,15 @@ class HostTier:
         self._reader = Reader()
         self._seen = ComponentOrder(self.order)
         self._split = TierBudget(budget, overhead)
+        self._reads = ReadRecords()  # first: the parts below count the reads or make them
         #: The buffers of payloads read back and let go, handed on instead of made (and locked and unlocked) per
         #: unit (`storage.locked_pool`); page-locked when ``pin``; held to the budget by `_pool_room`.
         self.locked_pool = LockedPool(page_lock=pin)
-        self._placement = Placement(
-            self._split,
-            folder,
-            weights_root,
-            reserved=self._reserved_bytes,
-            held=lambda reserving: self._pool_room.held_beyond(reserving),
-            moved_out=lambda: self._pool_room.trim(),
-        )
-        self._pool_room = PoolRoom(self.locked_pool, self._split, self._placement.ram_bytes, self._readings)
-        self._aheads = ReadAheads(self._placement, self._reader, self._seen, pin, self.locked_pool)
-        slow = SlowSwitchWarning(budget, self.forecasts)
-        self._read_back = ReadBack(self._lock, self._placement, self._reader, self._aheads, slow, pin)
+        self._placement = Placement(self._split, folder, weights_root, self._reads, self.locked_pool)
+        self._pool_room: PoolRoom = self._placement.pool_room
+        self._aheads = ReadAheads(self._placement, self._reads, self._reader, self._seen, pin, self.locked_pool)
+        slow = SlowSwitchWarning(budget, self.forecasts)  # what it reads (switches, order, placement) is built
+        self._read_back = ReadBack(self._lock, self._placement, self._reads, self._reader, self._aheads, slow, pin)
         self._hand_over: HandOver | None = None
         self.hand_overs: list[HandOverRecord] = []
 
@@ -103,7 +97,7 @@ class HostTier:
     @property
     def switches(self) -> list[Switch]:
         """Every read from disk, in order."""
-        return self._read_back.switches
+        return self._reads.switches
 
     @property
     def reads(self) -> list[Switch]:
@@ -114,15 +108,6 @@ class HostTier:
         """Host RAM of the host copies now, and what the reads under way may hold (reserved ahead)."""
         with self._lock:
             return self._placement.ram_bytes()
-
-    def _readings(self) -> list[Reading]:
-        """The reads under way: the active component's read back, then the read aheads in order."""
-        return self._read_back.readings() + self._aheads.readings()
-
-    def _reserved_bytes(self) -> int:
-        """RAM the host copies do not count yet: what the reads under way may still take, and what the locked
-        pool's buffers take beyond the payloads they hold."""
-        return sum(r.job.reserved_bytes for r in self._readings()) + self._pool_room.slack_bytes
 
     def add(self, name: str, handle: OffloadHandle) -> None:
         """Track a component just packed (in RAM): find its weight files, then move others to disk if
@@ -182,8 +167,7 @@ class HostTier:
             current = self._hand_over
             if current is not None and current.component == name:
                 return None if current.found_wrong else current.unit_done  # its gate still takes units back
-            host = handle.host
-            if not host.compressed_only or host.arriving or not host.compressed.file_current:
+            if not handle.host.form.lets_go_payloads or handle.host.arriving:
                 return None
             if not self._aheads.readable_after(name):
                 return None  # none expected waits on disk: nothing would read into the room
@@ -212,7 +196,7 @@ class HostTier:
             self._read_back.note_read_time()
             pool = self.locked_pool.report()
             return tier_report(
-                self._placement, self.switches, self._readings(), self.forecasts(), self.hand_overs, pool
+                self._placement, self.switches, self._reads.readings(), self.forecasts(), self.hand_overs, pool
             )
 
     def forecasts(self) -> list[SwitchForecast]:
