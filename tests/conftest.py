@@ -3,12 +3,18 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 import torch
 
 from tests.device_state import settle_cuda
+
+if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
+    # Tests run in several worker processes (pytest-xdist): each takes its share of the cores, so that torch's
+    # threads do not outnumber them (the tiny models' ops are too small to gain from more).
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),
@@ -43,6 +49,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    group_for_workers(items)
     order = config.getoption("--order")
     if order == "default":
         return
@@ -60,3 +67,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     else:
         raise pytest.UsageError(f"--order {order!r}: use default, reverse or shuffle:SEED")
     items[:] = [item for group in groups for item in group]
+
+
+def group_for_workers(items: list[pytest.Item]) -> None:
+    """Groups for ``-n N --dist loadgroup`` (the README's command, pytest-xdist): each file's tests run in one
+    worker, so that its module fixtures are made once; every GPU test runs in one worker too, one after another,
+    since a test's device measurements assume the device to itself (without ``-n`` the groups do nothing)."""
+    on_gpu = torch.cuda.is_available()
+    for item in items:
+        gpu = on_gpu and item.get_closest_marker("gpu") is not None
+        item.add_marker(pytest.mark.xdist_group("gpu" if gpu else item.path.name))
