@@ -235,6 +235,21 @@ def test_out_of_memory_while_measuring_names_the_fix_and_the_model_recovers(monk
     handle.remove()
 
 
+def test_out_of_memory_with_much_reserved_but_free_names_expandable_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the allocator held much memory reserved but free when the measuring forward ran out (fragmentation,
+    as issue 47's call E on a 5 GB card), the error names the allocator setting first; not where little was, nor
+    where that setting is on already."""
+    from flextensor_diffusers.engine.call_guards import FRAGMENTED_BYTES, measuring_out_of_memory_error
+
+    exc = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 640.00 MiB.")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    fragmented = str(measuring_out_of_memory_error("M", 5 * 10**9, 3 * 2**30, exc, int(1.46 * 2**30)))
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in fragmented and "reserved but free" in fragmented
+    assert "expandable" not in str(measuring_out_of_memory_error("M", 5 * 10**9, 3 * 2**30, exc, FRAGMENTED_BYTES - 1))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert "expandable" not in str(measuring_out_of_memory_error("M", 5 * 10**9, 3 * 2**30, exc, 2**31))
+
+
 def test_budget_below_two_slots_names_smallest_budget() -> None:
     model, _ = make()
     before = snapshot(model)

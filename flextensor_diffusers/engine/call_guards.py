@@ -8,6 +8,7 @@ go wrong, before anything is wrong.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -73,13 +74,30 @@ def outside_a_call_error(model: str, exc: BaseException) -> FlexTensorError:
     )
 
 
-def measuring_out_of_memory_error(model: str, budget: int, room: int, exc: BaseException) -> MeasuringOutOfMemoryError:
+#: The caching allocator's settings, read from the environment when CUDA starts.
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+#: Memory the caching allocator holds reserved but unallocated when an out-of-memory is raised, from which on it is
+#: fragmentation worth naming (a fixed-size cache of freed blocks is normal; a gigabyte on a small card is not).
+FRAGMENTED_BYTES = 256 * 2**20
+
+
+def measuring_out_of_memory_error(
+    model: str, budget: int, room: int, exc: BaseException, reserved_free: int = 0
+) -> MeasuringOutOfMemoryError:
     """What an out-of-memory in a measuring forward means: the activations, not yet measured, need more than
-    ``room`` (the budget less the weights outside units and two slots), or the device holds less than the budget."""
+    ``room`` (the budget less the weights outside units and two slots), or the device holds less than the budget.
+    Where ``reserved_free`` bytes (reserved by the caching allocator, not allocated) are many and the allocator does
+    not expand its segments, the card's room was lost to fragmentation: the fix that needs no other budget is said
+    first (call E of issue 47: refused under a 5 GB card with 1.46 GiB reserved but free)."""
+    fix = (
+        "Shrink the workload (fewer frames, smaller resolution, VAE tiling) or raise gpu_budget."
+        if reserved_free < FRAGMENTED_BYTES or "expandable_segments:True" in os.environ.get(ALLOC_CONF, "")
+        else f"{format_bytes(reserved_free)} were reserved but free (fragmentation): start Python with "
+        f"{ALLOC_CONF}=expandable_segments:True, or shrink the workload, or raise gpu_budget."
+    )
     return MeasuringOutOfMemoryError(
         f"{model}: the GPU ran out of memory while measuring this workload's first forward under gpu_budget "
         f"{format_bytes(budget)}: its activations need more than the {format_bytes(max(room, 0))} the budget leaves "
-        "beside the weights outside units and 2 slots (or the device holds less than the budget). Shrink the "
-        f"workload (fewer frames, smaller resolution, VAE tiling) or raise gpu_budget. "
+        f"beside the weights outside units and 2 slots (or the device holds less than the budget). {fix} "
         f"({(str(exc).splitlines() or [''])[0][:120]})"
     )

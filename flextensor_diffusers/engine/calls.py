@@ -225,7 +225,8 @@ class BoundaryCalls:
             return outside_a_call_error(type(h.model).__name__, exc)
         if isinstance(exc, torch.OutOfMemoryError) and measuring and not isinstance(exc, BudgetError):
             room = h.budget_bytes - h.planning.weights_minimum()
-            return measuring_out_of_memory_error(type(h.model).__name__, h.budget_bytes, room, exc)
+            free = torch.cuda.memory_reserved(h.device) - torch.cuda.memory_allocated(h.device) if h.cuda else 0
+            return measuring_out_of_memory_error(type(h.model).__name__, h.budget_bytes, room, exc, free)
         return None
 
     def units_compiled(self) -> None:
