@@ -18,7 +18,7 @@ import flextensor_diffusers as ft
 from flextensor_diffusers.engine import Phase, planning
 from flextensor_diffusers.engine.planner import Call, WorkloadProfile, plan_residency, simulate
 from flextensor_diffusers.recipes.models import build_pipeline
-from flextensor_diffusers.storage import compressed_copies
+from flextensor_diffusers.storage import compressed_copies, set_up_payloads
 from flextensor_diffusers.storage.codec import DEVICE_SLICE_BYTES, CodecMismatch, encode_unit
 from flextensor_diffusers.storage.compressed_copies import CompressedCopies
 from tests.models import (
@@ -247,7 +247,7 @@ def payload_reads_end_where_they_begin(monkeypatch) -> None:
 
     def begin_and_wait(copies: CompressedCopies) -> None:
         real(copies)
-        if copies._arrival is not None:
+        if copies.arriving:
             while not copies.arrived:
                 time.sleep(0.001)
 
@@ -343,7 +343,7 @@ def test_a_failing_encoder_is_refused_naming_the_fix_and_leaves_the_model_as_it_
     with torch.inference_mode():
         ref = model(x)
     before = snapshot(model)
-    monkeypatch.setattr(compressed_copies, "encode_unit", faulting_encoder)
+    monkeypatch.setattr(set_up_payloads, "encode_unit", faulting_encoder)
     unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
     expected = r"compressing the weights on cpu failed \(CUDA error: resource already mapped\): pass compression='none'"
     with pytest.raises(ft.FlexTensorError, match=expected):
@@ -364,7 +364,7 @@ def test_a_payload_that_does_not_decode_to_the_weights_is_refused(monkeypatch) -
     def mismatching_encoder(*args: object, **kwargs: object) -> None:
         raise CodecMismatch(1, unit=2)
 
-    monkeypatch.setattr(compressed_copies, "encode_unit", mismatching_encoder)
+    monkeypatch.setattr(set_up_payloads, "encode_unit", mismatching_encoder)
     unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
     with pytest.raises(
         ft.FlexTensorError, match=r"'blocks\.2' does not decode to its weights \(\w+.*compression='none'"
