@@ -405,6 +405,34 @@ def test_raw_copies_on_disk_leave_only_compressed_copies_in_ram(tmp_path) -> Non
     assert all(torch.equal(t.view(torch.uint8), theirs[k].view(torch.uint8)) for k, t in model.state_dict().items())
 
 
+def test_a_payload_read_back_before_an_edit_is_read_again_at_its_take(tmp_path) -> None:
+    """The host tier reads a component's payloads back ahead of their take; an edit may come in between, which
+    encodes them again, and a spill that writes the payload file again. A payload read before that write holds the
+    old weights (its checksum matched the file then): its take reads it again, so the model computes with the edit,
+    bitwise (`waiting_payloads`)."""
+    model, x = make(torch.bfloat16)
+    other = edited_twin()
+    with torch.inference_mode():
+        edited = other(x)
+    unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    config = dict(device="cpu", compression="lossless", raw_copies="disk", compression_cache=True, cache_dir=tmp_path)
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=int(3.8 * unit), **config)
+    host = handle.host
+    handle.release()
+    host.spill_payloads()
+    early = host.read_unit(1, None, pin=False)  # unit 0's payload, read ahead from the file as it is
+    model.load_state_dict(other.state_dict())  # new compressed copies, in RAM
+    handle.release()
+    host.spill_payloads()  # the payload file written again
+    assert host.waiting_positions() == [1, 2, 3, 4, 5]
+    host.take_unit(early)
+    for position in host.waiting_positions():
+        host.take_unit(host.read_unit(position, None, pin=False))
+    with torch.inference_mode():
+        assert all(torch.equal(model(x), edited) for _ in range(2))
+    handle.remove()
+
+
 def test_raw_copies_on_a_full_disk_are_a_clear_error_and_leave_the_model_and_folder_as_they_were(
     tmp_path, monkeypatch
 ) -> None:
