@@ -161,7 +161,7 @@ def test_units_are_encoded_only_between_forwards_each_gap_for_about_as_long_as_t
     with torch.inference_mode():
         reference = model(x)
     handle = offload_encoding(model, tmp_path, cache=False)
-    encoding = handle.host.compressed._arrival
+    encoding = handle.host.compressed.arrivals.current
     encoded_when_a_forward_began: list[int] = []
     model.blocks[0].register_forward_pre_hook(lambda *_: encoded_when_a_forward_began.append(encoding.encoded_units))
     model.blocks[0].register_forward_pre_hook(lambda *_: clock.advance(forward_s))
@@ -233,7 +233,7 @@ def test_ctrl_c_while_units_are_encoded_between_forwards_goes_on_at_the_next_for
     with torch.inference_mode():
         reference = model(x)
     handle = offload_encoding(model, tmp_path, cache=False)
-    encoding = handle.host.compressed._arrival
+    encoding = handle.host.compressed.arrivals.current
     raised = []
     with torch.inference_mode():
         while not interrupted:

@@ -18,7 +18,7 @@ import flextensor_diffusers as ft
 from flextensor_diffusers.engine import Phase, planning
 from flextensor_diffusers.engine.planner import Call, WorkloadProfile, plan_residency, simulate
 from flextensor_diffusers.recipes.models import build_pipeline
-from flextensor_diffusers.storage import compressed_copies
+from flextensor_diffusers.storage import compressed_copies, set_up_payloads
 from flextensor_diffusers.storage.codec import DEVICE_SLICE_BYTES, CodecMismatch, encode_unit
 from flextensor_diffusers.storage.compressed_copies import CompressedCopies
 from tests.models import (
@@ -247,7 +247,7 @@ def payload_reads_end_where_they_begin(monkeypatch) -> None:
 
     def begin_and_wait(copies: CompressedCopies) -> None:
         real(copies)
-        if copies._arrival is not None:
+        if copies.arriving:
             while not copies.arrived:
                 time.sleep(0.001)
 
@@ -343,7 +343,7 @@ def test_a_failing_encoder_is_refused_naming_the_fix_and_leaves_the_model_as_it_
     with torch.inference_mode():
         ref = model(x)
     before = snapshot(model)
-    monkeypatch.setattr(compressed_copies, "encode_unit", faulting_encoder)
+    monkeypatch.setattr(set_up_payloads, "encode_unit", faulting_encoder)
     unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
     expected = r"compressing the weights on cpu failed \(CUDA error: resource already mapped\): pass compression='none'"
     with pytest.raises(ft.FlexTensorError, match=expected):
@@ -364,7 +364,7 @@ def test_a_payload_that_does_not_decode_to_the_weights_is_refused(monkeypatch) -
     def mismatching_encoder(*args: object, **kwargs: object) -> None:
         raise CodecMismatch(1, unit=2)
 
-    monkeypatch.setattr(compressed_copies, "encode_unit", mismatching_encoder)
+    monkeypatch.setattr(set_up_payloads, "encode_unit", mismatching_encoder)
     unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
     with pytest.raises(
         ft.FlexTensorError, match=r"'blocks\.2' does not decode to its weights \(\w+.*compression='none'"
@@ -403,6 +403,34 @@ def test_raw_copies_on_disk_leave_only_compressed_copies_in_ram(tmp_path) -> Non
         assert torch.equal(model(x), edited)
     theirs = other.state_dict()
     assert all(torch.equal(t.view(torch.uint8), theirs[k].view(torch.uint8)) for k, t in model.state_dict().items())
+
+
+def test_a_payload_read_back_before_an_edit_is_read_again_at_its_take(tmp_path) -> None:
+    """The host tier reads a component's payloads back ahead of their take; an edit may come in between, which
+    encodes them again, and a spill that writes the payload file again. A payload read before that write holds the
+    old weights (its checksum matched the file then): its take reads it again, so the model computes with the edit,
+    bitwise (`waiting_payloads`)."""
+    model, x = make(torch.bfloat16)
+    other = edited_twin()
+    with torch.inference_mode():
+        edited = other(x)
+    unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    config = dict(device="cpu", compression="lossless", raw_copies="disk", compression_cache=True, cache_dir=tmp_path)
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=int(3.8 * unit), **config)
+    host = handle.host
+    handle.release()
+    host.spill_payloads()
+    early = host.read_unit(1, None, pin=False)  # unit 0's payload, read ahead from the file as it is
+    model.load_state_dict(other.state_dict())  # new compressed copies, in RAM
+    handle.release()
+    host.spill_payloads()  # the payload file written again
+    assert host.waiting_positions() == [1, 2, 3, 4, 5]
+    host.take_unit(early)
+    for position in host.waiting_positions():
+        host.take_unit(host.read_unit(position, None, pin=False))
+    with torch.inference_mode():
+        assert all(torch.equal(model(x), edited) for _ in range(2))
+    handle.remove()
 
 
 def test_raw_copies_on_a_full_disk_are_a_clear_error_and_leave_the_model_and_folder_as_they_were(

@@ -162,7 +162,8 @@ def adopt_payloads_made_at_set_up(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def make(self, *args, **kwargs):
         real_make(self, *args, **kwargs)
-        self._registered = [encoded.payload for encoded in self.encoded.values()]
+        for encoded in self.encoded.values():  # each one locked in place, as the CUDA encoder leaves it
+            self.locks.mark_locked(encoded.payload)
 
     monkeypatch.setattr(CompressedCopies, "make", make)
     monkeypatch.setattr(host_memory, "locked_in_place", lambda buffer: True)

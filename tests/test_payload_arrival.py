@@ -119,7 +119,7 @@ def test_the_payload_file_is_read_only_once_the_raw_copies_are_packed(tmp_path, 
         reference = model(x)
     handle = offload_cached(model, tmp_path)
     hosts.append(handle.host)
-    assert packing_over_at_begin == [] and handle.host.compressed._arrival._futures is None  # not begun
+    assert packing_over_at_begin == [] and handle.host.compressed.arrivals.current._futures is None  # not begun
     assert reads == [] and handle.host._progressive is not None and handle.host.compressed.arriving
     with torch.inference_mode():
         assert torch.equal(model(x), reference)
@@ -135,7 +135,7 @@ def test_the_payload_file_is_read_only_once_the_raw_copies_are_packed(tmp_path, 
     handle = offload_cached(model, tmp_path)
     with torch.inference_mode():
         model(x)  # packing over: the reads begin
-    assert handle.host.compressed.arriving and handle.host.compressed._arrival._futures is not None  # begun
+    assert handle.host.compressed.arriving and handle.host.compressed.arrivals.current._futures is not None  # begun
     assert_an_edit_now_reaches_the_outputs(handle, model, x)
     assert not handle.host.encoded and handle.payload_cache.describe().startswith("refused: an edit")
     handle.remove()

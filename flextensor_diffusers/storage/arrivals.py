@@ -55,7 +55,7 @@ class PayloadArrival:
     """The payloads of the payload file, read on threads in unit order (each in pieces: `file_reads`, so that they
     arrive in that order), each checked against its CRC-32, compared
     with its weights by ``check(index, encoded)`` when given (the first tensor that differs, None: none) and
-    page-locked in place. A set-up that waits for them takes each in turn (`wait_for`: `CompressedCopies._keep_cached`);
+    page-locked in place. A set-up that waits for them takes each in turn (`wait_for`: `SetUpPayloads._keep_cached`);
     one that does not (`CompressedCopies.start_arrival`) takes them all once ``done`` (`take`)."""
 
     #: The payloads come from the payload file (which then holds them).

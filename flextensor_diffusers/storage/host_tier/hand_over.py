@@ -196,14 +196,15 @@ class HandOver:
 
     def finish(self) -> None:
         """Stop: units still waiting for their event stay in RAM (moving the component out takes them); nothing more
-        is let go.
+        is let go, and the gate is lifted. The units let go wait in the payload file as any spilled unit does: the
+        component's next activation reads them back (`read_back`), and an edit encodes every payload again.
 
-        The gate stays open: a unit let go is still taken back at its next read, until a read back of the component
-        supersedes the gate (`host_gates`). That is how the engine has behaved so far (the gate was meant to be
-        lifted here, but the check that it was still this hand-over's compared a fresh bound method by identity
-        and never matched), and an edit of a component whose payloads were let go relies on it: lifting it here
-        makes `test_verified_loads_under_the_compressed_tier_find_nothing` decode stale payloads."""
+        The gate once stayed open past here (the check that it was still this hand-over's compared a fresh bound
+        method by identity and never matched), and an edit of a component let go then went through it: it took the
+        units back and gave up every read ahead (`on_wrong`), with a wrong warning. That hid a read ahead of the
+        old payloads adopted after an edit (`waiting_payloads`: such a payload is read again at its take now)."""
         with self._lock:
             self._closed = True
             self._pending.clear()
+        self._opened.close()
         self._events.put(None)

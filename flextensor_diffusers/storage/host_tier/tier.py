@@ -113,7 +113,7 @@ class HostTier:
         """Track a component just packed (in RAM): find its weight files, then move others to disk if
         it does not fit with them."""
         with self._lock, self._pool_room.changing():
-            handle.host.compressed.locked_pool = self.locked_pool
+            handle.host.compressed.hand_buffers_on_to(self.locked_pool)
             self.locked_pool.expect(e.payload.numel() for e in handle.host.encoded.values())
             self._placement.add(name, handle)
 
