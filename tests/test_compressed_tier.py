@@ -148,7 +148,7 @@ def payload_sizes(pipe, cache: Path) -> dict[str, list[int]]:
 
 def wait_for_read_ahead(tier, name: str) -> int:
     """Wait until the read ahead of ``name`` read every unit it may read for now; the bytes it read (0: none)."""
-    jobs = [r.job for r in tier._readings() if r.job.component == name and r.kind == READ_AHEAD]
+    jobs = [r.job for r in tier._reads.readings() if r.job.component == name and r.kind == READ_AHEAD]
     if not jobs:
         return 0
     job = jobs[0]
