@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
 from types import SimpleNamespace
 
@@ -213,3 +214,42 @@ def test_payloads_let_go_on_the_thread_at_random_times_stay_bitwise(saved, tmp_p
     assert sum(h["let_go_units"] for h in tier["hand_overs"]) > 0
     pipe.disable_flextensor_offload()
     assert torch.equal(wan_latents(pipe), reference)
+
+
+class HeldEvent:
+    """Stands in for the CUDA event of a unit's last call: done once the test says so (``done``); ``waited`` is set
+    as the hand-over's thread begins to wait for it."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.waited = threading.Event()
+
+    def synchronize(self) -> None:
+        self.waited.set()
+        assert self.done.wait(10)
+
+
+def test_a_unit_told_done_again_is_let_go_on_its_newer_event_only() -> None:
+    """A unit told done (event 1, not complete yet), claimed by the gate as the component runs again, then told done
+    again in that run (event 2): event 1 completing lets nothing go (the newer call's payload copy may still be
+    queued on the device, and its buffer would go to a read); event 2 completing does."""
+    let_go: list[int] = []
+    host = SimpleNamespace(
+        expect_arrivals=lambda gate: None,
+        transfer_bytes=lambda index: 1,
+        let_go_payload=lambda unit: let_go.append(unit.index) is None,
+    )
+    hand = HandOver("transformer", SimpleNamespace(host=host), threading.RLock(), False, lambda: None, lambda: None)
+    unit, first, second = SimpleNamespace(index=3), HeldEvent(), HeldEvent()
+    hand.unit_done(unit, first)
+    hand.gate(unit)  # ran again before the first event completed: not let go yet, so no wrong forecast is seen
+    hand.unit_done(unit, second)
+    first.done.set()
+    assert second.waited.wait(10)  # the thread is done with the first event
+    assert let_go == []
+    second.done.set()
+    deadline = time.monotonic() + 10
+    while not let_go and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert let_go == [3]
+    hand.finish()

@@ -71,6 +71,10 @@ class DeviceCopies:
         #: The encoded units whose loads move the payload and decode it: all of them before a plan exists
         #: (profiling measures their decodes), then the plan's choice (`Plan.compressed`).
         self.decoding: frozenset[int] = frozenset()
+        #: A load or fill on the compute stream wrote a slot or a staging buffer since the schedule's copy and
+        #: decode streams last waited for that stream: the schedule's next load makes them wait first
+        #: (`SteadySchedule.issue`), since none of its events covers this work.
+        self.compute_loaded = False
 
     @property
     def allocation_granule(self) -> int:
@@ -176,6 +180,7 @@ class DeviceCopies:
         buffer is ordered after these decodes (the schedule's streams wait for this stream when they follow a
         plan)."""
         encoded = self._decoded_fill(index)
+        self.compute_loaded = True
         if encoded is not None:
             staging = self.buffers.staging[0][: encoded.payload.numel()]
             staging.copy_(encoded.payload, non_blocking=True)
@@ -248,6 +253,7 @@ class DeviceCopies:
         slot = self.slot_of[index]
         if slot is None or self.slot_owner[slot] == index:
             return False
+        self.compute_loaded = True  # the schedule's streams wait for this before their next load (see there)
         if self.stage(index, slot):
             if on_staged is not None:
                 on_staged()

@@ -11,6 +11,13 @@ staging buffer once the buffer's previous payload is decoded (*staged-free*), wi
 the slot, and records *arrived*; the decode stream waits for *arrived* and *free*, decodes into the
 slot, and records *ready* and *staged-free*. Copies thus run ahead of compute by one payload per
 slot, and decodes overlap the next copies.
+
+Those events order the schedule's own loads only. Work on the compute stream that writes a slot or a staging
+buffer outside them (an on-demand load: a slot made stale by an edit, a unit called while the schedule is not
+primed; a resident fill) or reads a slot outside a planned call (a call that raised before `after`, a call made
+while not primed) is covered by the copy and decode streams waiting for the compute stream: when following a
+plan, at every `prime`, and at the next `issue` after such a load (`DeviceCopies.compute_loaded`). A wait on an
+event never recorded is no wait at all, so nothing else would order them.
 """
 
 from __future__ import annotations
@@ -91,10 +98,9 @@ class SteadySchedule:
         }
         self.last_calls = {index: pos for pos, index in enumerate(order)}
         if self.cuda:
-            # New slots may reuse memory that kernels still queued on the compute stream read.
-            compute = torch.cuda.current_stream(self.device)
-            self.copy_stream.wait_stream(compute)
-            self.decode_stream.wait_stream(compute)
+            # New slots may reuse memory that kernels still queued on the compute stream read; resident fills
+            # decoded through a staging buffer on it.
+            self._wait_for_compute()
             self._ready = [torch.cuda.Event(enable_timing=self.measure_stalls) for _ in self.copies.units]
             self._free = [torch.cuda.Event() for _ in range(plan.num_slots)]
             self._arrived = [torch.cuda.Event() for _ in range(plan.num_slots)]
@@ -104,6 +110,11 @@ class SteadySchedule:
         """Issue the first load of every slot (those not already holding their first unit)."""
         assert self.plan is not None
         self.forward_ended()  # (after a forward that raised: its last unit's end is no start of this one's gap)
+        if self.cuda:
+            # Since the last `after` of each slot, the compute stream may have read a slot (a call that raised, or
+            # one made while not primed) or loaded one on demand, which no *free* or *staged-free* event covers:
+            # the first loads wait for all of it. Once per priming, never per unit.
+            self._wait_for_compute()
         for slot, index in self.plan.first_loads:
             if self.copies.slot_owner[slot] != index:
                 self.issue(slot, index)
@@ -117,6 +128,13 @@ class SteadySchedule:
             compute.wait_stream(self.decode_stream)
         self.primed = False
         self.forward_ended()
+
+    def _wait_for_compute(self) -> None:
+        """The copy and decode streams wait for the work queued on the compute stream so far (no host wait)."""
+        compute = torch.cuda.current_stream(self.device)
+        self.copy_stream.wait_stream(compute)  # type: ignore[union-attr]
+        self.decode_stream.wait_stream(compute)  # type: ignore[union-attr]
+        self.copies.compute_loaded = False
 
     def on_plan(self, index: int, pos: int) -> bool:
         return pos < len(self.order) and self.order[pos] == index
@@ -169,6 +187,11 @@ class SteadySchedule:
         (a compressed load: see the module docstring)."""
         copies = self.copies
         copies.evict(slot)  # on the host, before the copy's time is marked
+        if self.cuda and copies.compute_loaded:
+            # A load on the compute stream since the streams last waited for it (a slot reloaded on demand after
+            # an edit, mid-forward): its decode read the slot's staging buffer, which this copy may overwrite, and
+            # *staged-free* (recorded on the decode stream) does not cover it. Rare; one attribute test otherwise.
+            self._wait_for_compute()
         if self.cuda and index in copies.decoding:
             self._issue_compressed(slot, index)
         elif self.cuda:

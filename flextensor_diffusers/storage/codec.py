@@ -841,7 +841,7 @@ def decode_into(
 
     ``payload_on_device`` is a copy of ``encoded.payload`` (it may be longer, e.g. a slot); ``out`` is a uint8
     tensor of at least ``raw_nbytes`` on the same device. Bytes of ``out`` outside segments are left as they
-    were. On CUDA (``backend="auto"``) this enqueues one Triton kernel on the current stream: no host
+    were. On CUDA (``backend="auto"``) this enqueues one Triton kernel on ``out``'s device's current stream: no host
     synchronisation, no allocation, no scratch; the caller orders it after the payload's copy and before the
     unit's use, as for any kernel. Both base pointers must be 16-byte aligned (any tensor of the caching
     allocator, and any 512-aligned offset into one, is). ``backend="torch"`` (the CPU default) uses torch ops,
@@ -868,16 +868,28 @@ def decode_into(
         raise CodecError("payload and out must start at 16-byte aligned addresses; pass 512-aligned slot offsets")
     if encoded.n_rows == 0:
         return
-    _decode_unit_kernel[(encoded.n_rows,)](
-        payload_on_device,
-        out,
-        encoded.n16,
-        encoded.n32,
-        CHUNK=encoded.chunk,
-        BLOCK=block,
-        COPY_BLOCK=COPY_BLOCK,
-        num_warps=num_warps,
-    )
+    with _on_device_of(out):
+        _decode_unit_kernel[(encoded.n_rows,)](
+            payload_on_device,
+            out,
+            encoded.n16,
+            encoded.n32,
+            CHUNK=encoded.chunk,
+            BLOCK=block,
+            COPY_BLOCK=COPY_BLOCK,
+            num_warps=num_warps,
+        )
+
+
+def _on_device_of(out: torch.Tensor) -> contextlib.AbstractContextManager[object]:
+    """Where a decode into ``out`` is launched: Triton launches on the *current device*'s current stream, not on
+    the device of its arguments. A model on another device than the current one (``device="cuda:1"`` while cuda:0
+    is current) would have its on-demand decodes enqueued on cuda:0's stream, in no order with the copy of the
+    payload and the calls that read the slot on cuda:1's stream (or failing outright). Switched only when they
+    differ: the usual decode pays one device query."""
+    if out.is_cuda and out.device.index != torch.cuda.current_device():
+        return torch.cuda.device(out.device)
+    return contextlib.nullcontext()
 
 
 def _decode_torch(encoded: EncodedUnit, payload: torch.Tensor, out: torch.Tensor) -> None:

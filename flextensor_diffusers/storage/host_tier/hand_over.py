@@ -108,10 +108,12 @@ class HandOver:
     The engine tells `unit_done` of each unit after its last call of the forward, with an event that completes
     once that call is done on the device (so the copy that loaded its payload is done too). A thread waits for
     the event, then, under the host tier's ``lock``, lets the payload go (`HostCopies.let_go_payload`) and calls
-    ``on_room``. Meanwhile the handle's loads ask `gate` first: a unit let go is taken back from the file at once
-    (the forecast was wrong: ``on_wrong`` first stops the reads into the room, so the budget holds, and nothing
-    more is let go until the switch), one still waiting for its event stays in RAM. `finish` ends it (at the
-    switch, or any call that needs the component's state settled)."""
+    ``on_room``: only on the event of the unit's latest telling, never on an older one still queued for a unit
+    claimed and told done again since (its newer call's copy may not have run yet). Meanwhile the handle's loads
+    ask `gate` first: a unit let go is taken back from the file at once (the forecast was wrong: ``on_wrong`` first
+    stops the reads into the room, so the budget holds, and nothing more is let go until the switch), one still
+    waiting for its event stays in RAM. `finish` ends it (at the switch, or any call that needs the component's
+    state settled)."""
 
     def __init__(
         self,
@@ -128,7 +130,8 @@ class HandOver:
         self._pin = pin
         self._on_room = on_room
         self._on_wrong = on_wrong
-        self._pending: set[int] = set()  # told done, event not complete yet
+        #: Told done, event not complete yet: each unit's latest telling (its event, or a token on the CPU).
+        self._pending: dict[int, object] = {}
         self._gone: set[int] = set()  # let go
         self._closed = False
         self.found_wrong = False  # the component ran again: nothing more is let go until it switches out
@@ -142,12 +145,13 @@ class HandOver:
 
     def unit_done(self, unit: Unit, event: torch.cuda.Event | None) -> None:
         """On the main thread: ``unit`` made its last call of the forward (``event``: done on the device then)."""
+        telling = event if event is not None else object()
         with self._lock:
             if self._closed or self.found_wrong:
                 return
-            self._pending.add(unit.index)
+            self._pending[unit.index] = telling
         if event is None:
-            self._let_go(unit)
+            self._let_go(unit, telling)
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._wait_events, name="flextensor-hand-over", daemon=True)
@@ -158,13 +162,17 @@ class HandOver:
         while (item := self._events.get()) is not None:
             unit, event = item
             event.synchronize()
-            self._let_go(unit)
+            self._let_go(unit, event)
 
-    def _let_go(self, unit: Unit) -> None:
+    def _let_go(self, unit: Unit, telling: object) -> None:
+        """Let ``unit``'s payload go once ``telling``'s event completed, when that is still its latest telling. A unit
+        the gate claimed (the component ran again) and told done again in that run is pending under its newer event:
+        the older one, complete, says nothing of the newer call, whose payload copy may still be queued on the device;
+        letting it go then would hand its buffer to a read while that copy reads it."""
         with self._lock:
-            if self._closed or self.found_wrong or unit.index not in self._pending:
-                return  # finished, found wrong, or the unit was claimed again meanwhile
-            self._pending.discard(unit.index)
+            if self._closed or self.found_wrong or self._pending.get(unit.index) is not telling:
+                return  # finished, found wrong, or the unit was claimed again meanwhile (and told done again)
+            del self._pending[unit.index]
             host_copies = self._handle.host
             nbytes = host_copies.transfer_bytes(unit.index)
             if not host_copies.let_go_payload(unit):
@@ -178,7 +186,7 @@ class HandOver:
         """Before the handle reads ``unit``'s host bytes: a unit let go is taken back from the file now (the
         component ran again after its forecast last forward), one waiting for its event stays in RAM."""
         with self._lock:
-            self._pending.discard(unit.index)
+            self._pending.pop(unit.index, None)
             if unit.index not in self._gone:
                 return
             if not self.found_wrong:  # the room handed over is needed back: the read aheads into it stop first
