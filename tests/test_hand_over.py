@@ -235,7 +235,7 @@ def test_a_unit_told_done_again_is_let_go_on_its_newer_event_only() -> None:
     queued on the device, and its buffer would go to a read); event 2 completing does."""
     let_go: list[int] = []
     host = SimpleNamespace(
-        expect_arrivals=lambda gate: None,
+        expect_arrivals=lambda gate: SimpleNamespace(close=lambda: None),  # the gate it opens (`OpenGate`)
         transfer_bytes=lambda index: 1,
         let_go_payload=lambda unit: let_go.append(unit.index) is None,
     )

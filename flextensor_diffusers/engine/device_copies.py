@@ -71,15 +71,13 @@ class DeviceCopies:
         #: The encoded units whose loads move the payload and decode it: all of them before a plan exists
         #: (profiling measures their decodes), then the plan's choice (`Plan.compressed`).
         self.decoding: frozenset[int] = frozenset()
-        #: A load or fill on the compute stream wrote a slot or a staging buffer since the schedule's copy and
-        #: decode streams last waited for that stream: the schedule's next load makes them wait first
-        #: (`SteadySchedule.issue`), since none of its events covers this work.
+        #: A load or fill on the compute stream wrote a slot or staging buffer since the side streams last waited
+        #: for it, which no schedule event covers: the next load makes them wait first (`SteadySchedule.issue`).
         self.compute_loaded = False
 
     @property
     def allocation_granule(self) -> int:
-        """What the device's allocator rounds every buffer up to (and counts): 512 bytes on CUDA."""
-        return CUDA_ALLOCATION_GRANULE if self.cuda else 1
+        return CUDA_ALLOCATION_GRANULE if self.cuda else 1  # what the device's allocator rounds every buffer up to
 
     @property
     def resident_weight_bytes(self) -> int:
@@ -91,8 +89,7 @@ class DeviceCopies:
 
     @property
     def device_bytes(self) -> int:
-        """Device memory held now (base, resident copies, slots, staging)."""
-        return self.buffers.nbytes()
+        return self.buffers.nbytes()  # device memory held now: base, resident copies, slots, staging
 
     # ------------------------------------------------------------------------------------ activity
 
