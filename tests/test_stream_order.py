@@ -27,7 +27,8 @@ SLOT_OF: list[int | None] = [0, 1, 0, 1, 0]
 
 class FakeCopies:
     """What `SteadySchedule` asks of `DeviceCopies`, enqueuing on the model's current stream the accesses the real
-    loads enqueue; ``load_now`` is `DeviceCopies.load_now`'s on-demand load (and sets ``compute_loaded`` as it does)."""
+    loads enqueue; ``load_now`` is `DeviceCopies.load_now`'s on-demand load (counted in ``compute_loads``, as
+    there)."""
 
     cuda = True
     device = torch.device("cuda", 0)
@@ -37,7 +38,7 @@ class FakeCopies:
         self.units = list(range(len(SLOT_OF)))
         self.slot_owner: list[int | None] = [None, None]
         self.decoding = decoding
-        self.compute_loaded = False
+        self.compute_loads = 0
 
     def evict(self, slot: int | None) -> None:
         pass
@@ -61,7 +62,7 @@ class FakeCopies:
         assert slot is not None
         if self.slot_owner[slot] == index:
             return
-        self.compute_loaded = True
+        self.compute_loads += 1
         if self.stage(index, slot):
             self.decode_staged(index, slot)
         self.note_load(slot, index)
@@ -88,7 +89,7 @@ class Harness:
         self.copies.slot_owner = [None, None]
         self.model.access("staging 0", True, "a resident unit's payload copied in")
         self.model.access("staging 0", False, "a resident unit's payload decoded")
-        self.copies.compute_loaded = True
+        self.copies.compute_loads += 1
 
     def call(self, index: int, pos: int | None) -> None:
         """A unit call: on the plan at ``pos``, or (None) one the schedule does not follow (loaded on demand)."""
@@ -200,7 +201,7 @@ def test_a_call_that_raised_is_not_overwritten_by_the_next_prime(monkeypatch, de
 
 
 def test_an_on_demand_load_tells_the_schedule(device: str = "cpu") -> None:
-    """`DeviceCopies.load_now` (a load made now, on the compute stream) and resident fills set ``compute_loaded``,
+    """`DeviceCopies.load_now` (a load made now, on the compute stream) and resident fills count in ``compute_loads``,
     which the schedule's next load (or prime) answers by making its streams wait; a load the schedule made
     already sets nothing."""
     from tests.test_engine import UNITS, make, run
@@ -211,15 +212,15 @@ def test_an_on_demand_load_tells_the_schedule(device: str = "cpu") -> None:
     run(model, x, "cpu", 4)
     copies: DeviceCopies = handle.device_copies
     assert handle.plan is not None and handle.plan.streamed
-    copies.compute_loaded = False
+    before = copies.compute_loads
     index = handle.plan.streamed[0]
     slot = copies.slot_of[index]
     owner = copies.slot_owner[slot]
     assert not copies.load_now(owner)  # the slot holds it: no load, nothing told
-    assert not copies.compute_loaded
+    assert copies.compute_loads == before
     other = next(i for i in handle.plan.streamed if copies.slot_of[i] == slot and i != owner)
     assert copies.load_now(other)
-    assert copies.compute_loaded
+    assert copies.compute_loads == before + 1
     handle.remove()
 
 

@@ -71,9 +71,10 @@ class DeviceCopies:
         #: The encoded units whose loads move the payload and decode it: all of them before a plan exists
         #: (profiling measures their decodes), then the plan's choice (`Plan.compressed`).
         self.decoding: frozenset[int] = frozenset()
-        #: A load or fill on the compute stream wrote a slot or staging buffer since the side streams last waited
-        #: for it, which no schedule event covers: the next load makes them wait first (`SteadySchedule.issue`).
-        self.compute_loaded = False
+        #: Loads and fills made on the compute stream so far: each writes a slot or staging buffer outside the
+        #: schedule's events, so the schedule's next load makes its streams wait first once this count moved past
+        #: the one it last waited for (`SteadySchedule.issue`). A count, not a flag: only this object writes it.
+        self.compute_loads = 0
 
     @property
     def allocation_granule(self) -> int:
@@ -177,7 +178,7 @@ class DeviceCopies:
         buffer is ordered after these decodes (the schedule's streams wait for this stream when they follow a
         plan)."""
         encoded = self._decoded_fill(index)
-        self.compute_loaded = True
+        self.compute_loads += 1
         if encoded is not None:
             staging = self.buffers.staging[0][: encoded.payload.numel()]
             staging.copy_(encoded.payload, non_blocking=True)
@@ -250,7 +251,7 @@ class DeviceCopies:
         slot = self.slot_of[index]
         if slot is None or self.slot_owner[slot] == index:
             return False
-        self.compute_loaded = True  # the schedule's streams wait for this before their next load (see there)
+        self.compute_loads += 1  # the schedule's streams wait for this before their next load (see there)
         if self.stage(index, slot):
             if on_staged is not None:
                 on_staged()

@@ -16,8 +16,8 @@ Those events order the schedule's own loads only. Work on the compute stream tha
 buffer outside them (an on-demand load: a slot made stale by an edit, a unit called while the schedule is not
 primed; a resident fill) or reads a slot outside a planned call (a call that raised before `after`, a call made
 while not primed) is covered by the copy and decode streams waiting for the compute stream: when following a
-plan, at every `prime`, and at the next `issue` after such a load (`DeviceCopies.compute_loaded`). A wait on an
-event never recorded is no wait at all, so nothing else would order them.
+plan, at every `prime`, and at the next `issue` after such a load (`DeviceCopies.compute_loads` moved past the
+count last waited for). A wait on an event never recorded is no wait at all, so nothing else would order them.
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ class SteadySchedule:
         self._staging_free: list[torch.cuda.Event] = []
         self._pending: list[PendingTiming] = []
         self._unit_end: Any = None  # a mark after the last unit call's compute in this forward (measure_stalls)
+        self._compute_loads_waited = 0  # `DeviceCopies.compute_loads` when the side streams last waited for compute
 
     def follow(self, plan: Plan, order: list[int]) -> None:
         """Start following ``plan`` over freshly laid-out device buffers (not primed yet)."""
@@ -134,7 +135,7 @@ class SteadySchedule:
         compute = torch.cuda.current_stream(self.device)
         self.copy_stream.wait_stream(compute)  # type: ignore[union-attr]
         self.decode_stream.wait_stream(compute)  # type: ignore[union-attr]
-        self.copies.compute_loaded = False
+        self._compute_loads_waited = self.copies.compute_loads
 
     def on_plan(self, index: int, pos: int) -> bool:
         return pos < len(self.order) and self.order[pos] == index
@@ -187,7 +188,7 @@ class SteadySchedule:
         (a compressed load: see the module docstring)."""
         copies = self.copies
         copies.evict(slot)  # on the host, before the copy's time is marked
-        if self.cuda and copies.compute_loaded:
+        if self.cuda and copies.compute_loads != self._compute_loads_waited:
             # A load on the compute stream since the streams last waited for it (a slot reloaded on demand after
             # an edit, mid-forward): its decode read the slot's staging buffer, which this copy may overwrite, and
             # *staged-free* (recorded on the decode stream) does not cover it. Rare; one attribute test otherwise.
