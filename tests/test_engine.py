@@ -525,3 +525,39 @@ def test_ctrl_c_while_set_up_waits_for_the_packing_threads_leaves_every_tensor_i
     storages = [t.untyped_storage().data_ptr() for t in model.parameters()]
     assert len(set(storages)) == len(storages)  # not views of a unit's flat buffer: packed after set-up gave up
     assert torch.equal(native(model, x, "cpu"), ref)
+
+
+def test_a_budget_refused_after_profiling_keeps_nothing_of_the_call_alive(monkeypatch) -> None:
+    """The shortfall kept to be raised before the next forward is kept without the traceback it was caught with:
+    that traceback's frames reach, through their callers, the very call that profiled, with its inputs and its
+    output. A VAE's decoded video stayed alive after the caller dropped it (on an H100, 110,592 bytes per handle
+    in `test_profile_inline`'s decode test, freed only when the garbage collector ran), and was counted as the
+    next handle's activations."""
+    import dataclasses
+    import gc
+    import weakref
+
+    from flextensor_diffusers.engine.profiler import Profiler
+
+    end_forward = Profiler.end_forward
+
+    def too_fat(profiler: Profiler) -> object:  # activations no budget below holds (the CPU measures none)
+        run = dataclasses.replace(end_forward(profiler), activation_peak_bytes=10**12)
+        profiler.runs[-1] = run
+        return run
+
+    monkeypatch.setattr(Profiler, "end_forward", too_fat)
+    model, x = make()
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=14_848 + 3 * UNIT, device="cpu")
+    gc.disable()  # the leak was a reference cycle: only the collector freed it
+    try:
+        with torch.inference_mode():
+            for _ in range(2):  # discovery, then profiling: planned over budget at its end
+                output = model(x)
+                dropped = weakref.ref(output)
+                del output
+        assert handle.phase is Phase.OVER_BUDGET
+        assert dropped() is None
+    finally:
+        gc.enable()
+        handle.remove()

@@ -350,8 +350,8 @@ def plan_residency(
     for raw in candidates:
         try:
             plans.append(_plan_one(profile.loading_raw(raw), budget, max_slots, margin))
-        except BudgetError as exc:
-            refusals.append(exc)
+        except BudgetError as exc:  # without its traceback: kept in a list its own frame holds, it made a cycle
+            refusals.append(exc.with_traceback(None))
     if not plans:
         raise min(refusals, key=lambda exc: exc.required_bytes)
     return min(plans, key=lambda plan: (round(plan.predicted_ms, 6), plan.transfer_bytes, plan.memory_bytes))

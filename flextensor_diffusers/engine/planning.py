@@ -181,7 +181,10 @@ class Planning:
                 profile, self.budget_bytes, config.max_slots, config.activation_margin, not h.raw_on_disk
             )
         except BudgetError as exc:
-            self.shortfall = exc
+            # Kept without the traceback it was caught with: its frames reach, through their callers, the call
+            # that profiled, and would keep that call's inputs and output (a decoded video) alive until the
+            # collector ran, counted as the next workload's activations.
+            self.shortfall = exc.with_traceback(None)
             h.phases.switch(OverBudget)
             logger.warning("%s: %s", self._name, exc)
             return
