@@ -71,9 +71,8 @@ class DeviceCopies:
         #: The encoded units whose loads move the payload and decode it: all of them before a plan exists
         #: (profiling measures their decodes), then the plan's choice (`Plan.compressed`).
         self.decoding: frozenset[int] = frozenset()
-        #: Loads and fills made on the compute stream so far: each writes a slot or staging buffer outside the
-        #: schedule's events, so the schedule's next load makes its streams wait first once this count moved past
-        #: the one it last waited for (`SteadySchedule.issue`). A count, not a flag: only this object writes it.
+        #: Loads and fills made on the compute stream, outside the schedule's events: the schedule's streams wait
+        #: for that stream once this moved past the count they last waited at (`SteadySchedule.issue`).
         self.compute_loads = 0
 
     @property
