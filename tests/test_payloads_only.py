@@ -235,3 +235,45 @@ def test_raw_copies_none_needs_compression_in_the_flags_words(capsys) -> None:
         wan22_t2v.cli(["--random-weights", "tiny", "--device", "cpu", "-q", "--raw-copies", "none"])
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --raw-copies none keeps only compressed copies in RAM") and "\n" not in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_weights_built_in_memory_run_from_their_payloads_alone_bitwise(tmp_path) -> None:
+    """On CUDA: blocks lose their raw bytes as the device encoder makes their payloads (held until set-up kept them);
+    with room for every block resident, activation decodes each through a room of its payload's size; every load
+    verified (the default there) finds nothing; three generations bitwise with native on CUDA; ``state_dict()``,
+    ``load_state_dict`` and disable decode on the device, bitwise; nothing raw is written."""
+    pipe, native = build_pipeline("wan22_t2v", "tiny"), build_pipeline("wan22_t2v", "tiny")
+    native.to("cuda")
+    reference = wan_latents(native).cpu()
+    cache = tmp_path / "cache"
+    budget = 2**28  # the text encoder's activations and cuBLAS's workspace need tens of MiB: every block resident
+    pipe.enable_flextensor_offload(
+        budget=budget, device="cuda", compression="lossless", host_budget="1GiB", cache_dir=cache
+    )
+    handles = ft.pipeline_offload(pipe).handles
+    stored = {name: h.host.stored_bytes for name, h in handles.items()}
+    raw = {name: h.host.where().ram_raw_bytes for name, h in handles.items()}
+    pipe.disable_flextensor_offload()
+    host_budget = max(stored[n] + sum(raw[o] for o in stored if o != n) for n in stored)
+    pipe.enable_flextensor_offload(
+        budget=budget, device="cuda", compression="lossless", host_budget=host_budget, cache_dir=cache
+    )
+    state = ft.pipeline_offload(pipe)
+    assert all(torch.equal(wan_latents(pipe).cpu(), reference) for _ in range(3))
+    assert set(EXPERTS) & set(state.host_tier.report()["on_disk"]) and written(cache) == {".payloads"}
+    assert all(state.handles[name].host.where().payloads_only_bytes for name in EXPERTS)
+    for name in EXPERTS:
+        checks = pipe.flextensor_report()["components"][name]["load_checks"]
+        assert checks["checks"] > 0 and checks["faults"] == []
+        expected = {k: v.cpu() for k, v in getattr(native, name).state_dict().items()}
+        assert all(torch.equal(v, expected[k]) for k, v in getattr(pipe, name).state_dict().items())
+    name = waiting_expert(pipe)
+    torch.manual_seed(5)
+    edited = {k: v + 0.01 * torch.randn_like(v) for k, v in getattr(pipe, name).state_dict().items()}
+    getattr(pipe, name).load_state_dict(edited)
+    getattr(native, name).load_state_dict({k: v.cuda() for k, v in edited.items()})
+    assert torch.equal(wan_latents(pipe).cpu(), wan_latents(native).cpu())
+    pipe.disable_flextensor_offload()
+    assert all(torch.equal(t, edited[k]) for k, t in getattr(pipe, name).state_dict().items())
