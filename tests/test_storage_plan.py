@@ -214,6 +214,8 @@ def test_set_up_reads_what_it_does_from_the_plan() -> None:
     only = resolve_storage(StorageRequest(compression="lossless", raw_copies="disk"), MachineFacts("cuda"))
     assert only.compressed_only and only.writes_cache_files and not only.may_read_payloads_later
     assert not only.encodes_between_forwards(encoder_fits=True)
+    none = resolve_storage(StorageRequest(compression="lossless", raw_copies="none"), MachineFacts("cuda"))
+    assert none.compressed_only and not none.writes_cache_files  # no raw copy written, and no payload file asked
 
 
 def test_offload_config_and_the_command_line_take_the_same_plan(capsys) -> None:

@@ -224,9 +224,9 @@ class StoragePlan:
 
     @property
     def writes_cache_files(self) -> bool:
-        """Set-up may write files in ``cache_dir``: the payload file or the raw cache file; the folder is then
-        checked before anything is packed (`SetUp.run`)."""
-        return self.compressed and (self.compression_cache or self.compressed_only)
+        """Set-up may write files in ``cache_dir``: the payload file, or the raw cache file (``raw_copies="disk"``;
+        ``"none"`` writes no raw copy); the folder is then checked before anything is packed (`SetUp.run`)."""
+        return self.compressed and (self.compression_cache or self.raw_copies == "disk")
 
     @property
     def packs_progressively(self) -> bool:
