@@ -31,7 +31,9 @@ measured, none extrapolated) and ``first_step_at_s`` (``load_s`` plus the time f
 first step's end: from the command's start, as if the command had built the pipeline and run this configuration
 alone). Memory: ``peak_host_anon_bytes`` and ``peak_host_file_bytes`` (RssAnon, RssFile of /proc/self/status,
 sampled every ``--sample-ms`` on a thread over the configuration), ``peak_allocated_bytes``
-(`bench_common.PeakWatch`: the engine's resets folded in) against ``budget_bytes``. ``bitwise_equal``: the decoded
+(`bench_common.PeakWatch`: the engine's resets folded in) against ``budget_bytes``; ``cache_dir_bytes``: the run's
+cache folder after the generation, bytes by file suffix (payload files only: no raw cache file for weights built in
+memory). ``bitwise_equal``: the decoded
 frames against native's (``torch.equal``; against the first row's where native did not run: ``bitwise_against``).
 
 ``--time-limit``: a configuration starts only with the longest one so far (x 1.25) left; the JSON is written after
@@ -198,6 +200,17 @@ def weights_bytes(pipe: Any) -> int:
         if getattr(pipe, name, None) is not None
         for t in [*getattr(pipe, name).parameters(), *getattr(pipe, name).buffers()]
     )
+
+
+def cache_dir_bytes(folder: Path | None) -> dict[str, int]:
+    """Bytes on disk in ``folder`` by file suffix, right after the generation: a host budget with compression writes
+    payload files (``.payloads``) and, for weights built in memory, no raw cache file (``.raw``) any more (issue 48:
+    the raw files of the pipeline built in memory filled the GPU machine's 64 GB disk)."""
+    sizes: dict[str, int] = {}
+    for path in folder.iterdir() if folder is not None and folder.exists() else ():
+        if path.is_file():
+            sizes[path.suffix] = sizes.get(path.suffix, 0) + path.stat().st_blocks * 512
+    return sizes
 
 
 def native_mode(pipe: Any, device: torch.device, asked: str) -> str:
@@ -396,6 +409,7 @@ class TimeToVideo:
                     codec = write_mp4(options.output, to_uint8_frames(video), fps=options.fps)
                     written = time.perf_counter()
                     peak = watch.peak
+                    cached = cache_dir_bytes(options.cache_dir)
                 finally:
                     undo_start = time.perf_counter()
                     placement.undo()
@@ -412,6 +426,7 @@ class TimeToVideo:
             "profiled_in": profiled_in(run, unplanned),
             "codec": codec,
             "teardown_s": round(teardown_s, 3),
+            "cache_dir_bytes": cached,
             **placement.notes,
         }
         if isinstance(options.host_budget, str) and not self.args.small:  # the tiny plan counts host copies alone

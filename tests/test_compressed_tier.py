@@ -35,12 +35,12 @@ def saved(tmp_path_factory) -> tuple[Path, torch.Tensor]:
     return folder, wan_latents(load(folder))
 
 
-def smallest_host_budget(pipe, cache: Path, gpu_budget: int = BUDGET) -> int:
+def smallest_host_budget(pipe, cache: Path, gpu_budget: int = BUDGET, **options) -> int:
     """The least host budget that runs compressed (from a set-up with room for all): the largest component's
     host copies in RAM, next to what the others keep in RAM while their compressed copies wait on disk (their
-    raw base, which every activation copies)."""
+    raw base, which every activation copies). ``options``: more of ``enable_flextensor_offload``'s."""
     pipe.enable_flextensor_offload(
-        budget=gpu_budget, device="cpu", compression="lossless", host_budget="1GiB", cache_dir=cache
+        budget=gpu_budget, device="cpu", compression="lossless", host_budget="1GiB", cache_dir=cache, **options
     )
     handles = ft.pipeline_offload(pipe).handles
     stored = {name: h.host.stored_bytes for name, h in handles.items()}
@@ -50,12 +50,13 @@ def smallest_host_budget(pipe, cache: Path, gpu_budget: int = BUDGET) -> int:
     return max(stored[n] + sum(raw[o] for o in stored if o != n) for n in stored)
 
 
-def enable_one_expert_in_ram(pipe, cache: Path) -> int:
+def enable_one_expert_in_ram(pipe, cache: Path, **options) -> int:
     """Offload compressed with the smallest host budget (`smallest_host_budget`): the experts take turns in RAM,
-    the other waiting on disk in its payload file. The host budget."""
-    host_budget = smallest_host_budget(pipe, cache)
+    the other waiting on disk in its payload file. The host budget. ``options``: more of
+    ``enable_flextensor_offload``'s."""
+    host_budget = smallest_host_budget(pipe, cache, **options)
     pipe.enable_flextensor_offload(
-        budget=BUDGET, device="cpu", compression="lossless", host_budget=host_budget, cache_dir=cache
+        budget=BUDGET, device="cpu", compression="lossless", host_budget=host_budget, cache_dir=cache, **options
     )
     return host_budget
 
@@ -225,12 +226,14 @@ def test_the_default_host_budget_with_compression_keeps_compressed_copies_only_w
     pipe.disable_flextensor_offload()
 
 
-def test_a_pipeline_built_in_memory_keeps_its_raw_bytes_in_a_cache_file_deleted_on_disable(tmp_path) -> None:
+def test_raw_copies_disk_keeps_the_raw_bytes_of_a_pipeline_built_in_memory_in_a_cache_file(tmp_path) -> None:
+    """``raw_copies="disk"`` asked: the raw bytes of weights built in memory wait in a cache file (the default writes
+    none: tests.test_payloads_only), deleted on disable."""
     pipe = build_pipeline("wan22_t2v", "tiny")
     reference = wan_latents(pipe)
     before = snapshot(pipe.transformer)
     cache = tmp_path / "cache"
-    enable_one_expert_in_ram(pipe, cache)
+    enable_one_expert_in_ram(pipe, cache, raw_copies="disk")
     assert all(torch.equal(wan_latents(pipe), reference) for _ in range(2))
     assert ".raw" in {p.suffix for p in cache.iterdir()}
     pipe.disable_flextensor_offload()
@@ -460,9 +463,11 @@ def test_a_packing_window_packs_only_near_the_unit_the_encoder_asked_for() -> No
         thread.join(timeout=5)
 
 
-def test_a_block_edited_after_loading_waits_in_a_cache_file_the_others_in_the_weight_files(saved, tmp_path) -> None:
-    """Kept compressed only, a unit whose bytes the weight files no longer hold (edited after loading) has its raw
-    bytes written to a cache file; the units the files hold write nothing. Outputs follow the edit, bitwise."""
+@pytest.mark.parametrize("raw_copies", ["none", "disk"])
+def test_a_block_edited_after_loading_waits_apart_the_others_in_the_weight_files(saved, tmp_path, raw_copies) -> None:
+    """Kept compressed only, a unit whose bytes the weight files no longer hold (edited after loading) keeps its
+    payload only (``raw_copies="none"``, the default: nothing raw written) or has its raw bytes written to a cache
+    file (``"disk"``); the units the files hold write nothing. Outputs follow the edit, bitwise."""
     folder, _ = saved
     native, pipe = load(folder), load(folder)
     for model in (native, pipe):
@@ -470,33 +475,47 @@ def test_a_block_edited_after_loading_waits_in_a_cache_file_the_others_in_the_we
             model.transformer.blocks[0].attn1.to_q.weight[0, 0] += 1.0  # the first bytes, which are sampled
     expected = wan_latents(native)
     cache = tmp_path / "cache"
-    enable_one_expert_in_ram(pipe, cache)
-    assert ".raw" in {p.suffix for p in cache.iterdir()}
-    raw_file = next(p for p in cache.iterdir() if p.suffix == ".raw")
-    unit = ft.pipeline_offload(pipe).handles["transformer"].units[0].nbytes
-    assert raw_file.stat().st_blocks * 512 < 2 * unit + 2**16  # one block's room written, the rest a hole
+    enable_one_expert_in_ram(pipe, cache, raw_copies=raw_copies)
+    handle = ft.pipeline_offload(pipe).handles["transformer"]
+    unit = handle.units[0].nbytes
+    if raw_copies == "none":
+        assert {p.suffix for p in cache.iterdir()} == {".payloads"}
+        assert handle.host.where().payloads_only_bytes == unit  # that block alone: the others wait in the files
+    else:
+        raw_file = next(p for p in cache.iterdir() if p.suffix == ".raw")
+        assert raw_file.stat().st_blocks * 512 < 2 * unit + 2**16  # one block's room written, the rest a hole
     assert all(torch.equal(wan_latents(pipe), expected) for _ in range(2))
     pipe.disable_flextensor_offload()
     assert {p.suffix for p in cache.iterdir()} <= {".payloads"}
 
 
-def test_an_edit_of_blocks_waiting_in_the_weight_files_moves_them_out_of_anonymous_memory(saved, tmp_path) -> None:
+@pytest.mark.parametrize("raw_copies", ["none", "disk"])
+def test_an_edit_of_blocks_waiting_in_the_weight_files_moves_them_out_of_anonymous_memory(
+    saved, tmp_path, raw_copies
+) -> None:
     """A state dict loaded into an expert whose raw bytes wait in its weight files lands in copy-on-write pages
-    (anonymous memory the host budget does not see): the edited blocks move to a cache file and those pages go
+    (anonymous memory the host budget does not see): the edited blocks leave the files (``raw_copies="none"``: their
+    payloads, made again from the edited bytes, are all they keep; ``"disk"``: to a cache file) and those pages go
     back, so the expert's file mappings hold no written page afterwards; outputs follow the edit, bitwise."""
     from flextensor_diffusers.storage.raw_home import WeightFilesHome, any_written
 
     folder, _ = saved
     pipe = load(folder)
     cache = tmp_path / "cache"
-    enable_one_expert_in_ram(pipe, cache)
-    home = ft.pipeline_offload(pipe).handles["transformer"].host.raw_home
+    enable_one_expert_in_ram(pipe, cache, raw_copies=raw_copies)
+    host = ft.pipeline_offload(pipe).handles["transformer"].host
+    home = host.raw_home
     assert isinstance(home, WeightFilesHome) and home._ranges
     torch.manual_seed(3)
     edited = {k: v + 0.01 * torch.randn_like(v) for k, v in pipe.transformer.state_dict().items()}
     pipe.transformer.load_state_dict(edited)
-    assert not home._ranges  # every block was written: all moved to the cache file
-    assert ".raw" in {p.suffix for p in cache.iterdir()}
+    assert not home._ranges  # every block was written: all moved out of the files
+    if raw_copies == "none":
+        assert {p.suffix for p in cache.iterdir()} == {".payloads"}
+        assert host.where().payloads_only_bytes == sum(unit.nbytes for unit in host.units)
+        assert host.where().ram_raw_bytes == host.base.nbytes  # nothing decoded for the edit stays in RAM
+    else:
+        assert ".raw" in {p.suffix for p in cache.iterdir()}
     native = load(folder)
     native.transformer.load_state_dict(edited)
     expected = wan_latents(native)
@@ -575,7 +594,8 @@ def test_anonymous_memory_stays_within_the_host_budget_compressed(tmp_path) -> N
 def test_an_edit_after_loading_that_the_samples_miss_is_found_byte_for_byte(tmp_path) -> None:
     """A weight changed after loading away from the bytes the files' match samples (start, middle, end of each
     tensor): the raw bytes its block keeps must be the edited ones, so every byte is compared and that block
-    waits in the cache file. Outputs, `state_dict()` and the weights after `disable` all carry the edit."""
+    keeps its payload only (nothing raw is written). Outputs, `state_dict()` and the weights after `disable` all carry
+    the edit."""
     from tests.test_host_tier import WIDE_EXPERT
 
     folder = save(tmp_path / "wan22", "20MB", WIDE_EXPERT)
@@ -591,7 +611,9 @@ def test_an_edit_after_loading_that_the_samples_miss_is_found_byte_for_byte(tmp_
     pipe.enable_flextensor_offload(
         budget=WIDE_GPU_BUDGET, device="cpu", compression="lossless", host_budget="1GiB", cache_dir=cache
     )
-    assert ".raw" in {p.suffix for p in cache.iterdir()}  # the edited block; the others wait in the files
+    host = ft.pipeline_offload(pipe).handles["transformer"].host
+    assert ".raw" not in {p.suffix for p in cache.iterdir()}
+    assert host.where().payloads_only_bytes == host.units[1].nbytes  # the edited block; the others in the files
     assert torch.equal(pipe.transformer.state_dict()["blocks.1.ffn.net.0.proj.weight"], edited)
     assert torch.equal(wan_latents(pipe), expected)
     pipe.disable_flextensor_offload()

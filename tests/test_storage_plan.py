@@ -141,7 +141,7 @@ def test_every_row_of_the_guide_is_what_resolve_storage_does(row: Row) -> None:
 
 REFUSALS = [
     (StorageRequest(compression="zstd"), Rule.COMPRESSION_MODE, "pass 'lossless' or 'none'"),
-    (StorageRequest(raw_copies="tape"), Rule.RAW_PLACE, "is not 'ram' or 'disk'"),
+    (StorageRequest(raw_copies="tape"), Rule.RAW_PLACE, "is not 'ram', 'disk' or 'none'"),
     (StorageRequest(raw_copies="disk"), Rule.RAW_DISK_WITHOUT_COMPRESSION, "pass compression='lossless'"),
     (StorageRequest(compression_cache=True), Rule.CACHE_WITHOUT_COMPRESSION, "pass compression='lossless'"),
     (StorageRequest(background_encoding=True), Rule.BACKGROUND_WITHOUT_RAW_STREAM, "it needs compression="),
@@ -158,7 +158,7 @@ REFUSALS = [
     (
         StorageRequest(compression="lossless", raw_copies="ram", host_budget="8GiB"),
         Rule.TIER_KEEPS_COMPRESSED_ONLY,
-        "drop raw_copies='ram' (it needs raw_copies='disk')",
+        "drop raw_copies='ram' (it needs raw_copies='none' or 'disk')",
     ),
     (
         StorageRequest(progressive_packing=True, host_budget="8GiB"),
@@ -190,7 +190,7 @@ def test_what_a_host_budget_chooses_is_stated_not_silent() -> None:
     )
     chosen = {choice.option: choice for choice in auto.choices}
     assert chosen.keys() == {"progressive_packing", "raw_copies", "compression_cache", "verify_loads"}
-    assert (chosen["raw_copies"].value, chosen["compression_cache"].value) == ("disk", True)
+    assert (chosen["raw_copies"].value, chosen["compression_cache"].value) == ("none", True)
     assert 'host_budget="auto" turned the host tier on' in chosen["raw_copies"].why
     assert auto.host_tier is not None and auto.host_tier.budget_bytes == GiB + int(100 * GiB * 0.8)
     assert all(line in auto.as_dict()["chosen"] for line in map(lambda c: c.line(), auto.choices))
@@ -214,6 +214,8 @@ def test_set_up_reads_what_it_does_from_the_plan() -> None:
     only = resolve_storage(StorageRequest(compression="lossless", raw_copies="disk"), MachineFacts("cuda"))
     assert only.compressed_only and only.writes_cache_files and not only.may_read_payloads_later
     assert not only.encodes_between_forwards(encoder_fits=True)
+    none = resolve_storage(StorageRequest(compression="lossless", raw_copies="none"), MachineFacts("cuda"))
+    assert none.compressed_only and not none.writes_cache_files  # no raw copy written, and no payload file asked
 
 
 def test_offload_config_and_the_command_line_take_the_same_plan(capsys) -> None:

@@ -67,4 +67,5 @@ def test_time_to_video_small_writes_a_row_per_run_with_the_schema(tmp_path: Path
         assert row["peak_host_anon_bytes"] > 0 and row["peak_host_file_bytes"] > 0
         assert "not read from disk" in row["load"]
     assert [r["profiled_in"] for r in rows] == [None, "generation", "saved profile", "generation"]
+    assert ".raw" not in rows[-1]["cache_dir_bytes"] and rows[-1]["cache_dir_bytes"][".payloads"] > 0  # built in memory
     assert all(r["budget_bytes"] == 400_000 for r in rows[1:]) and rows[0]["budget_bytes"] is None

@@ -164,8 +164,14 @@ class Binding:
         """Take the current counts as handled (after ``editing()``, which makes every copy follow by itself)."""
         self._counts = [self._count(position) for position in range(len(self._units))]
 
+    def accept(self, unit: Unit) -> None:
+        """Take ``unit``'s current counts as handled: an edit found that its owner refuses (`Edits.found`) is
+        refused once, not at every check after."""
+        self._counts[unit.index + 1] = self._count(unit.index + 1)
+
     def _count(self, position: int) -> tuple[int, ...]:
-        return tuple(map(_version, self._tensors[position]))
+        with torch._C.DisableTorchFunctionSubclass():  # a tensor whose reads are refused (`read_guard`) counts too
+            return tuple(map(_version, self._tensors[position]))
 
     def _write_back(self, unit: Unit, flat: torch.Tensor) -> None:
         """Copy every tensor of ``unit`` from the device buffer ``flat`` into its host copy (synchronously:

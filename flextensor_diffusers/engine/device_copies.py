@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..storage.codec import EncodedUnit, decode_into
+from ..storage.host_bytes import InPayloadsOnly
 from ..storage.host_copies import HostCopies
 from .binding import Binding
 from .planner import CUDA_ALLOCATION_GRANULE, Plan, allocated
@@ -171,19 +172,19 @@ class DeviceCopies:
         self.slot_of = list(plan.slot_of)
 
     def _fill_resident(self, index: int, buffer: torch.Tensor) -> None:
-        """A resident unit's device copy, on the current stream: decoded from its compressed copy through a
-        staging buffer when its raw copy is not in a RAM buffer of its own (a stand-in in a file would be a
-        pageable, possibly disk-bound copy), else copied from its host copy. Every later use of the staging
-        buffer is ordered after these decodes (the schedule's streams wait for this stream when they follow a
-        plan)."""
+        """A resident unit's device copy, on the current stream: decoded from its compressed copy through a staging
+        buffer when its raw copy is not in a RAM buffer of its own (a stand-in in a file would be a pageable, possibly
+        disk-bound copy), else copied from its host copy; with no raw copy at all (payloads only) and no staging buffer
+        large enough (all resident), through a room of the payload's size for the while, before any activation. Later
+        uses of the staging buffer are ordered after these decodes (the schedule's streams wait for this stream)."""
         encoded = self._decoded_fill(index)
         self.compute_loads += 1
-        if encoded is not None:
-            staging = self.buffers.staging[0][: encoded.payload.numel()]
-            staging.copy_(encoded.payload, non_blocking=True)
-            decode_into(encoded, staging, buffer)
-            return
-        self.host.copy_raw_into(self.units[index], buffer)
+        if encoded is None:
+            return self.host.copy_raw_into(self.units[index], buffer)
+        size, staging = encoded.payload.numel(), self.buffers.staging[0] if self.buffers.staging else buffer[:0]
+        room = (staging if staging.numel() >= size else aligned_buffer(size, self.device))[:size]
+        room.copy_(encoded.payload, non_blocking=True)
+        decode_into(encoded, room, buffer)
 
     def _decoded_fill(self, index: int) -> EncodedUnit | None:
         """The compressed copy `_fill_resident` decodes unit ``index`` from, or None where it copies the raw bytes."""
@@ -191,7 +192,7 @@ class DeviceCopies:
         room = self.buffers.staging[0].numel() if self.buffers.staging else 0
         if index in self.host.compressed.proven and not self.host.raw_at_hand(unit):
             encoded = self.host.payload_of(unit)
-            if encoded.payload.numel() <= room:
+            if encoded.payload.numel() <= room or isinstance(unit.stored, InPayloadsOnly):
                 return encoded
         return None
 

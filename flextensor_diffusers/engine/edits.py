@@ -26,10 +26,11 @@ from contextlib import contextmanager
 
 import torch
 
+from ..storage.host_bytes import DecodedPayload, InPayloadsOnly
 from ..storage.host_copies import HostCopies
 from .binding import Binding
 from .device_copies import DeviceCopies
-from .errors import FlexTensorError
+from .errors import FlexTensorError, OffloadStateError
 from .load_checks import LoadChecks
 from .units import PackedTensor, Unit
 
@@ -49,13 +50,22 @@ class Edits:
 
     def found(self, unit: Unit, on_device: bool) -> None:
         """An in-place edit of ``unit`` was found; its host copy holds it now (copied back when it was made in
-        a device copy). What was copied from the host copy before is stale."""
+        a device copy: a unit kept as payloads only was decoded into RAM for it, and its payload is made again). What
+        was copied from the host copy before is stale. One made where a unit kept as payloads only has no bytes (its
+        tensors refuse reads and writes there, so only code that bypasses that can) reached nothing: refused."""
+        if not on_device and isinstance(unit.stored, InPayloadsOnly):
+            self.binding.accept(unit)
+            raise OffloadStateError(
+                f"an in-place write to {unit.name!r} outside its call reached no bytes (its weights are kept as their "
+                "compressed copy only) and was not applied: make edits inside handle.editing()"
+            )
         if unit.index >= 0:
             logger.info("%s was edited in place outside editing(); its copies follow", unit.name)
         self.host.edited(unit)
         self.device.stale_copies_of(unit, on_device)
         if self.load_checks is not None:
             self.load_checks.forget(unit)
+        self._payloads_made_again([unit])
 
     @contextmanager
     def editing(self) -> Iterator[None]:
@@ -79,6 +89,7 @@ class Edits:
         self.host.gate_all()  # the edit lands in the final host copies, not in stand-ins about to be replaced
         self.host.mark_spill_stale()  # the RAM copies may change: the next spill writes them
         self.host.compressed.cancel_arrival("an edit of the weights")  # payloads still being read: of the old ones
+        self.host.form.decode_all(f"an edit of {type(self.device.model).__name__}")  # payloads only: raw bytes to edit
         with torch.no_grad(), torch.inference_mode(False):
             for t, _ in self.device.unpacked.find_foreign():  # adapters come to the host too: one device for the edit
                 if t.device.type not in ("cpu", "meta"):  # meta: no bytes yet, the edit gives them
@@ -96,6 +107,16 @@ class Edits:
             self.binding.record()  # every copy was made again from the edited host copies
             if self.load_checks is not None:
                 self.load_checks.forget()
+            self._payloads_made_again(None)
+
+    def _payloads_made_again(self, units: list[Unit] | None) -> None:
+        """The payloads of ``units`` (None: all) were made again from their host copies (their fingerprints
+        forgotten): those decoded into RAM for the edit (payloads only) give ``verify_loads`` their fingerprints now,
+        while their bytes are at hand, and go back to their payloads alone (`HostForm.close_decoded`)."""
+        for unit in self.host.units if units is None else units:
+            if self.load_checks is not None and isinstance(unit.stored, DecodedPayload):
+                self.load_checks.note_packed(unit, unit.stored.tensor)
+        self.host.form.close_decoded(units)
 
     def _adopt_replaced(self) -> None:
         refused: list[str] = []

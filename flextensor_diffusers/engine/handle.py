@@ -71,8 +71,9 @@ class OffloadHandle:
         layout: ``model``'s units already laid out for ``config`` and its device (`units.plan_layout`), by a
             caller that checked budgets from it (the pipelines do, for every component before offloading any);
             None lays them out here.
-        raw_home: with ``raw_copies="disk"``, where the raw bytes of units kept compressed wait (`RawHome`; the
-            pipelines give their weight files); None: a cache file in ``config.cache_dir``.
+        raw_home: compressed only (``raw_copies="none"`` or ``"disk"``), where the raw bytes of units kept compressed
+            wait (`RawHome`; the pipelines give their weight files); None: ``"none"`` keeps none (their payloads are
+            their host copy), ``"disk"`` a cache file in ``config.cache_dir``.
         hooks: what the handle tells whoever offloaded the model (`HandleHooks`; a pipeline's); None: nothing.
     """
 
@@ -106,7 +107,7 @@ class OffloadHandle:
         )
         self.units = layout.units
         #: ``verify_loads``: every unit call compares its device bytes with its weights (`load_checks`).
-        self.load_checks = LoadChecks(self.units, self.device, self.host.host_of) if config.verify_loads else None
+        self.load_checks = LoadChecks(self.units, self.device, self.host.readable) if config.verify_loads else None
         self.edits.load_checks = self.load_checks
         self.host.on_packed = self.load_checks.note_packed if self.load_checks is not None else None
         self.resident_weight_bytes = self.device_copies.resident_weight_bytes
@@ -192,8 +193,8 @@ class OffloadHandle:
 
     @property
     def raw_on_disk(self) -> bool:
-        """``raw_copies="disk"``: the raw host copies wait in a raw home; loads decode compressed copies
-        (`HostForm.raw_in_ram`)."""
+        """Compressed only (``raw_copies="none"`` or ``"disk"``): the raw host copies wait in a raw home, or are
+        nowhere; loads decode compressed copies (`HostForm.raw_in_ram`)."""
         return not self.host.form.raw_in_ram
 
     @property

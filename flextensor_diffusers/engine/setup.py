@@ -2,12 +2,12 @@
 
 In order, as the storage plan says (`StoragePlan`): host buffers packed (or attached to another process's shared
 ones) and page-locked (raw copies only: while the model is already in use, `StoragePlan.packs_progressively`),
-compressed copies made while later units are still packed (with ``raw_copies="disk"`` each unit's raw bytes leave
-RAM for its raw home as soon as its payload is made, the packing kept a few units ahead of the encoder), the
-boundaries that route the model's and its units' calls to the handle, ``state_dict`` hooks that read host copies. A
-set-up that does not wait for its compressed copies leaves them to an `arrivals` object: the payload file, read once
-packing is over, or (``background_encoding``) the encoder between forwards. Any failure undoes all of it
-(`SetUp.undo`, with the host copies restored by the handle), so a model that could not be offloaded is left as it
+compressed copies made while later units are still packed (compressed only, ``raw_copies="none"`` or ``"disk"``, each
+unit's raw bytes leave RAM for its raw home as soon as its payload is made, the packing kept a few units ahead of the
+encoder), the boundaries that route the model's and its units' calls to the handle, ``state_dict`` hooks that read
+host copies. A set-up that does not wait for its compressed copies leaves them to an `arrivals` object: the payload
+file, read once packing is over, or (``background_encoding``) the encoder between forwards. Any failure undoes all of
+it (`SetUp.undo`, with the host copies restored by the handle), so a model that could not be offloaded is left as it
 was.
 """
 
@@ -28,6 +28,7 @@ from ..storage.arrivals import encoder_room, refuse_without_room
 from ..storage.cache_files import RawCacheFile
 from ..storage.host_copies import PACKING_WINDOW, HostCopies
 from ..storage.payload_cache import PayloadCache, weights_key
+from ..storage.payloads_only import PayloadsOnlyHome
 from ..storage.raw_homes import RawHome
 from .binding import Binding
 from .boundaries import Boundaries, Crossing, hidden
@@ -114,7 +115,7 @@ class SetUp:
         self.handle = handle
         self.boundaries = Boundaries()
         self.payload_cache: PayloadCache | None = None  # compression_cache: the file of the compressed copies
-        self._raw_home = raw_home  # raw_copies="disk": where raw bytes go (None: a cache file in cache_dir)
+        self._raw_home = raw_home  # compressed only: where raw bytes go (None: `_home_in_cache_dir`)
         self._folder: Path | None = None  # `cache_folder`, checked once
         self._state_dict_hooks: list[Any] = []
 
@@ -150,7 +151,7 @@ class SetUp:
             self._finish()
             return
         compressed_only = plan.compressed_only
-        homes = h.host.keep_raw_in(self._raw_home or self._raw_cache_file()) if compressed_only else None
+        homes = h.host.keep_raw_in(self._raw_home or self._home_in_cache_dir()) if compressed_only else None
         window = PACKING_WINDOW if compressed_only and h.cuda else None  # the CPU encoder asks for all at once
         pin_now = pin and not compressed_only
         start = time.perf_counter()
@@ -166,6 +167,7 @@ class SetUp:
         finally:
             h.setup_times.pack = 1e3 * packing.finish()
         if homes is not None:  # raw bytes left RAM as encoding went: what stays is page-locked now
+            homes.set_up_done()
             if pin:
                 homes.pin_the_rest()
             given = h.planning.profiles.given
@@ -200,9 +202,12 @@ class SetUp:
         if self.payload_cache is not None:
             self.payload_cache.close()
 
-    def _raw_cache_file(self) -> RawCacheFile:
-        """The raw home of ``raw_copies="disk"`` when the caller gave none: a cache file in ``cache_dir``."""
+    def _home_in_cache_dir(self) -> RawHome:
+        """The raw home when the caller gave none: ``raw_copies="none"``, none at all (the payloads are the host copy,
+        nothing is written); ``"disk"``, a cache file in ``cache_dir``."""
         h = self.handle
+        if h.config.storage.raw_copies == "none":
+            return PayloadsOnlyHome()
         name = f"{type(h.model).__name__}-{h.fingerprint['sha256'][:16]}-{os.getpid()}-{id(h):x}.raw"
         return RawCacheFile(self._cache_folder() / name, h.host.positions)
 
@@ -248,7 +253,7 @@ class SetUp:
             if unit.host is None:
                 return
             h.binding.check(unit)
-            host = h.host.host_of(unit)
+            host = h.host.readable(unit)  # payloads only: decoded, into buffers the values keep alive
             for rel, value in unit.values_in(host, lambda packed: own_storage_view(packed, host)).items():
                 if prefix + rel in state_dict:
                     state_dict[prefix + rel] = value

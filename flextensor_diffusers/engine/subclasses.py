@@ -30,10 +30,12 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from ..storage.read_guard import REFUSED_TYPES
 from .errors import UnsupportedTensorError
 
-#: Tensor types that hold their bytes themselves and carry no metadata of their own.
-PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+#: Tensor types that hold their bytes themselves and carry no metadata of their own (a plain tensor's reads refused
+#: between calls is one: `read_guard`).
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, *REFUSED_TYPES)
 
 #: What a refusal tells the user to do: a refused weight would be packed wherever it sits (an excluded module's
 #: weights are packed with the resident ones), so the fix is in the weight itself.

@@ -52,6 +52,7 @@ from torch import nn
 
 from ..storage.host_bytes import Flat, HostBytes, InRam, InSharedMemory
 from ..storage.host_memory import host_buffer, pin_in_place, unpin_in_place
+from ..storage.read_guard import NoRawBytes, refuse_reads
 from .errors import FlexTensorError, PatternError, UnsupportedTensorError
 from .subclasses import UNSHARE, Flattened, Wrapper, as_type_of, copy_leaves, flatten, is_plain
 
@@ -225,6 +226,8 @@ class Unit:
     stored: HostBytes | None = None
     pinned_in_place: bool = False  # registered with cudaHostRegister (must be unregistered)
     wrappers: list[Wrapper] = field(default_factory=list)  # the unit's tensor subclasses held by its modules
+    #: Its tensors view a `NoRawBytes` and refuse reads (`read_guard`): set and cleared by `bind` only.
+    reads_refused: bool = False
 
     @property
     def host(self) -> Flat | None:
@@ -282,12 +285,18 @@ class Unit:
         return refused
 
     def bind(self, flat: Flat) -> None:
-        """Point every tensor of the unit at its bytes inside ``flat`` (host buffer, slot or resident copy)."""
+        """Point every tensor of the unit at its bytes inside ``flat`` (host buffer, slot or resident copy). Pointed at
+        a `NoRawBytes` (a unit kept as payloads only, between its calls) its tensors refuse reads until pointed at
+        real bytes again (`read_guard`)."""
         if isinstance(flat, torch.Tensor):  # a stand-in for a spilled host copy has no address of its own
             assert flat.data_ptr() % ALIGNMENT == 0, f"a flat buffer of {self.name} is not {ALIGNMENT}-byte aligned"
         with torch._C.DisableTorchFunctionSubclass():  # a subclass's __torch_function__ has no say in re-pointing
             for packed in self.tensors:
                 packed.tensor.data = packed.view_of(flat)
+        refused = isinstance(flat, NoRawBytes)
+        if refused != self.reads_refused:
+            refuse_reads((packed.tensor for packed in self.tensors), refused)
+            self.reads_refused = refused
         for wrapper in self.wrappers:
             wrapper.follow(getattr(flat, "device", _CPU))
 
@@ -668,6 +677,9 @@ def restore_unit(unit: Unit) -> None:
     with torch._C.DisableTorchFunctionSubclass():
         for packed, t in zip(unit.tensors, fresh, strict=True):
             packed.tensor.data = t
+    if unit.reads_refused:
+        refuse_reads((packed.tensor for packed in unit.tensors), False)
+        unit.reads_refused = False
     for wrapper in unit.wrappers:
         wrapper.follow(wrapper.origin_device)
     unpin_unit(unit)

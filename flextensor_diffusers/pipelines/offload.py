@@ -10,8 +10,10 @@ component sit in host memory.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import os
 from dataclasses import dataclass, field
@@ -56,6 +58,7 @@ from ..storage import (
     HostTierPlan,
     LastForwardForecast,
     MachineFacts,
+    PayloadsOnlyHome,
     RawCacheFile,
     StoragePlan,
     StorageRequest,
@@ -96,6 +99,10 @@ EDIT_METHODS = (
 END_OF_GENERATION = "maybe_free_model_hooks"
 #: Refused while offload is enabled: it would move weights whose host copies and device slots offload owns.
 MOVE = "to"
+#: Pipeline methods that write the weights of the components they are given themselves, not through those
+#: components' edit methods (diffusers' ``unfuse_lora`` unmerges each adapter layer, ``weight.data -= ...``, which no
+#: version counter sees; ``fuse_lora`` merges a text encoder's so): run per component inside its ``editing()``.
+PIPELINE_EDIT_METHODS = ("fuse_lora", "unfuse_lora")
 
 
 class _ExecutionDevice:
@@ -257,7 +264,7 @@ class PipelineOffload:
         if self.host_tier is not None:
             self.host_tier.stop()  # no read ahead while handles go
         for pipeline in [self.pipeline, *self.joined]:
-            for name in (END_OF_GENERATION, MOVE):
+            for name in (END_OF_GENERATION, MOVE, *PIPELINE_EDIT_METHODS):
                 if name in vars(pipeline):
                     delattr(pipeline, name)
         for name, handle in self.handles.items():
@@ -286,7 +293,8 @@ COMPONENT_LEGEND = (
     "overlap: share of copy time hidden behind compute (blank: nothing was streamed)\n"
     "host RAM: host copies in RAM now (raw ones unless they wait on disk, and compressed ones where kept)\n"
     "waits: where the host copies are: RAM, or disk (being read back: arriving); +z: compressed copies in RAM too;\n"
-    "  ' z': compressed copies only, the raw ones wait in the weight files or a cache file (raw_copies='disk')\n"
+    "  ' z': compressed copies only, the raw ones wait in the weight files, or nowhere (the compressed copy is the\n"
+    "  host copy, raw_copies='none'), or in a cache file (raw_copies='disk')\n"
     "link: bytes compressed loads of the blocks move / the blocks' bytes (1.00: not compressed; the plan may\n"
     "  load some raw when that is faster or fits the budget better)\n"
     "switches: times the active component changed (the previous one gives its GPU memory back)"
@@ -351,7 +359,7 @@ def format_report(report: dict[str, Any]) -> str:
 def _waits(places: dict[str, Any]) -> str:
     """Where a component's host copies are, in a word (`HostPlaces`)."""
     where = "arriving" if places["arriving"] else "disk" if places["disk_bytes"] else "RAM"
-    if places.get("raw_disk_bytes"):
+    if places.get("raw_disk_bytes") or places.get("payloads_only_bytes"):
         return where + " z"
     return where + ("+z" if places["ram_compressed_bytes"] else "")
 
@@ -681,11 +689,13 @@ def _offload_component(state: PipelineOffload, request: OffloadRequest, name: st
 
 def _raw_home(name: str, module: nn.Module, request: OffloadRequest) -> WeightFilesHome | None:
     """Where ``name``'s raw bytes wait when RAM keeps compressed copies only: the weight files it was loaded
-    from (units they do not hold go to a cache file); None for a component with no local folder (the engine
-    then writes them all to a cache file)."""
+    from, units they do not hold keeping their payload only (``raw_copies="none"``) or going to a cache file
+    (``"disk"``); None for a component with no local folder (the engine then does the same with all of them)."""
     folders = component_folders(name, module, pipeline_folder(request.pipeline))
     if not folders:
         return None
+    if request.storage.raw_copies == "none":
+        return WeightFilesHome(name, folders, PayloadsOnlyHome())
     layout = request.layouts[name]
     path = cache_folder(request.cache_dir) / f"{name}-{os.getpid()}-{id(module):x}.raw"
     return WeightFilesHome(name, folders, RawCacheFile(path, [layout.base, *layout.units]))
@@ -714,10 +724,38 @@ def _finish(state: PipelineOffload, vae_tiling: bool | None) -> None:
 
 
 def _guard(pipeline: Any, state: PipelineOffload) -> None:
-    """Shortfalls checked at the end of every generation of ``pipeline``, and ``pipeline.to`` refused."""
+    """Shortfalls checked at the end of every generation of ``pipeline``, ``pipeline.to`` refused, and its LoRA fuse
+    and unfuse run inside the components' ``editing()``."""
     if callable(getattr(pipeline, END_OF_GENERATION, None)):
         setattr(pipeline, END_OF_GENERATION, _checking_budget(getattr(pipeline, END_OF_GENERATION), state))
     setattr(pipeline, MOVE, _refuse_move)
+    for name in PIPELINE_EDIT_METHODS:
+        if callable(getattr(pipeline, name, None)):
+            setattr(pipeline, name, _editing_each(getattr(pipeline, name), state))
+
+
+def _editing_each(method: Any, state: PipelineOffload) -> Any:
+    """A pipeline edit method (`PIPELINE_EDIT_METHODS`) called once per component it is given, each call inside that
+    component's ``editing()``: the edit reaches its host copies and every copy made from them (outside it, with
+    compression, the payloads kept the weights as they were before the edit: outputs silently wrong), and, with
+    payloads only, one component at a time has its weights decoded into RAM."""
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        components = list(bound.arguments.get("components") or [])
+        if not components:
+            return method(*args, **kwargs)  # diffusers' own refusal
+        for name in components:
+            bound.arguments["components"] = [name]
+            handle = state.handles.get(name)
+            with handle.editing() if handle is not None else contextlib.nullcontext():
+                result = method(*bound.args, **bound.kwargs)
+        return result
+
+    return call
 
 
 def _includes(

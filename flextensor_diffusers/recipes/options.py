@@ -65,7 +65,7 @@ class RecipeOptions:
     host_budget: str | None = "auto"  # None: every host copy in RAM (--host-budget none)
     cache_dir: Path | None = None
     compression: str = NO_COMPRESSION
-    raw_copies: str | None = None  # None: the offload's choice ("disk" under a host budget with compression)
+    raw_copies: str | None = None  # None: the offload's choice ("none" under a host budget with compression)
     compression_cache: bool = False
     background_encoding: bool | None = None  # None: the offload's choice (on a GPU where it can be)
     verify_loads: bool | None = None  # None: the offload's choice (on under a host tier with compression on a GPU)
@@ -292,11 +292,12 @@ def add_memory(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--raw-copies",
-        choices=("ram", "disk"),
+        choices=("ram", "disk", "none"),
         default=None,
-        help="with --compression lossless, disk: the raw host copies wait in the weight files they were loaded "
-        "from, else in a cache file (--cache-dir), so host RAM holds the compressed copies only (the default "
-        "with --host-budget; else ram)",
+        help="with --compression lossless, where the raw host copies wait, host RAM holding the compressed copies "
+        "only: none (the default with --host-budget; else ram): in the weight files they were loaded from where "
+        "those hold them, else nowhere (the compressed copy is the host copy; nothing raw is written); disk: in the "
+        "weight files, else in a cache file (--cache-dir)",
     )
     parser.add_argument(
         "--compression-cache",
@@ -522,12 +523,12 @@ def storage_refusal(exc: StorageOptionError, ns: argparse.Namespace) -> str:
     """A storage plan's refusal in the flags' words (the plan's own line where no flag says it otherwise)."""
     gpus = f"--gpus {ns.gpus}"
     words = {
-        Rule.RAW_DISK_WITHOUT_COMPRESSION: "--raw-copies disk keeps only compressed copies in RAM, and there are none: "
-        "add --compression lossless",
+        Rule.RAW_DISK_WITHOUT_COMPRESSION: f"--raw-copies {ns.raw_copies} keeps only compressed copies in RAM, and "
+        "there are none: add --compression lossless",
         Rule.CACHE_WITHOUT_COMPRESSION: "--compression-cache caches compressed copies, and there are none: add "
         "--compression lossless",
         Rule.BACKGROUND_WITHOUT_RAW_STREAM: "--background-encoding compresses while the raw copies stream: add "
-        "--compression lossless and drop --raw-copies disk",
+        f"--compression lossless and drop --raw-copies {ns.raw_copies}",
         Rule.COMPRESSION_WITH_SHARED_HOST: f"--compression {ns.compression} cannot be combined with {gpus} yet (the "
         "ranks share one raw host copy of the weights): drop --compression, or run on one GPU",
         Rule.HOST_BUDGET_WITH_SHARED_HOST: f"--host-budget cannot be combined with {gpus} yet (the ranks share one "

@@ -4,18 +4,19 @@ Beside the streaming core (`flextensor_diffusers.engine`): the core decides *whe
 device; this package owns *where* they are on the host and in what form: raw copies in (page-locked) RAM
 (`host_copies`, `host_memory`, `locked_pool`, `packing_line`), lossless payloads (`codec`, `compressed_copies` and
 its parts `payload_records`, `set_up_payloads`, `arriving_payloads`, `waiting_payloads`, `device_encoding`,
-`payload_cache`, `arrivals`), raw copies on disk and the weight files they come from
-(`raw_homes`, `raw_home`, `weight_files`, `disk_reads`, `file_reads`, `cache_files`, `private_files`), copies shared
+`payload_cache`, `arrivals`), raw copies on disk and the weight files they come from, or none at all
+(`raw_homes`, `raw_home`, `weight_files`, `disk_reads`, `file_reads`, `cache_files`, `private_files`, `payloads_only`,
+`read_guard`), copies shared
 between processes (`shared_host`), the machine's memory (`machine_memory`), the pipeline-wide host budget
 (`host_budget`) and the tier that reads components back from disk while others compute (`host_tier`).
 
 Its face for the pipelines (all they import of the storage wing): the pipeline-wide host budget (`host_budget`, whose
 functions tests replace on the module, so it is named whole, and the names below), the host tier (`HostTier`,
 `format_host_tier`, `kept_in_ram_bytes`, `offload_order`, `pipeline_folder`, `LastForwardForecast`), the RAM
-available (`AvailableMemory`) and where raw bytes wait on disk (`WeightFilesHome`, `component_folders`,
-`RawCacheFile`). The names are looked up on first use: the engine imports storage modules while the engine package is
-still being imported, and the host tier imports the engine's face, so importing the tier here at once would go round
-in a circle.
+available (`AvailableMemory`) and where raw bytes wait on disk, or that they wait nowhere (`WeightFilesHome`,
+`component_folders`, `RawCacheFile`, `PayloadsOnlyHome`). The names are looked up on first use: the engine imports
+storage modules while the engine package is still being imported, and the host tier imports the engine's face, so
+importing the tier here at once would go round in a circle.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ _FACE = {
     "WeightFilesHome": "raw_home",
     "component_folders": "weight_files",
     "RawCacheFile": "cache_files",
+    "PayloadsOnlyHome": "payloads_only",
     "HostCopiesSize": "plan",
     "HostTierPlan": "plan",
     "MachineFacts": "plan",

@@ -19,6 +19,7 @@ import atexit
 import errno
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -122,7 +123,7 @@ class RawCacheFile:
     def ram_bytes(self) -> int:
         return 0
 
-    def moved_if_written(self, position: int, unit: Unit, raw: torch.Tensor) -> None:
+    def moved_if_written(self, position: int, unit: Unit, raw: Callable[[], torch.Tensor]) -> None:
         """Edits land in the file itself (a shared mapping): nothing moves."""
         return None
 

@@ -100,6 +100,8 @@ CODE_BITS = (1, 2, 3, 4, 5, 6, 7)  # table-coded widths; 8 (identity, no escape)
 DEVICE_SLICE_BYTES = 128 << 20
 #: Raw bytes the encoder codes at a time on the host: small, so each pass's temporaries stay in cache.
 HOST_SLICE_BYTES = 4 << 20
+#: Chunk rows the host decoder (`_decode_torch`) decodes at a time: 1 Mi elements of the default chunk.
+HOST_DECODE_ROWS = 64
 
 #: Dtypes whose words are shuffled into (exponent symbol, rest), with their word size in bytes.
 CODED_DTYPES: dict[torch.dtype, int] = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
@@ -893,42 +895,49 @@ def _on_device_of(out: torch.Tensor) -> contextlib.AbstractContextManager[object
 
 
 def _decode_torch(encoded: EncodedUnit, payload: torch.Tensor, out: torch.Tensor) -> None:
-    """The format's reference decoder, vectorised over all elements of a word width (reads rows from the payload)."""
+    """The format's reference decoder, vectorised over the elements of `HOST_DECODE_ROWS` chunk rows at a time (reads
+    rows from the payload): its temporaries, several int64 per element, stay near 100 MB whatever the unit's size
+    (one pass over a whole 0.7 GB block would take tens of GB)."""
     if encoded.n_rows == 0:
         return
     rows = payload[: encoded.n_rows * ROW_WORDS * 8].cpu().clone().view(torch.int64).reshape(-1, ROW_WORDS)
     host = payload.cpu()
     for first, stop, width in ((0, encoded.n16, 2), (encoded.n16, encoded.n16 + encoded.n32, 4)):
-        if stop == first:
-            continue
-        out_off, n, raw_off, plane, code_off, esc_off, table_off, bits = rows[first:stop].unbind(1)
-        cid = torch.repeat_interleave(torch.arange(stop - first), n)
-        starts = torch.cumsum(n, 0) - n
-        i = torch.arange(int(n.sum())) - starts[cid]
-        b = bits[cid]
-        pos = i * b
-        byte = code_off[cid] + (pos >> 3)
-        window = host[byte].long() | (host[byte + 1].long() << 8)
-        esc_code = (1 << b) - 1
-        code = (window >> (pos & 7)) & esc_code
-        coded = b < 8
-        is_esc = coded & (code == esc_code)
-        flag = is_esc.long()
-        before = torch.cumsum(flag, 0) - flag  # escapes before each element, over the whole width class
-        slot = esc_off[cid] + before - before[starts][cid]
-        esc = host[torch.where(is_esc, slot, 0)].long()
-        tab = host[table_off[cid] + torch.where(coded & ~is_esc, code, 0)].long()
-        sym = torch.where(coded, torch.where(is_esc, esc, tab), code)
-        rest = torch.zeros_like(i)
-        for k in range(width - 1):
-            rest |= host[raw_off[cid] + k * plane[cid] + i].long() << (8 * k)
-        m = 8 * width - 9
-        word = ((rest >> m) << (m + 8)) | (sym << m) | (rest & ((1 << m) - 1))
-        dst = (out_off[cid] + width * i).to(out.device)
-        for k in range(width):
-            out[dst + k] = ((word >> (8 * k)) & 0xFF).to(torch.uint8).to(out.device)
+        for start in range(first, stop, HOST_DECODE_ROWS):
+            _decode_rows(rows[start : min(start + HOST_DECODE_ROWS, stop)], host, out, width)
     for out_off, nbytes, src_off, *_ in rows[encoded.n16 + encoded.n32 :].tolist():
         out[out_off : out_off + nbytes].copy_(payload[src_off : src_off + nbytes])
+
+
+def _decode_rows(rows: torch.Tensor, host: torch.Tensor, out: torch.Tensor, width: int) -> None:
+    """Decode the chunks of ``rows`` (all of words of ``width`` bytes) from the payload ``host`` into ``out``. A
+    chunk's escapes are counted within the chunk, so any run of whole rows decodes alone."""
+    out_off, n, raw_off, plane, code_off, esc_off, table_off, bits = rows.unbind(1)
+    cid = torch.repeat_interleave(torch.arange(rows.shape[0]), n)
+    starts = torch.cumsum(n, 0) - n
+    i = torch.arange(int(n.sum())) - starts[cid]
+    b = bits[cid]
+    pos = i * b
+    byte = code_off[cid] + (pos >> 3)
+    window = host[byte].long() | (host[byte + 1].long() << 8)
+    esc_code = (1 << b) - 1
+    code = (window >> (pos & 7)) & esc_code
+    coded = b < 8
+    is_esc = coded & (code == esc_code)
+    flag = is_esc.long()
+    before = torch.cumsum(flag, 0) - flag  # escapes before each element, over these rows
+    slot = esc_off[cid] + before - before[starts][cid]
+    esc = host[torch.where(is_esc, slot, 0)].long()
+    tab = host[table_off[cid] + torch.where(coded & ~is_esc, code, 0)].long()
+    sym = torch.where(coded, torch.where(is_esc, esc, tab), code)
+    rest = torch.zeros_like(i)
+    for k in range(width - 1):
+        rest |= host[raw_off[cid] + k * plane[cid] + i].long() << (8 * k)
+    m = 8 * width - 9
+    word = ((rest >> m) << (m + 8)) | (sym << m) | (rest & ((1 << m) - 1))
+    dst = (out_off[cid] + width * i).to(out.device)
+    for k in range(width):
+        out[dst + k] = ((word >> (8 * k)) & 0xFF).to(torch.uint8).to(out.device)
 
 
 def decode_to_host(encoded: EncodedUnit, *, backend: Literal["auto", "triton", "torch"] = "auto") -> torch.Tensor:

@@ -28,6 +28,7 @@ from ..engine.units import Unit
 from .arriving_payloads import ArrivingPayloads
 from .codec import EncodedUnit
 from .file_reads import SERIAL, PieceReader
+from .host_memory import host_buffer
 from .locked_pool import LockedPool
 from .payload_cache import PayloadCache
 from .payload_records import PayloadLocks, PayloadRecords, segments_of
@@ -261,6 +262,20 @@ class CompressedCopies:
     def take(self, index: int, payload: torch.Tensor, locked: bool) -> None:
         """Adopt ``payload`` (from `read_payload`) as unit ``index``'s payload in RAM (`WaitingPayloads.take`)."""
         self.disk.take(index, payload, locked)
+
+    def payload_to_decode(self, index: int) -> tuple[EncodedUnit, torch.Tensor] | None:
+        """Unit ``index``'s payload and its bytes in RAM, for a decode on the host side (payloads only: its raw bytes
+        for an edit, ``state_dict()``, removal): the payload kept, or, while it waits in the payload file, a copy read
+        from the file and checked against its checksum, never the file's mapping unchecked. None: none is kept."""
+        encoded = self.records.encoded.get(index)
+        if encoded is None:
+            return None
+        if index not in self.disk.waiting:
+            return encoded, encoded.payload
+        assert self.disk.file is not None, "a payload waits in the payload file"
+        copy = host_buffer(encoded.payload.numel())
+        self.disk.file.read_payload(index, copy)
+        return encoded, copy
 
     def untake(self, indices: list[int]) -> None:
         """Point the payloads of ``indices`` (taken back) at the file again (`WaitingPayloads.untake`)."""

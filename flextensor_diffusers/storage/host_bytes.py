@@ -13,7 +13,11 @@ The kinds:
 * `InCacheFile`: a view of a cache file's shared mapping, written once by a spill (`cache_files`);
 * `InWeightFiles`: private views of the weight files the model was loaded from, after a spill onto them;
 * `AtRawHome`: compressed only, the raw bytes of a unit kept compressed wait in a `raw_homes.RawHome` (the
-  weight files, else a room in one cache file) for good, while RAM holds its payload.
+  weight files, else a room in one cache file) for good, while RAM holds its payload;
+* `InPayloadsOnly`: compressed only, with no raw copy anywhere: the unit's payload is its host copy, and its
+  tensors view a `read_guard.NoRawBytes` whose reads are refused;
+* `DecodedPayload`: such a unit's raw bytes decoded into a RAM buffer of its own for a while (an edit, a write-back,
+  removal), until `raw_homes.RawHomes.close_opened` makes it `InPayloadsOnly` again.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import dataclasses
 from typing import ClassVar, Protocol, TypeAlias
 
 import torch
+
+from .read_guard import NoRawBytes
 
 
 class StandIn(Protocol):
@@ -114,3 +120,33 @@ class AtRawHome(HostBytes):
     @property
     def flat(self) -> Flat:
         return self.stand_in
+
+
+@dataclasses.dataclass(frozen=True)
+class InPayloadsOnly(HostBytes):
+    """Compressed only, and no raw copy anywhere: the unit's payload (in RAM, or in the payload file) is its host copy.
+    Its tensors view ``stand_in``, which holds no bytes and refuses reads (`read_guard`); whatever needs the raw bytes
+    decodes the payload (`HostCopies.decoded`)."""
+
+    place: ClassVar[str] = "payloads only"
+
+    stand_in: NoRawBytes
+
+    @property
+    def flat(self) -> NoRawBytes:
+        return self.stand_in
+
+    @property
+    def buffer(self) -> None:
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodedPayload(_OneBuffer):
+    """A unit kept as payloads only, its raw bytes decoded into a RAM buffer of its own for now (an edit, a write-back,
+    removal: `raw_homes.RawHomes.open`); ``closed`` is what it goes back to once its payload says what the buffer says
+    (`raw_homes.RawHomes.close_opened`)."""
+
+    place: ClassVar[str] = "ram, decoded for now"
+
+    closed: InPayloadsOnly

@@ -9,9 +9,10 @@ these places, and this object alone knows which:
   then the gate below is set and the unit's tensors are still its own);
 * **RAM, compressed** as well, when compression is on (`compressed`, a `CompressedCopies`): loads may move the
   payload and decode it on the device; the raw bytes stay the truth;
-* **compressed only** (``raw_copies="disk"``, and always under a pipeline's host budget with compression): the
-  raw bytes of each unit kept compressed leave RAM as soon as its payload is made, for a `RawHome` (the weight
-  files it was loaded from, else one cache file; `raw_homes.RawHomes`); RAM holds payloads, plus the raw bytes
+* **compressed only** (``raw_copies="none"`` or ``"disk"``, and always under a pipeline's host budget with
+  compression): the raw bytes of each unit kept compressed leave RAM as soon as its payload is made, for a
+  `RawHome` (the weight files it was loaded from; else, ``"none"``, nowhere: its payload is its only host copy,
+  `payloads_only`; ``"disk"``: one cache file; `raw_homes.RawHomes`); RAM holds payloads, plus the raw bytes
   of the base and of units not worth compressing. Every load of such a unit decodes its payload. Its payloads
   can then wait on disk as well (`spill_payloads`: in the payload file), and come back unit by unit as below;
 * **a cache file** (`spill`): a shared mapping of one file for all units, written once and kept, unwritten
@@ -35,6 +36,7 @@ moves bytes and says where they are.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -47,11 +49,12 @@ from ..engine.units import Unit, restore_unit
 from .codec import EncodedUnit
 from .compressed_copies import CompressedCopies
 from .file_reads import SERIAL, PieceReader
-from .host_bytes import Flat, HostBytes
+from .host_bytes import Flat, HostBytes, InPayloadsOnly
 from .host_forms import CompressedOnly, HostForm, RawInRam, RawInSharedMemory, ReadInto, ReadUnit, copy_by_tensor
 from .host_gates import Gate, HostGates, OpenGate
 from .host_memory import host_buffer
 from .packing import Packing, PackingWindow, ProgressivePacking, start_packing
+from .payloads_only import decoded
 from .raw_homes import RawHome, RawHomes
 from .shared_host import SharedHostMemory
 
@@ -75,6 +78,7 @@ class HostPlaces:
     disk_path: str | None = None  # the cache file or the weight files' folder they wait in
     arriving: bool = False  # being read back from disk while the model computes
     raw_disk_bytes: int = 0  # compressed only: the raw bytes that wait in a `RawHome`, outside RAM for good
+    payloads_only_bytes: int = 0  # compressed only: the raw bytes of units whose payload is their only host copy
 
     @property
     def label(self) -> str:
@@ -82,7 +86,7 @@ class HostPlaces:
         "ram compressed" when RAM holds compressed copies only, else "ram"."""
         if self.disk_bytes:
             return "disk"
-        return "ram compressed" if self.raw_disk_bytes else "ram"
+        return "ram compressed" if self.raw_disk_bytes or self.payloads_only_bytes else "ram"
 
 
 class HostCopies:
@@ -158,7 +162,7 @@ class HostCopies:
     def keep_raw_in(self, home: RawHome) -> RawHomes:
         """Before set-up packs: the raw bytes of units kept compressed will wait in ``home`` (`RawHomes.settle` as
         each is encoded); the copies are compressed only from now on (`host_forms.CompressedOnly`)."""
-        homes = RawHomes(home, self.positions, self.binding, self.raw_tensor)
+        homes = RawHomes(home, self.positions, self.binding, self.raw_tensor, functools.partial(decoded, self))
         self.form = CompressedOnly(self, homes)
         return homes
 
@@ -169,7 +173,7 @@ class HostCopies:
     def raw_tensor(self, unit: Unit) -> torch.Tensor:
         """``unit``'s current raw bytes as one flat tensor: its host buffer, or, when a stand-in holds them,
         gathered tensor by tensor into a new buffer (an edit of a unit compressed only re-encodes from it)."""
-        host = self.host_of(unit)
+        host = self.readable(unit)
         if isinstance(host, torch.Tensor):
             return host
         flat = host_buffer(unit.nbytes)
@@ -181,7 +185,7 @@ class HostCopies:
         """Enqueue a raw load of ``unit`` into the device ``buffer`` on the current stream: one copy of its host
         buffer, or, from a stand-in (a unit compressed only whose edited payload no longer fits its staging
         room), one copy per tensor."""
-        host = self.host_of(unit)
+        host = self.readable(unit)
         if isinstance(host, torch.Tensor):
             buffer.copy_(host, non_blocking=True)
         else:
@@ -227,11 +231,19 @@ class HostCopies:
 
     def host_of(self, unit: Unit) -> Flat:
         """What ``unit``'s tensors view as its host copy once it holds the unit's final bytes (every open gate
-        is asked first): its flat buffer, or a stand-in for it."""
+        is asked first): its flat buffer, or a stand-in for it. A unit kept as payloads only is decoded into RAM
+        first, to be written (`raw_homes.RawHomes.open`; its owner closes it again: `HostForm.close_decoded`)."""
         self.gates.ask(unit)
+        if isinstance(unit.stored, InPayloadsOnly) and self.raw_homes is not None:
+            self.raw_homes.open(unit)
         host = unit.host
         assert host is not None, f"{unit.name} has no host copy"
         return host
+
+    def readable(self, unit: Unit) -> Flat:
+        """``unit``'s host bytes to read, changing nothing: `host_of`'s, or, for a unit kept as payloads only, its
+        bytes decoded into a new RAM buffer (`payloads_only.decoded`)."""
+        return decoded(self, unit) if isinstance(unit.stored, InPayloadsOnly) else self.host_of(unit)
 
     def payload_of(self, unit: Unit) -> EncodedUnit:
         """``unit``'s compressed copy once its payload is final (every open gate is asked first: a payload may
@@ -367,6 +379,7 @@ class HostCopies:
                 if unit.stored is None:
                     continue
                 try:
+                    self.form.before_restore(unit)  # payloads only: decoded into RAM, to be copied from
                     restore_unit(unit)
                 except Exception as exc:  # Ctrl-C goes on as it is: the user asked to stop, not a fault to explain
                     raise OffloadStateError(

@@ -7,9 +7,9 @@ and the answers the tier asks of it (what moves to disk, what stays in RAM meanw
   or onto the weight files the model was loaded from, and come back unit by unit (`read_unit`, `take_unit`).
 * `RawInSharedMemory`: raw in RAM, each unit's buffer a file shared with the other processes of the host
   (`shared_host`): packed and published by one process, attached to by the others; its files go at removal.
-* `CompressedOnly` (``raw_copies="disk"``): the raw bytes of units kept compressed wait in a raw home for good
-  (`raw_homes`: the weight files, else a cache file); RAM holds payloads, which leave for the payload file and
-  come back unit by unit.
+* `CompressedOnly` (``raw_copies="none"`` or ``"disk"``): the raw bytes of units kept compressed wait in a raw home
+  for good (`raw_homes`: the weight files; else none at all, the payload being the host copy, or a cache file); RAM
+  holds payloads, which leave for the payload file and come back unit by unit.
 
 The form is chosen once: shared or not by `HostCopies`' constructor, compressed only by set-up as the storage plan
 says (`HostCopies.keep_raw_in`). What moves where is the host tier's policy; a form only moves bytes and says where
@@ -30,8 +30,9 @@ from ..engine.errors import FlexTensorError, OffloadStateError
 from ..engine.units import Unit, unpin_unit
 from .cache_files import drop_cached_pages_later, map_cache_file, write_cache_file
 from .file_reads import SERIAL, PieceReader
-from .host_bytes import Flat, HostBytes, InCacheFile, InRam, InWeightFiles
+from .host_bytes import Flat, HostBytes, InCacheFile, InPayloadsOnly, InRam, InWeightFiles
 from .host_memory import host_buffer, page_locked, unpin_in_place
+from .payloads_only import refuse_without_ram
 from .raw_homes import RawHomes
 
 if TYPE_CHECKING:
@@ -234,6 +235,17 @@ class HostForm:
 
     def edit_ended(self) -> None:
         """An edit of the weights ended (`Edits.editing`), every copy it changed final."""
+
+    def decode_all(self, what: str) -> None:
+        """Before ``what`` (an edit) writes the host copies: units kept as payloads only get their raw bytes decoded
+        into RAM (refused first when the RAM available cannot hold them), until `close_decoded`."""
+
+    def close_decoded(self, units: list[Unit] | None = None) -> None:
+        """Units decoded into RAM for now (`decode_all`, a write-back; ``units``, None: all) go back to their payloads,
+        made again since."""
+
+    def before_restore(self, unit: Unit) -> None:
+        """``unit`` is about to be restored (removal): payloads only, its raw bytes are decoded to be copied from."""
 
 
 class RawInRam(HostForm):
@@ -460,6 +472,20 @@ class CompressedOnly(HostForm):
     def edit_ended(self) -> None:
         self.raw_homes.rehome_written()  # edited raw bytes leave the weight files' copy-on-write pages
 
+    def decode_all(self, what: str) -> None:
+        closed = [unit for unit in self._host.positions if isinstance(unit.stored, InPayloadsOnly)]
+        refuse_without_ram(sum(unit.nbytes for unit in closed), what)
+        for unit in closed:
+            self._host.host_of(unit)  # decodes it (`RawHomes.open`)
+
+    def close_decoded(self, units: list[Unit] | None = None) -> None:
+        positions = None if units is None else [unit.index + 1 for unit in units]
+        self.raw_homes.close_opened(lambda index: index in self._host.compressed.encoded, positions)
+
+    def before_restore(self, unit: Unit) -> None:
+        if isinstance(unit.stored, InPayloadsOnly):
+            self.raw_homes.open(unit)
+
     @property
     def spill_is_current(self) -> bool:
         return self._host.compressed.file_current  # the payload file holds every payload as it is
@@ -499,13 +525,15 @@ class CompressedOnly(HostForm):
         compressed = host.compressed
         payloads = compressed.payload_bytes
         waiting = compressed.stored_bytes - payloads
+        homes = self.raw_homes
         return HostPlaces(
-            ram_raw_bytes=self.raw_homes.raw_ram_bytes(host.packed_bytes),
+            ram_raw_bytes=homes.raw_ram_bytes(host.packed_bytes),
             ram_compressed_bytes=payloads,
             disk_bytes=waiting,
             disk_path=str(compressed.file.path) if waiting and compressed.file else None,
             arriving=host.gates.any_open,
-            raw_disk_bytes=self.raw_homes.homed_bytes,
+            raw_disk_bytes=homes.homed_bytes - homes.payloads_only_bytes,
+            payloads_only_bytes=homes.payloads_only_bytes,
         )
 
     def raw_at_hand(self, unit: Unit) -> bool:

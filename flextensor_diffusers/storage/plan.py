@@ -15,8 +15,8 @@ made silently.
 
 Defaults, stated here once: ``compression="none"``; every other option ``None``, the plan's choice: raw copies in
 RAM, no payload file, progressive packing, no load checks and background encoding on CUDA where the encoder's room
-fits the budget; under a host tier with compression, compressed copies only with their payload file, packed before
-set-up returns and, on CUDA, every load verified.
+fits the budget; under a host tier with compression, compressed copies only with their payload file and no raw copy
+written (``raw_copies="none"``), packed before set-up returns and, on CUDA, every load verified.
 """
 
 from __future__ import annotations
@@ -30,8 +30,11 @@ from ..engine.errors import FlexTensorError, HostBudgetError
 from .host_budget import AUTO_HOST_SHARE, HOST_RESERVE_BYTES
 from .machine_memory import AvailableMemory
 
-#: Where the raw host copies may wait (``raw_copies``).
-RAW_PLACES = ("ram", "disk")
+#: Where the raw host copies may wait (``raw_copies``): in RAM, on disk (the weight files, else a cache file), or
+#: nowhere but the weight files (a unit they do not hold keeps its payload only).
+RAW_PLACES = ("ram", "disk", "none")
+#: The places that keep compressed copies only in RAM.
+COMPRESSED_ONLY_PLACES = ("none", "disk")
 
 #: Said when a host tier with compression is set up on a GPU with ``verify_loads=False`` (see the README and
 #: benchmarks/results/README.md, issue 25, fifth and sixth sessions): the one rule is bitwise or refused, and one
@@ -85,10 +88,13 @@ class StorageRequest:
         compression: ``"lossless"``: units that stream faster compressed keep a compressed copy in host memory
             too; a load moves it and decodes it on the device into the slot, bit-exact (`codec`). ``"none"``: raw
             copies only.
-        raw_copies: with compression, where the raw host copies (the weights' truth) live: ``"ram"``, or
-            ``"disk"``: in the weight files a pipeline was loaded from, else in a mapped cache file in
-            ``cache_dir``, so host RAM holds the compressed copies only. Loads then always decode, so the budget
-            must hold each slot's staging room. The default under a host tier with compression.
+        raw_copies: with compression, where the raw host copies (the weights' truth) live: ``"ram"``; ``"disk"``:
+            in the weight files a pipeline was loaded from, else in a mapped cache file in ``cache_dir``, so host RAM
+            holds the compressed copies only; ``"none"``: in the weight files where they hold a unit byte for byte,
+            else nowhere: its lossless payload is its host copy (`payloads_only`), nothing raw is written, and its
+            weights refuse reads between its calls (`read_guard`). Compressed only, loads always decode, so the
+            budget must hold each slot's staging room. ``"none"`` is the default under a host tier with
+            compression.
         compression_cache: with compression, write the compressed copies to a file in ``cache_dir`` the first
             time and read them back on later set-ups of the same weights instead of encoding (`payload_cache`);
             every payload read is decoded and compared with the weights first. On under a host tier with
@@ -212,14 +218,15 @@ class StoragePlan:
 
     @property
     def compressed_only(self) -> bool:
-        """Host RAM keeps compressed copies only: the raw ones wait outside it (``raw_copies="disk"``)."""
-        return self.compressed and self.raw_copies == "disk"
+        """Host RAM keeps compressed copies only: the raw ones wait outside it, or nowhere (``raw_copies="disk"``,
+        ``"none"``)."""
+        return self.compressed and self.raw_copies in COMPRESSED_ONLY_PLACES
 
     @property
     def writes_cache_files(self) -> bool:
-        """Set-up writes files in ``cache_dir``: the payload file or the raw cache file; the folder is then
-        checked before anything is packed (`SetUp.run`)."""
-        return self.compressed and (self.compression_cache or self.compressed_only)
+        """Set-up may write files in ``cache_dir``: the payload file, or the raw cache file (``raw_copies="disk"``;
+        ``"none"`` writes no raw copy); the folder is then checked before anything is packed (`SetUp.run`)."""
+        return self.compressed and (self.compression_cache or self.raw_copies == "disk")
 
     @property
     def packs_progressively(self) -> bool:
@@ -297,14 +304,15 @@ def _refuse_values(request: StorageRequest) -> None:
             Rule.COMPRESSION_MODE,
         )
     if request.raw_copies is not None and request.raw_copies not in RAW_PLACES:
-        raise StorageOptionError(f"raw_copies={request.raw_copies!r} is not 'ram' or 'disk'", Rule.RAW_PLACE)
+        raise StorageOptionError(f"raw_copies={request.raw_copies!r} is not 'ram', 'disk' or 'none'", Rule.RAW_PLACE)
 
 
 def _refuse_combinations(request: StorageRequest) -> None:
     """Combinations that cannot work whatever the machine."""
-    if request.raw_copies == "disk" and not request.compressed:
+    if request.raw_copies in COMPRESSED_ONLY_PLACES and not request.compressed:
         raise StorageOptionError(
-            "raw_copies='disk' keeps only compressed copies in RAM, and there are none: pass compression='lossless'",
+            f"raw_copies={request.raw_copies!r} keeps only compressed copies in RAM, and there are none: pass "
+            "compression='lossless'",
             Rule.RAW_DISK_WITHOUT_COMPRESSION,
         )
     if request.compression_cache and not request.compressed:
@@ -312,7 +320,8 @@ def _refuse_combinations(request: StorageRequest) -> None:
             "compression_cache=True caches compressed copies, and there are none: pass compression='lossless'",
             Rule.CACHE_WITHOUT_COMPRESSION,
         )
-    streams_raw = request.compressed and request.raw_copies != "disk" and request.progressive_packing is not False
+    compressed_only = request.raw_copies in COMPRESSED_ONLY_PLACES
+    streams_raw = request.compressed and not compressed_only and request.progressive_packing is not False
     if request.background_encoding and not streams_raw:
         raise StorageOptionError(
             "background_encoding=True encodes while the model streams its raw copies, packed as it runs: it needs "
@@ -336,7 +345,7 @@ def _ram_needed(request: StorageRequest, copies: HostCopiesSize) -> int:
     compression and raw copies in RAM the compressed copies come on top, of sizes not known before encoding:
     counted as large as the raw ones (what they never exceed), so that auto never keeps in RAM what may not fit."""
     need = copies.new_bytes + HOST_RESERVE_BYTES
-    if request.compressed and request.raw_copies != "disk":
+    if request.compressed and request.raw_copies not in COMPRESSED_ONLY_PLACES:
         need += copies.packed_bytes
     return need
 
@@ -353,7 +362,7 @@ def _resolve_tier(request: StorageRequest, machine: MachineFacts) -> HostTierPla
     if ram is None or copies is None or request.shared_host:
         return None
     if asked is None:
-        if request.raw_copies != "disk" and copies.new_bytes > ram.nbytes:
+        if request.raw_copies not in COMPRESSED_ONLY_PLACES and copies.new_bytes > ram.nbytes:
             raise HostBudgetError(
                 f"the host copies need {format_bytes(copies.new_bytes)} of new host RAM but "
                 f'{format_bytes(ram.nbytes)} is available ({ram.describe()}): leave host_budget at "auto" '
@@ -412,7 +421,7 @@ def _under_a_tier(request: StorageRequest, machine: MachineFacts, tier: HostTier
         choices += [
             StorageChoice(option, value, f"{why_tier} with compression keeps {kept}")
             for option, value, kept in (
-                ("raw_copies", "disk", "compressed copies only in RAM"),
+                ("raw_copies", "none", "compressed copies only in RAM and writes no raw copy"),
                 ("compression_cache", True, "the compressed copies in their payload file while on disk"),
             )
             if getattr(request, option) is None
@@ -421,7 +430,7 @@ def _under_a_tier(request: StorageRequest, machine: MachineFacts, tier: HostTier
         choices += [verified] if verified is not None else []
     return StoragePlan(
         compression=request.compression,
-        raw_copies="disk" if request.compressed else (request.raw_copies or "ram"),
+        raw_copies=(request.raw_copies or "none") if request.compressed else (request.raw_copies or "ram"),
         compression_cache=request.compressed,
         progressive_packing=False,
         encoding=Encoding.AT_SET_UP if request.compressed else Encoding.NONE,
@@ -436,9 +445,9 @@ def _under_a_tier(request: StorageRequest, machine: MachineFacts, tier: HostTier
 
 def _refuse_under_a_tier(request: StorageRequest, tier: HostTierPlan) -> None:
     if request.compressed:
-        for option, needed in (("raw_copies", "disk"), ("compression_cache", True)):
+        for option, needed in (("raw_copies", COMPRESSED_ONLY_PLACES), ("compression_cache", (True,))):
             asked = getattr(request, option)
-            if asked is not None and asked != needed:
+            if asked is not None and asked not in needed:
                 why = (
                     'the host copies do not all fit in the RAM available, so host_budget="auto" keeps them under a '
                     "host budget, which with compression"
@@ -447,7 +456,7 @@ def _refuse_under_a_tier(request: StorageRequest, tier: HostTierPlan) -> None:
                 )
                 raise StorageOptionError(
                     f"{why} keeps the compressed copies only and waits on disk in their file: drop "
-                    f"{option}={asked!r} (it needs {option}={needed!r})",
+                    f"{option}={asked!r} (it needs {option}={' or '.join(map(repr, needed))})",
                     Rule.TIER_KEEPS_COMPRESSED_ONLY,
                     option,
                 )

@@ -1,17 +1,18 @@
 """`WeightFilesHome`: a component's own safetensors files as the place its raw bytes wait while RAM holds
-compressed copies only (``raw_copies="disk"``, and a host budget with compression).
+compressed copies only (``raw_copies="none"`` or ``"disk"``; a host budget with compression chooses ``"none"``).
 
 Set-up hands each unit over as soon as its compressed copy is made (`RawHomes.settle`): when the files hold
 the unit's tensors byte for byte (`weight_files.match_unit`: same dtype and size; then every byte compared, on
 the packing thread right after the unit is packed, since its compressed copy is made from the bytes in RAM and
 its raw bytes would then be the file's), its tensors become views of private, copy-on-write mappings of those
 files, and its RAM buffer is freed; nothing is written. A unit the files do not hold (converted at load, edited
-since, a checkpoint elsewhere) goes to a cache file in ``cache_dir`` instead (`RawCacheFile`), unit by unit, so
-a component may wait partly in each.
+since, a checkpoint elsewhere) goes to the *fallback* instead, unit by unit, so a component may wait partly in
+each: with ``raw_copies="none"`` it keeps its payload only (`payloads_only.PayloadsOnlyHome`: nothing written),
+with ``"disk"`` its raw bytes go to a cache file in ``cache_dir`` (`RawCacheFile`).
 
 An edit made later through those views lands in private copy-on-write pages: anonymous memory, which the host
 budget does not see. After every edit the home looks for such pages (`/proc/self/pagemap` flags: present and
-no longer the file's) and moves each unit that has any to the cache file (`moved_if_written`), giving the
+no longer the file's) and moves each unit that has any to the fallback (`moved_if_written`), giving the
 written pages back to the kernel once the unit's tensors point at their new place.
 """
 
@@ -23,6 +24,7 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -30,8 +32,9 @@ import torch
 
 from ..engine.units import Unit
 from .cache_files import RawCacheFile, drop_cached_pages
-from .host_bytes import Flat, InRam
-from .raw_homes import Moved
+from .host_bytes import DecodedPayload, Flat, InPayloadsOnly, InRam
+from .payloads_only import PayloadsOnlyHome
+from .raw_homes import Moved, at_home
 from .weight_files import (
     FileStamp,
     NotSafetensors,
@@ -53,7 +56,7 @@ class WeightFilesHome:
     """A `raw_homes.RawHome` over the checkpoints in ``folders`` (see the module docstring); ``fallback`` is
     the cache file for units they do not hold, created at the first such unit."""
 
-    def __init__(self, component: str, folders: list[Path], fallback: RawCacheFile) -> None:
+    def __init__(self, component: str, folders: list[Path], fallback: RawCacheFile | PayloadsOnlyHome) -> None:
         self.component = component
         self.where = folders[0]
         self._checkpoints = [files for folder in folders for files in checkpoints(folder)]
@@ -111,8 +114,8 @@ class WeightFilesHome:
         self._found[position] = found
 
     def stand_in(self, position: int, unit: Unit) -> Flat:
-        """The unit's tensors in its weight files when `prepare` found them all there, byte for byte; else its
-        room in the fallback cache file (written there)."""
+        """The unit's tensors in its weight files when `prepare` found them all there, byte for byte; else the
+        fallback's stand-in (a room of the cache file, written there; or, payloads only, none)."""
         if position not in self._found:  # packed before this home was told (not on the set-up path)
             self.prepare(position, unit)
         places, reason = self._found.pop(position)
@@ -129,25 +132,31 @@ class WeightFilesHome:
             ]
             return stand_in
         if not self._fallback_used:
-            logger.info("%s: %s waits in a cache file (%s), not in its weight files", self.component, unit.name, reason)
+            where = "as its payload only" if isinstance(self._fallback, PayloadsOnlyHome) else "in a cache file"
+            logger.info("%s: %s waits %s (%s), not in its weight files", self.component, unit.name, where, reason)
             self._fallback_used = True
         return self._fallback.stand_in(position, unit)
 
     def ram_bytes(self) -> int:
-        return sum(self._kept.values())
+        return sum(self._kept.values()) + self._fallback.ram_bytes()
 
-    def moved_if_written(self, position: int, unit: Unit, raw: torch.Tensor) -> Moved | None:
+    def moved_if_written(self, position: int, unit: Unit, raw: Callable[[], torch.Tensor]) -> Moved | None:
         """After an edit: when ``unit``'s views into the files were written (copy-on-write pages), its current
-        bytes ``raw`` in its room in the cache file, and what gives the written pages back once its tensors point
-        there; None when nothing was written (or it waits in the cache file already)."""
+        bytes (``raw()``) in the fallback (its room in the cache file, or payloads only: in RAM until its payload is
+        made again from them), and what gives the written pages back once its tensors point there; None when
+        nothing was written (or it waits in the fallback already)."""
         ranges = self._ranges.get(position)
         if ranges is None or not any_written(ranges):
             return None
-        stand_in = self._fallback.stand_in(position, dataclasses.replace(unit, stored=InRam(raw)))
+        current = raw()
+        stand_in = self._fallback.stand_in(position, dataclasses.replace(unit, stored=InRam(current)))
         del self._ranges[position]
         self._kept.pop(position, None)
-        logger.info("%s: %s was edited; its raw bytes move to a cache file", self.component, unit.name)
-        return Moved(stand_in, lambda: give_back(ranges))
+        logger.info("%s: %s was edited; its raw bytes leave its weight files", self.component, unit.name)
+        stored = at_home(stand_in)
+        if isinstance(stored, InPayloadsOnly):  # its payload is made again from ``current`` before it closes
+            stored = DecodedPayload(current, stored)
+        return Moved(stored, lambda: give_back(ranges))
 
     def changed_file(self) -> Path | None:
         """The first weight file that changed since its units moved there (None: all as stamped)."""

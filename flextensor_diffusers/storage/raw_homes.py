@@ -1,11 +1,18 @@
-"""Compressed only (``raw_copies="disk"``): the raw bytes of units kept compressed wait outside RAM, in a `RawHome`.
+"""Compressed only (``raw_copies="none"`` or ``"disk"``): the raw bytes of units kept compressed leave RAM for good.
 
 Set-up hands each unit over as soon as its compressed copy is made (`RawHomes.settle`): its tensors then view a
-stand-in in the home (views of the weight files a pipeline was loaded from, or a room in one cache file) and its
-RAM buffer is freed, so RAM holds compressed copies, plus the raw bytes of the base and of units not worth
-compressing. Every load of a homed unit decodes its compressed copy; its raw bytes are read only by edits,
-``state_dict`` and removal. After an edit, units whose stand-in now holds their bytes in anonymous memory (written
-copy-on-write pages of a file mapping) move within the home (`RawHomes.rehome_written`).
+stand-in in the home (views of the weight files a pipeline was loaded from, a room in one cache file, or, payloads
+only, a `read_guard.NoRawBytes` that holds nothing and refuses reads) and its RAM buffer is freed, so RAM holds
+compressed copies, plus the raw bytes of the base and of units not worth compressing. Every load of a homed unit
+decodes its compressed copy; its raw bytes are read only by edits, ``state_dict`` and removal. After an edit, units
+whose stand-in now holds their bytes in anonymous memory (written copy-on-write pages of a file mapping) move within
+the home (`RawHomes.rehome_written`).
+
+A unit kept as payloads only has no raw bytes to read: whatever needs them has it decoded into RAM for the while
+(`RawHomes.open`, a `DecodedPayload`), and once its payload says what those bytes say it goes back to its payload
+alone (`RawHomes.close_opened`). Until set-up kept every payload (the device encoder keeps them all at the end), the
+payload of a unit that lost its raw bytes is held here too (`held`): a set-up that fails or is interrupted after
+that still restores it.
 
 `HostCopies` owns the one `RawHomes` of a model compressed only; this module knows nothing of where the home is.
 """
@@ -21,24 +28,33 @@ import torch
 
 from ..engine.binding import Binding
 from ..engine.units import Unit, pin_unit, unpin_unit
-from .host_bytes import AtRawHome, Flat
+from .codec import EncodedUnit
+from .host_bytes import AtRawHome, DecodedPayload, Flat, HostBytes, InPayloadsOnly, InRam
+from .read_guard import NoRawBytes
 
 
 @dataclasses.dataclass(frozen=True)
 class Moved:
-    """A unit's raw bytes moved within its raw home (`RawHome.moved_if_written`): the new stand-in, and what to
-    call once the unit's tensors point at it (the old place's memory goes back)."""
+    """A unit's raw bytes moved within its raw home (`RawHome.moved_if_written`): where they are now (a room in the
+    cache file; payloads only, decoded into RAM until its payload is made again from them), and what to call once the
+    unit's tensors point there (the old place's memory goes back)."""
 
-    stand_in: Flat
+    stored: HostBytes
     release: Callable[[], None]
+
+
+def at_home(stand_in: Flat) -> HostBytes:
+    """The record of a unit whose raw bytes wait at ``stand_in`` in a raw home: none at all for a `NoRawBytes`."""
+    return InPayloadsOnly(stand_in) if isinstance(stand_in, NoRawBytes) else AtRawHome(stand_in)
 
 
 class RawHome(Protocol):
     """Where the raw bytes of units kept compressed wait outside RAM: the weight files a component was loaded from
-    (the pipelines' `WeightFilesHome`), or one cache file (`cache_files.RawCacheFile`)."""
+    (the pipelines' `WeightFilesHome`), one cache file (`cache_files.RawCacheFile`), or nowhere
+    (`payloads_only.PayloadsOnlyHome`)."""
 
-    #: The file or folder, for reports.
-    where: Path
+    #: The file or folder, for reports (None: nowhere on disk).
+    where: Path | None
 
     def prepare(self, position: int, unit: Unit) -> None:
         """``unit`` was just packed (``unit.host`` holds its bytes), on a packing thread: work for `stand_in` that
@@ -48,16 +64,17 @@ class RawHome(Protocol):
     def stand_in(self, position: int, unit: Unit) -> Flat:
         """A stand-in for ``unit``'s flat host buffer (``unit.host``, in RAM now, holds its current bytes) that
         holds the same bytes outside RAM: a tensor, or an object that gives each tensor's bytes when sliced at
-        its range, as `PackedTensor.view_of` slices."""
+        its range, as `PackedTensor.view_of` slices; a `NoRawBytes` where none are kept (its payload is its host
+        copy)."""
         ...
 
     def ram_bytes(self) -> int:
         """What its stand-ins keep in RAM (tensors the files lack)."""
         ...
 
-    def moved_if_written(self, position: int, unit: Unit, raw: torch.Tensor) -> Moved | None:
-        """After an edit: where ``unit``'s current bytes ``raw`` go when its stand-in now holds them in anonymous
-        memory (written copy-on-write pages of a file mapping); None when it does not."""
+    def moved_if_written(self, position: int, unit: Unit, raw: Callable[[], torch.Tensor]) -> Moved | None:
+        """After an edit: where ``unit``'s current bytes (``raw()``, gathered when asked) go when its stand-in now
+        holds them in anonymous memory (written copy-on-write pages of a file mapping); None when it does not."""
         ...
 
     def close(self) -> None:
@@ -67,39 +84,69 @@ class RawHome(Protocol):
 
 class RawHomes:
     """Which positions (0: the base, ``i + 1``: unit ``i``) have their raw bytes in ``home``, and the verbs that put
-    them there. ``raw_tensor(unit)``: a unit's current raw bytes as one flat tensor (gathered from a stand-in)."""
+    them there. ``raw_tensor(unit)``: a unit's current raw bytes as one flat tensor (gathered from a stand-in);
+    ``decoded(unit)``: those of a unit kept as payloads only, decoded into a new RAM buffer (`HostCopies.decoded`)."""
 
     def __init__(
-        self, home: RawHome, positions: list[Unit], binding: Binding, raw_tensor: Callable[[Unit], torch.Tensor]
+        self,
+        home: RawHome,
+        positions: list[Unit],
+        binding: Binding,
+        raw_tensor: Callable[[Unit], torch.Tensor],
+        decoded: Callable[[Unit], torch.Tensor],
     ) -> None:
         self.home = home
         self._positions = positions
         self._binding = binding
         self._raw_tensor = raw_tensor
+        self._decoded = decoded
         self.homed: set[int] = set()
+        #: Homed positions decoded into RAM for now (`open`), each a `DecodedPayload`.
+        self.opened: set[int] = set()
+        #: Until set-up is done (`set_up_done`): the payload of each unit that lost its raw bytes, by unit index.
+        self.held: dict[int, EncodedUnit] = {}
 
     @property
     def homed_bytes(self) -> int:
-        """Raw bytes that wait in the home, outside RAM."""
+        """Raw bytes that wait in the home, outside RAM (or nowhere: payloads only)."""
         return sum(self._positions[p].nbytes for p in self.homed)
 
-    def raw_ram_bytes(self, packed_bytes: int) -> int:
-        """Host RAM the raw copies take, of ``packed_bytes`` in all: those not homed, and what the home's
-        stand-ins keep in RAM."""
-        return packed_bytes - self.homed_bytes + self.home.ram_bytes()
+    @property
+    def payloads_only_bytes(self) -> int:
+        """Raw bytes of the units whose payload is their only host copy (decoded for now included)."""
+        kinds = (InPayloadsOnly, DecodedPayload)
+        return sum(self._positions[p].nbytes for p in self.homed if isinstance(self._positions[p].stored, kinds))
 
-    def settle(self, index: int, kept: bool) -> None:
-        """At set-up, as each unit is done with (`CompressedCopies.make`'s ``settled``): a unit kept compressed
-        moves its raw bytes to the home and frees its RAM buffer; another stays in RAM."""
+    def raw_ram_bytes(self, packed_bytes: int) -> int:
+        """Host RAM the raw copies take, of ``packed_bytes`` in all: those not homed, what the home's stand-ins keep
+        in RAM, and the units decoded for now."""
+        opened = sum(self._positions[p].nbytes for p in self.opened)
+        return packed_bytes - self.homed_bytes + self.home.ram_bytes() + opened
+
+    def settle(self, index: int, payload: EncodedUnit | None) -> None:
+        """At set-up, as each unit is done with (`CompressedCopies.make`'s ``settled``, with its payload, None when it
+        is not worth compressing): a unit kept compressed moves its raw bytes to the home and frees its RAM buffer;
+        another stays in RAM. A unit told again (its payloads made anew, after a payload file was refused) keeps its
+        place; one decoded for now goes back to its payload, or stays in RAM when it has none any more."""
         position = index + 1
         unit = self._positions[position]
-        if not kept or position in self.homed:
+        if payload is not None and isinstance(unit.stored, (InPayloadsOnly, DecodedPayload)):
+            self.held[index] = payload
+        if position in self.opened:
+            self.close_opened(lambda i: payload is not None, [position])
+        if payload is None or position in self.homed:
             return
         stand_in = self.home.stand_in(position, unit)
         self._binding.to_host(unit, stand_in)
         unpin_unit(unit)
-        unit.stored = AtRawHome(stand_in)
+        unit.stored = at_home(stand_in)
+        if isinstance(unit.stored, InPayloadsOnly):
+            self.held[index] = payload  # its only copy now; the records may keep it only once all are made
         self.homed.add(position)
+
+    def set_up_done(self) -> None:
+        """Set-up kept every payload: the records hold them, nothing more is held here."""
+        self.held = {}
 
     def pin_the_rest(self) -> None:
         """Once set-up encoded everything: page-lock what stays in RAM raw (the base, units not worth
@@ -109,19 +156,50 @@ class RawHomes:
             if buffer is not None and not unit.pinned_in_place and not buffer.is_pinned():
                 pin_unit(unit)
 
+    def open(self, unit: Unit) -> None:
+        """A unit kept as payloads only gets its raw bytes decoded into a RAM buffer of its own, which its tensors
+        view (unless they view a device copy, which holds the same bytes): for an edit, a write-back, removal. It
+        stays so until `close_opened`."""
+        closed = unit.stored
+        assert isinstance(closed, InPayloadsOnly), f"{unit.name} has raw bytes to read"
+        buffer = self._decoded(unit)
+        self._binding.rehost(unit, buffer)
+        unit.stored = DecodedPayload(buffer, closed)
+        self.opened.add(unit.index + 1)
+
+    def close_opened(self, has_payload: Callable[[int], bool], positions: list[int] | None = None) -> None:
+        """Units decoded for now (``positions``, default all) whose payload says what their bytes say now (made again
+        after an edit, or never changed) go back to their payload alone: their tensors view their `NoRawBytes` again
+        and the RAM buffer goes. One without a payload any more (an edit made it not worth compressing, unit index
+        by ``has_payload``) keeps the buffer for good, raw in RAM."""
+        for position in sorted(self.opened if positions is None else set(positions) & self.opened):
+            unit = self._positions[position]
+            stored = unit.stored
+            assert isinstance(stored, DecodedPayload)
+            if has_payload(unit.index):
+                self._binding.rehost(unit, stored.closed.flat)
+                unit.stored = stored.closed
+            else:
+                unit.stored = InRam(stored.tensor)
+                self.homed.discard(position)
+            self.opened.discard(position)
+
     def rehome_written(self, positions: list[int] | None = None) -> None:
         """After an edit: units whose raw bytes the edit wrote into copy-on-write pages of the weight files
-        (anonymous memory the host budget does not see) move to the home's cache file, and those pages go back
-        (`RawHome.moved_if_written`). ``positions``: the edited ones (default: all)."""
+        (anonymous memory the host budget does not see) move within the home (`RawHome.moved_if_written`: to its
+        cache file, or, payloads only, into RAM until their payloads are made again), and those pages go back.
+        ``positions``: the edited ones (default: all)."""
         for position in sorted(self.homed if positions is None else set(positions) & self.homed):
             unit = self._positions[position]
-            moved = self.home.moved_if_written(position, unit, self._raw_tensor(unit))
+            moved = self.home.moved_if_written(position, unit, lambda unit=unit: self._raw_tensor(unit))
             if moved is not None:  # tensors viewing the old stand-in follow; a device copy stays as it is
-                self._binding.rehost(unit, moved.stand_in)
-                unit.stored = AtRawHome(moved.stand_in)
+                self._binding.rehost(unit, moved.stored.flat)
+                unit.stored = moved.stored
+                if isinstance(moved.stored, DecodedPayload):
+                    self.opened.add(position)
                 moved.release()
 
     def close(self) -> None:
         """Every unit restored from the home: it deletes what it wrote."""
         self.home.close()
-        self.homed = set()
+        self.homed, self.opened, self.held = set(), set(), {}

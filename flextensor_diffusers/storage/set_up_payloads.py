@@ -25,9 +25,10 @@ from .payload_records import PayloadLocks, PayloadRecords, segments_of
 from .setup_threads import on_threads
 from .waiting_payloads import WaitingPayloads
 
-#: ``settled(index, kept)``: unit ``index`` is done with at set-up (its payload kept, or it is not worth
-#: compressing), told in unit order; what `RawHomes.settle` uses to move raw bytes out of RAM as encoding goes.
-Settled = Callable[[int, bool], None]
+#: ``settled(index, payload)``: unit ``index`` is done with at set-up (its payload, None when it is not worth
+#: compressing), told in unit order; what `RawHomes.settle` uses to move raw bytes out of RAM as encoding goes (and,
+#: payloads only, to hold the payload until the records keep it).
+Settled = Callable[[int, EncodedUnit | None], None]
 
 
 class SetUpPayloads:
@@ -215,7 +216,7 @@ class _InOrder:
             return
         while self._next < len(self._indices) and self._indices[self._next] <= index:
             unit = self._indices[self._next]
-            self._settled(unit, unit in kept)
+            self._settled(unit, kept.get(unit))
             self._next += 1
 
     def rest(self, kept: dict[int, EncodedUnit]) -> None:
