@@ -213,7 +213,9 @@ def test_set_up_reads_what_it_does_from_the_plan() -> None:
     assert cached.encodes_between_forwards(encoder_fits=True) and not cached.encodes_between_forwards(False)
     only = resolve_storage(StorageRequest(compression="lossless", raw_copies="disk"), MachineFacts("cuda"))
     assert only.compressed_only and only.writes_cache_files and not only.may_read_payloads_later
-    assert not only.encodes_between_forwards(encoder_fits=True)
+    assert only.encodes_between_forwards(encoder_fits=True) and not only.encodes_between_forwards(False)
+    first = StorageRequest(compression="lossless", raw_copies="disk", background_encoding=False)
+    assert not resolve_storage(first, MachineFacts("cuda")).encodes_between_forwards(encoder_fits=True)
 
 
 def test_offload_config_and_the_command_line_take_the_same_plan(capsys) -> None:

@@ -6,7 +6,9 @@ compressed copies made while later units are still packed (with ``raw_copies="di
 RAM for its raw home as soon as its payload is made, the packing kept a few units ahead of the encoder), the
 boundaries that route the model's and its units' calls to the handle, ``state_dict`` hooks that read host copies. A
 set-up that does not wait for its compressed copies leaves them to an `arrivals` object: the payload file, read once
-packing is over, or (``background_encoding``) the encoder between forwards. Any failure undoes all of it
+packing is over, or (``background_encoding``) the encoder between forwards; with ``raw_copies="disk"`` (a host
+budget with compression) each unit's raw bytes then leave RAM for their raw home as soon as it is packed, and the
+model streams them from there until the payloads are kept. Any failure undoes all of it
 (`SetUp.undo`, with the host copies restored by the handle), so a model that could not be offloaded is left as it
 was.
 """
@@ -132,6 +134,11 @@ class SetUp:
         background = encodes_between_forwards(plan, h.budget_bytes, h.units)
         if background:
             h.host.compressed.budget_bytes = h.budget_bytes  # the device encoder's bound
+        if background and plan.compressed_only:  # a payload file to read is read as the units are packed
+            if not self._home_then_encode_between_forwards(pin):
+                self._pack_and_encode(pin)
+            self._finish()
+            return
         if plan.may_read_payloads_later:
             self.payload_cache = self._payload_cache()  # named before packing moves tensors
             if background:  # the file checked once packing is over: read then, or (missing, refused) encoded
@@ -149,6 +156,13 @@ class SetUp:
             h.host.start_progressive_packing(pin, self._packed)
             self._finish()
             return
+        self._pack_and_encode(pin)
+        self._finish()
+
+    def _pack_and_encode(self, pin: bool) -> None:
+        """Every unit packed before set-up returns, and with compression encoded as it is packed (or read from the
+        payload file); compressed only, each unit's raw bytes leave RAM for its raw home once its payload is made."""
+        h, plan = self.handle, self.handle.config.storage
         compressed_only = plan.compressed_only
         homes = h.host.keep_raw_in(self._raw_home or self._raw_cache_file()) if compressed_only else None
         window = PACKING_WINDOW if compressed_only and h.cuda else None  # the CPU encoder asks for all at once
@@ -170,7 +184,33 @@ class SetUp:
                 homes.pin_the_rest()
             given = h.planning.profiles.given
             h.planning.check_budget(h.budget_bytes, given.profile if given is not None else None)  # staging room now
-        self._finish()
+
+    def _home_then_encode_between_forwards(self, pin: bool) -> bool:
+        """Compressed only, encoding between forwards, when there is no usable payload file (False: there is one, and
+        set-up reads it as it packs, `_pack_and_encode`): each unit is packed and its raw bytes handed to its raw
+        home at once (the weight files it was loaded from, compared byte for byte; else the raw cache file), the
+        packing a few units ahead, so that RAM holds a few raw units at most and set-up encodes nothing. The model
+        then streams its raw bytes from the raw home while the units are encoded between its forwards
+        (`CompressedCopies.start_encoding`); an edit meanwhile begins the encoding again."""
+        h, plan = self.handle, self.handle.config.storage
+        if plan.compression_cache:
+            self.payload_cache = self._payload_cache()  # named before packing moves tensors
+            if h.host.compressed.set_up.usable_records(self.payload_cache):
+                return False
+        if h.cuda:  # one unit over the budget: refused now, before anything is packed
+            refuse_without_room(largest_to_encode(h.units), 0, h.budget_bytes, h.device)
+        homes = h.host.keep_raw_in(self._raw_home or self._raw_cache_file())
+        packing = h.host.start_packing(pin=False, window=PACKING_WINDOW)
+        try:
+            for unit in h.units:  # in order: the window packs only a few units past the one asked for
+                h.host.host_of(unit)
+                homes.settle(unit.index, True)
+        finally:
+            h.setup_times.pack = 1e3 * packing.finish()
+        if pin:
+            homes.pin_the_rest()
+        h.host.compressed.start_encoding(self.payload_cache, pin, restart_on_edit=True)
+        return True
 
     def _finish(self) -> None:
         """The steps after packing began: edit counts recorded, shared weights published, boundaries hooked."""

@@ -16,7 +16,8 @@ made silently.
 Defaults, stated here once: ``compression="none"``; every other option ``None``, the plan's choice: raw copies in
 RAM, no payload file, progressive packing, no load checks and background encoding on CUDA where the encoder's room
 fits the budget; under a host tier with compression, compressed copies only with their payload file, packed before
-set-up returns and, on CUDA, every load verified.
+set-up returns (the raw bytes of each unit handed to where they wait on disk as it is packed), encoded between
+forwards like raw copies in RAM are (on CUDA where the encoder's room fits) and, on CUDA, every load verified.
 """
 
 from __future__ import annotations
@@ -97,12 +98,13 @@ class StorageRequest:
             still packed on threads, and the first forward waits only for the units it reaches (`packing_line`:
             the host peak is the weights plus one unit). False packs every unit before set-up returns; a host
             tier does (it holds host memory to a budget), and refuses True.
-        background_encoding: with compression, raw copies in RAM and progressive packing, a set-up that finds no
-            payload file to read returns as a raw one does and the units are encoded between the model's forwards
-            (`arrivals`), proven at their first decoded load, then written to the payload file. False encodes
-            before set-up returns. None: on CUDA where it can be and the encoder's room for the largest unit fits
-            the budget (`Encoding.WHERE_ROOM`); on the CPU the encoder would share the cores with the forwards.
-            Refused under a host tier (the raw copies would stay in RAM beside the compressed ones).
+        background_encoding: with compression, a set-up that finds no payload file to read returns with nothing
+            encoded and the units are encoded between the model's forwards (`arrivals`) while it streams its raw
+            copies (from RAM, packed progressively; or with ``raw_copies="disk"``, and under a host tier, from where
+            they wait on disk, each unit's raw bytes handed there as set-up packs it), proven at their first decoded
+            load, then written to the payload file. False encodes before set-up returns. None: on CUDA where it can
+            be and the encoder's room for the largest unit fits the budget (`Encoding.WHERE_ROOM`); on the CPU the
+            encoder would share the cores with the forwards.
         verify_loads: check on the device, before and after every unit call, that the bytes the unit computes with
             are its weights (`load_checks`): a wrong load raises instead of giving a wrong output. Costs two reads
             of each unit's bytes on the device per call. On under a host tier with compression on CUDA (one
@@ -312,13 +314,10 @@ def _refuse_combinations(request: StorageRequest) -> None:
             "compression_cache=True caches compressed copies, and there are none: pass compression='lossless'",
             Rule.CACHE_WITHOUT_COMPRESSION,
         )
-    streams_raw = request.compressed and request.raw_copies != "disk" and request.progressive_packing is not False
-    if request.background_encoding and not streams_raw:
-        raise StorageOptionError(
-            "background_encoding=True encodes while the model streams its raw copies, packed as it runs: it needs "
-            "compression='lossless', raw_copies='ram' and progressive_packing=True",
-            Rule.BACKGROUND_WITHOUT_RAW_STREAM,
-        )
+    if request.background_encoding and not (
+        request.compressed and (request.raw_copies != "ram" or request.progressive_packing is not False)
+    ):
+        _refuse_background_without_raw_stream()
     if request.compressed and request.shared_host:
         raise StorageOptionError(
             "compression and shared_host cannot be combined yet: pass one of them", Rule.COMPRESSION_WITH_SHARED_HOST
@@ -329,6 +328,14 @@ def _refuse_combinations(request: StorageRequest) -> None:
             'RAM): drop host_budget (its default, "auto", keeps the shared copy in RAM)',
             Rule.HOST_BUDGET_WITH_SHARED_HOST,
         )
+
+
+def _refuse_background_without_raw_stream() -> None:
+    raise StorageOptionError(
+        "background_encoding=True encodes while the model streams its raw copies (from RAM, packed as it runs, or from "
+        "where they wait on disk): it needs compression='lossless', and with raw_copies='ram' progressive_packing=True",
+        Rule.BACKGROUND_WITHOUT_RAW_STREAM,
+    )
 
 
 def _ram_needed(request: StorageRequest, copies: HostCopiesSize) -> int:
@@ -370,6 +377,8 @@ def _plain(request: StorageRequest, machine: MachineFacts) -> StoragePlan:
     """No host tier: every option as asked, its default where not."""
     progressive = request.progressive_packing is not False
     raw = request.raw_copies or "ram"
+    if request.background_encoding and raw == "ram" and not progressive:
+        _refuse_background_without_raw_stream()
     return StoragePlan(
         compression=request.compression,
         raw_copies=raw,
@@ -384,20 +393,22 @@ def _plain(request: StorageRequest, machine: MachineFacts) -> StoragePlan:
 
 def _encoding(request: StorageRequest, machine: MachineFacts, raw: str, progressive: bool) -> Encoding:
     """As asked; by default (None) between forwards on CUDA wherever it can be (compression with the raw copies in
-    RAM, packed progressively, no shared weights) and the encoder's room fits (known at set-up). On the CPU the
-    encoder would share the cores with the forwards for minutes, so there it encodes before set-up returns."""
+    RAM packed progressively, or waiting on disk; no shared weights) and the encoder's room fits (known at set-up).
+    On the CPU the encoder would share the cores with the forwards for minutes, so there it encodes before set-up
+    returns."""
     if not request.compressed:
         return Encoding.NONE
     if request.background_encoding is not None:
         return Encoding.BETWEEN_FORWARDS if request.background_encoding else Encoding.AT_SET_UP
-    can = raw == "ram" and progressive and not request.shared_host
+    can = (raw == "disk" or progressive) and not request.shared_host
     return Encoding.WHERE_ROOM if can and machine.device_kind == "cuda" else Encoding.AT_SET_UP
 
 
 def _under_a_tier(request: StorageRequest, machine: MachineFacts, tier: HostTierPlan) -> StoragePlan:
     """A host tier holds host memory to its budget: packed before set-up returns; with compression, compressed
-    copies only, waiting on disk in their payload file, and on CUDA every load verified. Options asked otherwise
-    are refused, naming the fix; those left to the plan are chosen and stated."""
+    copies only, waiting on disk in their payload file, encoded as without a tier with the raw copies on disk (by
+    default between forwards on CUDA where the encoder fits: `_encoding`), and on CUDA every load verified. Options
+    asked otherwise are refused, naming the fix; those left to the plan are chosen and stated."""
     _refuse_under_a_tier(request, tier)
     why_tier = (
         'host_budget="auto" turned the host tier on (the host copies do not all fit in the RAM available)'
@@ -419,12 +430,13 @@ def _under_a_tier(request: StorageRequest, machine: MachineFacts, tier: HostTier
         ]
         verify, warnings, verified = _verified_under_a_compressed_tier(request, machine)
         choices += [verified] if verified is not None else []
+    raw = "disk" if request.compressed else (request.raw_copies or "ram")
     return StoragePlan(
         compression=request.compression,
-        raw_copies="disk" if request.compressed else (request.raw_copies or "ram"),
+        raw_copies=raw,
         compression_cache=request.compressed,
         progressive_packing=False,
-        encoding=Encoding.AT_SET_UP if request.compressed else Encoding.NONE,
+        encoding=_encoding(request, machine, raw, progressive=False),
         shared_host=request.shared_host,
         verify_loads=verify,
         host_budget=request.host_budget,
@@ -451,18 +463,13 @@ def _refuse_under_a_tier(request: StorageRequest, tier: HostTierPlan) -> None:
                     Rule.TIER_KEEPS_COMPRESSED_ONLY,
                     option,
                 )
-    why_not = {
-        "progressive_packing": "it keeps a few units twice until they are used",
-        "background_encoding": "it keeps the raw copies in RAM beside the compressed ones",
-    }
-    for option, why in why_not.items():
-        if getattr(request, option):
-            raise StorageOptionError(
-                f"{option}=True cannot hold host memory to a host budget ({why}): drop {option}, or pass "
-                "host_budget=None (--host-budget none)",
-                Rule.TIER_HOLDS_NO_SECOND_COPY,
-                option,
-            )
+    if request.progressive_packing:
+        raise StorageOptionError(
+            "progressive_packing=True cannot hold host memory to a host budget (it keeps a few units twice until they "
+            "are used): drop progressive_packing, or pass host_budget=None (--host-budget none)",
+            Rule.TIER_HOLDS_NO_SECOND_COPY,
+            "progressive_packing",
+        )
 
 
 def _verified_under_a_compressed_tier(
