@@ -258,3 +258,70 @@ def test_removal_while_blocks_are_encoded_restores_every_tensor_and_leaves_the_f
         assert_same(snap, getattr(pipe, name))
     assert not any(p.suffix == ".raw" for p in cache.iterdir())
     assert digest(folder) == before_folder
+
+
+def test_a_tensor_is_its_files_bytes_only_where_it_views_them_and_no_page_was_written(tmp_path) -> None:
+    """`mapped_weights`: a tensor viewing a private mapping of a file holds that file's bytes at its offset while no
+    page of it was written; one byte written (a copy-on-write page), another file of the same size and bytes, another
+    offset, or memory of its own, and it does not."""
+    from flextensor_diffusers.storage.mapped_weights import MappedFiles, unwritten
+
+    size = 4 * 4096
+    data = bytes(range(256)) * (size // 256)
+    (tmp_path / "a.bin").write_bytes(data)
+    (tmp_path / "b.bin").write_bytes(data)  # the same bytes, another file
+
+    def mapped(name: str) -> torch.Tensor:
+        return torch.from_file(str(tmp_path / name), shared=False, size=size, dtype=torch.uint8)
+
+    loaded, home, other = mapped("a.bin"), mapped("a.bin"), mapped("b.bin")
+    files = MappedFiles()
+    tensor = loaded[4096:12288]
+    assert unwritten(tensor.data_ptr(), tensor.numel())
+    assert files.holds_file_bytes(tensor, tensor.numel(), home, 4096)
+    assert not files.holds_file_bytes(tensor, tensor.numel(), home, 0)  # another place of the file
+    assert not files.holds_file_bytes(tensor, tensor.numel(), other, 4096)  # another file, the same bytes
+    assert not files.holds_file_bytes(tensor.clone(), tensor.numel(), home, 4096)  # memory of its own
+    loaded[8192] = int(loaded[8192])  # a write of the same value: the page is a private copy from now on
+    assert not unwritten(tensor.data_ptr(), tensor.numel())
+    assert not files.holds_file_bytes(tensor, tensor.numel(), home, 4096)
+    assert unwritten(loaded[:4096].data_ptr(), 4096) and files.holds_file_bytes(loaded[:4096], 4096, home, 0)
+
+
+def test_enable_packs_no_block_that_is_still_its_files_pages_and_compares_one_edited_after_loading(
+    saved, tmp_path, monkeypatch
+) -> None:
+    """Loaded from its folder, every block of the components run is still the pages of its weight files: enable
+    packs (copies) none of them and compares none, only each component's weights outside blocks. A block edited in
+    place after loading (a written page) is not taken for its file's: it is packed, compared, found different and
+    written to a cache file; the outputs follow the edit, bitwise, while it is encoded and after."""
+    from flextensor_diffusers.engine import units as unit_module
+    from flextensor_diffusers.storage import packing
+
+    folder, _ = saved
+    packed: list[str] = []
+    real = unit_module.pack_unit
+
+    def counted(unit, *args, **kwargs) -> None:
+        packed.append(unit.name)
+        real(unit, *args, **kwargs)
+
+    monkeypatch.setattr(packing, "pack_unit", counted)
+    pipe = load(folder)
+    state = enable(pipe, tmp_path / "untouched")
+    assert all(not name.startswith("blocks.") for name in packed), packed  # the bases only
+    assert not any(p.suffix == ".raw" for p in (tmp_path / "untouched").iterdir())
+    pipe.disable_flextensor_offload()
+    native, pipe = load(folder), load(folder)
+    for model in (native, pipe):
+        with torch.no_grad():
+            model.transformer.blocks[1].attn1.to_q.weight[0, 0] += 1.0  # the first bytes: a written page
+    expected = wan_latents(native)
+    packed.clear()
+    cache = tmp_path / "cache"
+    state = enable(pipe, cache)
+    assert "blocks.1" in packed and ".raw" in {p.suffix for p in cache.iterdir()}
+    for _ in range(3):
+        assert torch.equal(wan_latents(pipe), expected)
+    assert all_kept(state)
+    pipe.disable_flextensor_offload()

@@ -187,9 +187,11 @@ class SetUp:
 
     def _home_then_encode_between_forwards(self, pin: bool) -> bool:
         """Compressed only, encoding between forwards, when there is no usable payload file (False: there is one, and
-        set-up reads it as it packs, `_pack_and_encode`): each unit is packed and its raw bytes handed to its raw
-        home at once (the weight files it was loaded from, compared byte for byte; else the raw cache file), the
-        packing a few units ahead, so that RAM holds a few raw units at most and set-up encodes nothing. The model
+        set-up reads it as it packs, `_pack_and_encode`): each unit whose tensors are still the pages of the
+        weight files it was loaded from waits there with nothing read (`RawHomes.settle_as_loaded`); every other
+        one is packed and its raw bytes handed to its raw home at once (the weight files, compared byte for byte;
+        else the raw cache file), the packing a few units ahead, so that RAM holds a few raw units at most and
+        set-up encodes nothing. The model
         then streams its raw bytes from the raw home while the units are encoded between its forwards
         (`CompressedCopies.start_encoding`); an edit meanwhile begins the encoding again."""
         h, plan = self.handle, self.handle.config.storage
@@ -200,11 +202,13 @@ class SetUp:
         if h.cuda:  # one unit over the budget: refused now, before anything is packed
             refuse_without_room(largest_to_encode(h.units), 0, h.budget_bytes, h.device)
         homes = h.host.keep_raw_in(self._raw_home or self._raw_cache_file())
-        packing = h.host.start_packing(pin=False, window=PACKING_WINDOW)
+        as_loaded = frozenset(homes.settle_as_loaded())  # still their weight files' pages: nothing to read
+        packing = h.host.start_packing(pin=False, window=PACKING_WINDOW, skip=as_loaded)
         try:
             for unit in h.units:  # in order: the window packs only a few units past the one asked for
-                h.host.host_of(unit)
-                homes.settle(unit.index, True)
+                if unit.index + 1 not in as_loaded:
+                    h.host.host_of(unit)
+                    homes.settle(unit.index, True)
         finally:
             h.setup_times.pack = 1e3 * packing.finish()
         if pin:

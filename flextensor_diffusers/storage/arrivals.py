@@ -201,6 +201,7 @@ class EncodingBetweenForwards:
         if device.type == "cuda":  # one unit alone over the budget: refused at set-up, before anything is packed
             refuse_without_room(max(self._nbytes, default=0), 0, budget_bytes, device)
         self._made: dict[int, ArrivingPayload] = {}
+        self._made_bytes = 0  # of ``_made`` until it is taken and kept: read on other threads (`made_bytes`)
         self._failure: str | None = None
 
     @property
@@ -215,8 +216,9 @@ class EncodingBetweenForwards:
 
     @property
     def made_bytes(self) -> int:
-        """Host RAM of the payloads made so far and not taken yet."""
-        return sum(made.encoded.payload.numel() for made in self._made.values())
+        """Host RAM of the payloads made so far, until they are dropped or kept (`ArrivingPayloads.adopt` drops this
+        arrival once they are): read by a host tier on other threads."""
+        return self._made_bytes
 
     def room_needed(self) -> tuple[list[int], int]:
         """What encoding the units left takes in host RAM: per unit, in order, the most its payload keeps (its raw
@@ -228,7 +230,7 @@ class EncodingBetweenForwards:
     def restart(self) -> None:
         """Drop the payloads made so far and begin again from the first unit at the next gap: an edit made them
         stale, or a host tier needed their room. A failure said before is forgotten."""
-        self._made = {}
+        self._made, self._made_bytes = {}, 0
         self._next = 0
         self._failure = None
 
@@ -249,6 +251,7 @@ class EncodingBetweenForwards:
                 for count, (index, made) in enumerate(units, start=1):
                     if made is not None:
                         self._made[index] = made
+                        self._made_bytes += made.encoded.payload.numel()
                     self._next += 1
                     elapsed = now() - started
                     if elapsed + elapsed / count > seconds:  # the next unit would end after the gap's time
@@ -289,7 +292,7 @@ class EncodingBetweenForwards:
     def abandon(self) -> None:
         """Encode no more; the payloads made so far are dropped (those locked in place are unlocked as their
         mappings go: `host_memory.host_buffer`)."""
-        self._made = {}
+        self._made, self._made_bytes = {}, 0
         self._next = len(self._jobs)
 
 

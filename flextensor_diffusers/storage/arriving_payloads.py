@@ -117,14 +117,16 @@ class ArrivingPayloads:
         streams raw; so does a failed encoding, with a warning. Payloads made here are then written to the file.
         ``refusal(largest payload's bytes)``: why the payloads cannot be kept (the budget cannot hold the staging
         room their loads need), None when they can; a refusal keeps none and is warned of."""
-        arrival, self.current = self.current, None
+        arrival = self.current
         assert arrival is not None
         payloads, failure = arrival.take()
         refused = refusal(max(m.encoded.payload.numel() for m in payloads.values())) if refusal and payloads else None
         if failure is None and refused is not None:
+            self.current = None
             logger.warning("the compressed copies made or read while the model ran are not kept: %s", refused)
             return False
         if failure is not None:
+            self.current = None
             if arrival.in_file:
                 self._disk.forget(failure, then="this run streams raw, and the next set-up encodes again")
             else:
@@ -132,10 +134,13 @@ class ArrivingPayloads:
             return False
         records = self._records
         for index in sorted(payloads):
-            records.encoded[index] = payloads[index].encoded
             if payloads[index].locked:
                 self._locks.mark_locked(payloads[index].encoded.payload)
+        # one assignment, then the arrival goes: a host tier counting RAM on another thread sees them all, once or
+        # (for a moment) twice, never none
+        records.encoded = {**records.encoded, **{index: payloads[index].encoded for index in sorted(payloads)}}
         records.unproven = set(payloads)
+        self.current = None
         file = self._disk.file
         if arrival.in_file:
             assert file is not None
@@ -147,7 +152,8 @@ class ArrivingPayloads:
 
     def cancel(self, why: str | None) -> None:
         """Stop reading the payload file, keeping none of its payloads: an edit made them stale (``why`` says so, in
-        the file's status and a warning), or the copies are dropped (None)."""
+        the file's status and a warning), or the copies are dropped (None). An edit while units are encoded between
+        forwards with the raw copies on disk begins the encoding again instead (`start_encoding`)."""
         if why is not None and self._restart_on_edit and self.restart(why):
             return
         arrival, self.current = self.current, None

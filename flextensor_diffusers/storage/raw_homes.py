@@ -45,6 +45,12 @@ class RawHome(Protocol):
         can run there, in parallel with other units' (comparing its bytes with a file's, say)."""
         ...
 
+    def stand_in_as_loaded(self, position: int, unit: Unit) -> Flat | None:
+        """Before ``unit`` is packed (its tensors still as loaded): a stand-in as `stand_in` gives, when the home holds
+        its bytes where its tensors already view them (`mapped_weights`), read and written nothing; None: it is
+        packed, and handed over by `stand_in`."""
+        ...
+
     def stand_in(self, position: int, unit: Unit) -> Flat:
         """A stand-in for ``unit``'s flat host buffer (``unit.host``, in RAM now, holds its current bytes) that
         holds the same bytes outside RAM: a tensor, or an object that gives each tensor's bytes when sliced at
@@ -100,6 +106,19 @@ class RawHomes:
         unpin_unit(unit)
         unit.stored = AtRawHome(stand_in)
         self.homed.add(position)
+
+    def settle_as_loaded(self) -> set[int]:
+        """Before packing: every unit whose bytes the home holds where its tensors already view them moves there
+        without being packed, compared or read (`RawHome.stand_in_as_loaded`). The positions moved."""
+        moved = set()
+        for position, unit in enumerate(self._positions):
+            stand_in = self.home.stand_in_as_loaded(position, unit) if unit.index >= 0 else None
+            if stand_in is not None:
+                self._binding.to_host(unit, stand_in)
+                unit.stored = AtRawHome(stand_in)
+                self.homed.add(position)
+                moved.add(position)
+        return moved
 
     def pin_the_rest(self) -> None:
         """Once set-up encoded everything: page-lock what stays in RAM raw (the base, units not worth
