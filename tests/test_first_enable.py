@@ -325,3 +325,41 @@ def test_enable_packs_no_block_that_is_still_its_files_pages_and_compares_one_ed
         assert torch.equal(wan_latents(pipe), expected)
     assert all_kept(state)
     pipe.disable_flextensor_offload()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_first_enable_encodes_nothing_by_default_and_the_generations_stay_bitwise(saved, tmp_path) -> None:
+    """On CUDA with the defaults (``background_encoding`` left to the plan: between forwards where the encoder's room
+    fits): enable packs no block and encodes none; each component's first forward runs with none encoded, the device
+    encoder makes them in the gaps (the handles' clock stands still there, so the first gap makes them all), the
+    payloads are kept, proven and decoded; every generation is bitwise equal to native's on CUDA, every load verified
+    with nothing found, the tier's RAM within its share; the next enable reads the payload files."""
+    folder, _ = saved
+    native = load(folder)
+    native.to("cuda")
+    reference = wan_latents(native).cpu()
+    del native
+    pipe = load(folder)
+    cache = tmp_path / "cache"
+    options = dict(budget=2**28, device="cuda", compression="lossless", host_budget="1GiB", cache_dir=cache)
+    pipe.enable_flextensor_offload(**options)
+    state = ft.pipeline_offload(pipe)
+    assert all(not state.handles[n].host.encoded for n in ENCODED)
+    assert all(state.handles[n].host.compressed.encoding_between_forwards for n in ENCODED)
+    watch = Watch(state)
+    for _ in range(3):
+        assert torch.equal(wan_latents(pipe).cpu(), reference)
+    assert all(watch.at_forward[n][0] == (0, 0) for n in ENCODED), watch.at_forward
+    assert all_kept(state) and all(state.handles[n].device_copies.decoding for n in EXPERTS)
+    for name in ENCODED:
+        checks = pipe.flextensor_report()["components"][name]["load_checks"]
+        assert checks["checks"] > 0 and checks["faults"] == []
+    assert not watch.over_share
+    watch.stop()
+    pipe.disable_flextensor_offload()
+    pipe.enable_flextensor_offload(**options)
+    state = ft.pipeline_offload(pipe)
+    assert all(state.handles[n].payload_cache.status == "read" for n in ENCODED)
+    assert torch.equal(wan_latents(pipe).cpu(), reference)
+    pipe.disable_flextensor_offload()
