@@ -191,9 +191,8 @@ class SetUp:
         weight files it was loaded from waits there with nothing read (`RawHomes.settle_as_loaded`); every other
         one is packed and its raw bytes handed to its raw home at once (the weight files, compared byte for byte;
         else the raw cache file), the packing a few units ahead, so that RAM holds a few raw units at most and
-        set-up encodes nothing. The model
-        then streams its raw bytes from the raw home while the units are encoded between its forwards
-        (`CompressedCopies.start_encoding`); an edit meanwhile begins the encoding again."""
+        set-up encodes nothing. The model then streams its raw bytes from the raw home while the units are encoded
+        between its forwards (`CompressedCopies.start_encoding`); an edit meanwhile begins the encoding again."""
         h, plan = self.handle, self.handle.config.storage
         if plan.compression_cache:
             self.payload_cache = self._payload_cache()  # named before packing moves tensors

@@ -147,7 +147,8 @@ def _plain(packed: PackedTensor) -> bool:
     """Contiguous in its flat buffer and as loaded, its span exactly its elements: a file's layout."""
     tensor = packed.tensor.data
     span = tensor.numel() * tensor.element_size()
-    return _row_major(packed.shape, packed.stride) and tensor.is_contiguous() and span == packed.nbytes
+    same = tuple(tensor.shape) == tuple(packed.shape) and tensor.is_contiguous()
+    return same and _row_major(packed.shape, packed.stride) and span == packed.nbytes
 
 
 def _row_major(shape: tuple[int, ...] | torch.Size, stride: tuple[int, ...]) -> bool:
