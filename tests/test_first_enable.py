@@ -158,12 +158,13 @@ def test_the_first_forwards_run_before_any_block_is_encoded_bitwise_within_the_h
 
 def test_an_edit_while_blocks_are_encoded_begins_the_encoding_again_and_the_outputs_follow_it(saved, tmp_path) -> None:
     """An expert edited (``load_state_dict``) after a generation encoded some of its blocks: the payloads made before
-    are of the old weights and are dropped, the encoding begins again from its first block with the edited bytes,
-    and every generation, while it is encoded, once its payloads are proven and after, is bitwise equal to native's
-    with the same edit; so is ``state_dict()``."""
+    are of the old weights and are dropped, the encoding begins again from its first block with the edited bytes
+    (which leave the weight files' written pages for a cache file), and every generation, while it is encoded, once
+    its payloads are proven and after, is bitwise equal to native's with the same edit; so is ``state_dict()``."""
     folder, _ = saved
     pipe = load(folder)
-    state = enable(pipe, tmp_path / "cache")
+    cache = tmp_path / "cache"
+    state = enable(pipe, cache)
     wan_latents(pipe, num_inference_steps=2)  # a step for each expert: two forwards, two of its four blocks encoded
     name = "transformer"
     encoding = state.handles[name].host.compressed.arrivals.current
@@ -172,6 +173,7 @@ def test_an_edit_while_blocks_are_encoded_begins_the_encoding_again_and_the_outp
     edited = {k: v + 0.01 * torch.randn_like(v) for k, v in getattr(pipe, name).state_dict().items()}
     getattr(pipe, name).load_state_dict(edited)
     assert state.handles[name].host.compressed.arrivals.current is encoding and encoding.encoded_units == 0
+    assert ".raw" in {p.suffix for p in cache.iterdir()}  # the written pages of the weight files moved out of RAM
     native = load(folder)
     getattr(native, name).load_state_dict(edited)
     expected = wan_latents(native)
