@@ -194,9 +194,10 @@ def test_a_budget_under_the_device_encoders_need_for_one_unit_is_refused_naming_
 
 
 def test_by_default_set_up_encodes_between_forwards_on_cuda_where_the_encoder_fits_the_budget() -> None:
-    """The default (None) encodes between forwards on CUDA wherever it can and the device encoder's room for the
-    largest unit fits the budget (its set-up then as raw's), and before set-up returns on the CPU (where the encoder
-    would share the cores with the forwards) or where it cannot; True and False are taken as given."""
+    """The default (None) encodes between forwards on CUDA wherever it can (raw copies in RAM packed progressively,
+    or waiting on disk) and the device encoder's room for the largest unit fits the budget (its set-up then as
+    raw's), and before set-up returns on the CPU (where the encoder would share the cores with the forwards) or where
+    it cannot; True and False are taken as given."""
     block = 703_000_000
     units = [SimpleNamespace(tensors=[SimpleNamespace(nbytes=block // 2), SimpleNamespace(nbytes=block // 2)])]
     room = arrivals.encoder_room(block)
@@ -209,8 +210,9 @@ def test_by_default_set_up_encodes_between_forwards_on_cuda_where_the_encoder_fi
     assert between(cuda, None) and between(cuda, room) and not between(cuda, room - 1)
     assert not between(cpu, None) and between(cpu, None, background_encoding=True)
     assert not between(cuda, None, background_encoding=False)
-    assert not between(cuda, None, compression="none") and not between(cuda, None, raw_copies="disk")
-    assert not between(cuda, None, progressive_packing=False)
+    assert not between(cuda, None, compression="none") and not between(cuda, None, progressive_packing=False)
+    assert between(cuda, None, raw_copies="disk") and not between(cuda, room - 1, raw_copies="disk")
+    assert not between(cpu, None, raw_copies="disk") and between(cpu, None, raw_copies="disk", background_encoding=True)
 
 
 def test_ctrl_c_while_units_are_encoded_between_forwards_goes_on_at_the_next_forward(tmp_path, monkeypatch) -> None:
@@ -289,8 +291,8 @@ def test_removal_while_units_are_encoded_restores_every_tensor(tmp_path) -> None
 
 @pytest.mark.parametrize(
     "options",
-    [{"compression": "none"}, {"raw_copies": "disk"}, {"progressive_packing": False}],
-    ids=["no-compression", "raw-on-disk", "packed-at-set-up"],
+    [{"compression": "none"}, {"raw_copies": "ram", "progressive_packing": False}, {"progressive_packing": False}],
+    ids=["no-compression", "raw-in-ram-packed-at-set-up", "packed-at-set-up"],
 )
 def test_background_encoding_without_what_it_needs_is_refused_naming_it(options: dict) -> None:
     config = {"compression": "lossless", **options}
@@ -298,21 +300,22 @@ def test_background_encoding_without_what_it_needs_is_refused_naming_it(options:
         ft.OffloadConfig(include_patterns=["blocks.*"], background_encoding=True, **config)
 
 
-@pytest.mark.parametrize("option", ["background_encoding", "progressive_packing"])
-def test_a_pipeline_host_budget_with_an_option_that_holds_raw_copies_is_refused_naming_the_fix(option: str) -> None:
-    """A host budget holds the pipeline's host memory to it: an option that keeps more in RAM is refused before
-    anything is packed, naming what to drop, and the pipeline is left as it was."""
+def test_a_pipeline_host_budget_with_progressive_packing_is_refused_naming_the_fix() -> None:
+    """A host budget holds the pipeline's host memory to it: progressive packing, which keeps units twice until they
+    are used, is refused before anything is packed, naming what to drop, and the pipeline is left as it was
+    (``background_encoding=True`` is not: under a host budget the raw copies it streams wait on disk,
+    `tests.test_first_enable`)."""
     from flextensor_diffusers.recipes.models import build_pipeline
 
     pipe = build_pipeline("wan22_t2v", "tiny")
     before = snapshot(pipe.transformer)
     with pytest.raises(ft.FlexTensorError) as raised:
         pipe.enable_flextensor_offload(
-            budget="1GiB", device="cpu", compression="lossless", host_budget="1GiB", **{option: True}
+            budget="1GiB", device="cpu", compression="lossless", host_budget="1GiB", progressive_packing=True
         )
     message = str(raised.value)
-    assert f"{option}=True cannot hold host memory to a host budget" in message and "\n" not in message
-    assert f"drop {option}, or pass host_budget=None" in message
+    assert "progressive_packing=True cannot hold host memory to a host budget" in message and "\n" not in message
+    assert "drop progressive_packing, or pass host_budget=None" in message
     assert ft.pipeline_offload(pipe) is None
     assert_same(before, pipe.transformer)
 

@@ -136,11 +136,6 @@ HERE = str(Path(__file__).parent)
             ["--background-encoding"],
             "error: --background-encoding compresses while the raw copies stream: add --compression lossless",
         ),
-        (
-            ["--background-encoding", "--compression", "lossless", "--host-budget", "8GiB"],
-            "error: --background-encoding keeps the raw copies in RAM beside the compressed ones, which "
-            "--host-budget would not hold to: drop one of them",
-        ),
         (["--compile", "full"], "error: --compile full compiles each denoiser whole, which offloading cannot stream"),
         (["--output", f"{__file__}/x.mp4"], f"error: --output {__file__}/x.mp4: {__file__} is not a writable folder"),
         (["--output", HERE], f"error: --output {HERE} is a folder: pass --output {HERE}/NAME.mp4"),

@@ -372,8 +372,10 @@ def test_raw_copies_ram_under_a_host_budget_with_compression_is_refused(tmp_path
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_experts_take_turns_on_disk_compressed_bitwise(saved, tmp_path, monkeypatch, caplog) -> None:
-    """On CUDA: units are encoded on the device, each unit's raw bytes leave RAM as soon as its payload is made
-    (the packing kept one unit ahead of the encoder here), payloads are page-locked and read back page-locked;
+    """On CUDA, encoding first (``background_encoding=False``; the default encodes between forwards:
+    `tests.test_first_enable`): units are encoded on the device, each unit's raw bytes leave RAM as soon as its
+    payload is made (the packing kept one unit ahead of the encoder here), payloads are page-locked and read back
+    page-locked;
     three generations are bitwise equal to native on CUDA, and disabling restores every tensor. Every load is
     verified there by default (one full-size run of the combination was not bitwise, cause unknown), and nothing
     is found; ``verify_loads=False`` warns that the combination is not to be trusted yet."""
@@ -390,8 +392,9 @@ def test_on_cuda_the_experts_take_turns_on_disk_compressed_bitwise(saved, tmp_pa
     cache = tmp_path / "cache"
     budget = 2**28  # the text encoder's activations and cuBLAS's workspace need tens of MiB
     pipe.enable_flextensor_offload(
-        budget=budget, device="cuda", compression="lossless", host_budget="1GiB", cache_dir=cache
-    )
+        budget=budget, device="cuda", compression="lossless", host_budget="1GiB", cache_dir=cache,
+        background_encoding=False,
+    )  # fmt: skip
     handles = ft.pipeline_offload(pipe).handles
     stored = {name: h.host.stored_bytes for name, h in handles.items()}
     raw = {name: h.host.where().ram_raw_bytes for name, h in handles.items()}
@@ -400,8 +403,9 @@ def test_on_cuda_the_experts_take_turns_on_disk_compressed_bitwise(saved, tmp_pa
     host_budget = max(stored[n] + sum(raw[o] for o in stored if o != n) for n in stored)
     caplog.clear()
     pipe.enable_flextensor_offload(
-        budget=budget, device="cuda", compression="lossless", host_budget=host_budget, cache_dir=cache
-    )
+        budget=budget, device="cuda", compression="lossless", host_budget=host_budget, cache_dir=cache,
+        background_encoding=False,
+    )  # fmt: skip
     assert UNTRUSTED_COMPRESSED_TIER not in caplog.text
     outs = [wan_latents(pipe).cpu() for _ in range(3)]
     assert all(torch.equal(o, reference) for o in outs)
@@ -418,7 +422,7 @@ def test_on_cuda_the_experts_take_turns_on_disk_compressed_bitwise(saved, tmp_pa
     caplog.clear()
     pipe.enable_flextensor_offload(
         budget=budget, device="cuda", compression="lossless", host_budget=host_budget, cache_dir=cache,
-        verify_loads=False,
+        verify_loads=False, background_encoding=False,
     )  # fmt: skip
     assert UNTRUSTED_COMPRESSED_TIER in caplog.text
     assert all(h.load_checks is None for h in ft.pipeline_offload(pipe).handles.values())

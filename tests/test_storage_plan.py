@@ -213,9 +213,14 @@ def test_set_up_reads_what_it_does_from_the_plan() -> None:
     assert cached.encodes_between_forwards(encoder_fits=True) and not cached.encodes_between_forwards(False)
     only = resolve_storage(StorageRequest(compression="lossless", raw_copies="disk"), MachineFacts("cuda"))
     assert only.compressed_only and only.writes_cache_files and not only.may_read_payloads_later
-    assert not only.encodes_between_forwards(encoder_fits=True)
+    assert only.encodes_between_forwards(encoder_fits=True) and not only.encodes_between_forwards(False)
+    assert not only.between_forwards_needs_weight_files  # the cache file streams what the files do not hold
+    first = StorageRequest(compression="lossless", raw_copies="disk", background_encoding=False)
+    assert not resolve_storage(first, MachineFacts("cuda")).encodes_between_forwards(encoder_fits=True)
     none = resolve_storage(StorageRequest(compression="lossless", raw_copies="none"), MachineFacts("cuda"))
     assert none.compressed_only and not none.writes_cache_files  # no raw copy written, and no payload file asked
+    assert none.encoding is Encoding.WHERE_ROOM_AND_FILES and none.between_forwards_needs_weight_files
+    assert none.encodes_between_forwards(encoder_fits=True) and not none.encodes_between_forwards(False)
 
 
 def test_offload_config_and_the_command_line_take_the_same_plan(capsys) -> None:

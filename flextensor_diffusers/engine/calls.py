@@ -12,6 +12,7 @@ What it works on (the device copies, schedule, phases, planning) belongs to the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -167,12 +168,14 @@ class BoundaryCalls:
             h.schedule.last_forward = True
 
     def _take_arrived_payloads(self) -> None:
-        """Set-up did not wait for the payload file (`setup.may_read_payloads_later`) and its copies have all
-        arrived: they are kept, each proven at its first decoded load, and every workload is measured again from a
-        discovery forward, whose on-demand loads decode and prove them, so that plans may decode them."""
+        """Set-up did not wait for its payloads (the payload file, `setup.may_read_payloads_later`, or the encoder
+        between forwards) and they have all arrived (at a forward's start; made between forwards: at the end of the
+        gap that made the last): they are kept, each proven at its first decoded load, and every workload is
+        measured again from a discovery forward, whose on-demand loads decode and prove them, so that plans may
+        decode them."""
         h = self.handle
         h.release()
-        if h.host.compressed.adopt_arrival():  # else the file was refused, with a warning that says so
+        if h.host.compressed.adopt_arrival(h.planning.staging_refusal):  # else none kept, with a warning saying why
             h.planning.forget_workloads()
             h.phases.rediscover()
 
@@ -188,17 +191,23 @@ class BoundaryCalls:
             h.host.compressed.encode_if_no_file()
             if h.host.compressed.encoding_between_forwards:
                 self._encode_between_forwards()
+                if h.host.compressed.arrived:  # the last unit made: kept now, so that a host tier may move them
+                    self._take_arrived_payloads()
 
     def _encode_between_forwards(self) -> None:
         """``background_encoding``: the workload is over; encode the next units for as long as it took (so the raw
         forwards meanwhile run at least half as fast), its device memory given back first on CUDA, since the
-        device encoder may take the whole budget (the next forward takes it back: `activate`)."""
+        device encoder may take the whole budget (the next forward takes it back: `activate`). As many units as
+        ``hooks.encoding_room`` made host RAM for (a pipeline's host tier), when given."""
         h = self.handle
         gap_started = h.clock.seconds()
         if h.cuda:
             h.release()
+        room = h.hooks.encoding_room
         try:
-            h.host.compressed.encode_between_forwards(gap_started - self._workload_started, h.clock.seconds)
+            with room(h) if room is not None else contextlib.nullcontext() as limit:
+                seconds = gap_started - self._workload_started
+                h.host.compressed.encode_between_forwards(seconds, h.clock.seconds, limit)
         finally:
             gap_ms = 1e3 * (h.clock.seconds() - gap_started)
             h.setup_times.compress = (h.setup_times.compress or 0.0) + gap_ms

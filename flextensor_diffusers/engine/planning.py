@@ -103,6 +103,22 @@ class Planning:
         activations = profile.activation_peak_bytes if profile is not None else 0
         check_budget(budget, *self._minimum_terms(), activations, *self._allowances())
 
+    def staging_refusal(self, payload_bytes: int) -> str | None:
+        """With the raw copies on disk every load of a unit kept compressed decodes, so each slot needs room for the
+        largest payload, ``payload_bytes``: why the budget cannot hold that with the activations measured so far
+        (naming the budget it needs), for payloads made after set-up (`CompressedCopies.adopt_arrival`); None when
+        it can, or when the raw copies are in RAM (a raw load is then always possible)."""
+        h = self.handle
+        if not h.config.compressed_only:
+            return None
+        activations = self.profile.activation_peak_bytes if self.profile is not None else 0
+        margin, _, granule = self._allowances()
+        try:
+            check_budget(self.budget_bytes, *self._minimum_terms(), activations, margin, payload_bytes, granule)
+        except BudgetError as exc:
+            return f"{exc}; the model streams its raw bytes from where they wait on disk meanwhile"
+        return None
+
     def _minimum_terms(self) -> tuple[int, list[int]]:
         return self.handle.resident_weight_bytes, [u.nbytes for u in self.handle.units]
 
@@ -224,8 +240,8 @@ class Planning:
         h = self.handle
         if h.raw_on_disk and h.host.encoded:
             source = max((e.payload for e in h.host.encoded.values()), key=lambda t: t.numel())
-        else:
-            source = h.host.host_of(max(h.units, key=lambda u: u.nbytes))
+        else:  # raw on disk with nothing compressed yet (encoded between forwards): gathered from where it waits
+            source = h.host.raw_tensor(max(h.units, key=lambda u: u.nbytes))
         scratch = torch.empty(source.numel(), dtype=torch.uint8, device=h.device)
         start = h.clock.mark()
         scratch.copy_(source, non_blocking=True)

@@ -6,13 +6,17 @@ compressed copies made while later units are still packed (compressed only, ``ra
 unit's raw bytes leave RAM for its raw home as soon as its payload is made, the packing kept a few units ahead of the
 encoder), the boundaries that route the model's and its units' calls to the handle, ``state_dict`` hooks that read
 host copies. A set-up that does not wait for its compressed copies leaves them to an `arrivals` object: the payload
-file, read once packing is over, or (``background_encoding``) the encoder between forwards. Any failure undoes all of
-it (`SetUp.undo`, with the host copies restored by the handle), so a model that could not be offloaded is left as it
-was.
+file, read once packing is over, or (``background_encoding``) the encoder between forwards; compressed only (a host
+budget with compression) each unit's raw bytes then leave RAM for their raw home as soon as it is packed, and the
+model streams them from there until the payloads are kept; with ``raw_copies="none"`` only when the weight files
+hold every unit as loaded, else it is encoded before set-up returns (a unit they do not hold keeps its payload only).
+Any failure undoes all of it (`SetUp.undo`, with the host copies restored by the handle), so a model that could not
+be offloaded is left as it was.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -36,6 +40,8 @@ from .config import cache_folder
 from .device_copies import DeviceCopies
 from .edits import Edits
 from .units import PackedTensor, Unit, UnitLayout
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from ..storage.plan import StoragePlan
@@ -133,6 +139,11 @@ class SetUp:
         background = encodes_between_forwards(plan, h.budget_bytes, h.units)
         if background:
             h.host.compressed.budget_bytes = h.budget_bytes  # the device encoder's bound
+        if background and plan.compressed_only:  # a payload file to read is read as the units are packed
+            if not self._home_then_encode_between_forwards(pin):
+                self._pack_and_encode(pin)
+            self._finish()
+            return
         if plan.may_read_payloads_later:
             self.payload_cache = self._payload_cache()  # named before packing moves tensors
             if background:  # the file checked once packing is over: read then, or (missing, refused) encoded
@@ -150,6 +161,13 @@ class SetUp:
             h.host.start_progressive_packing(pin, self._packed)
             self._finish()
             return
+        self._pack_and_encode(pin)
+        self._finish()
+
+    def _pack_and_encode(self, pin: bool) -> None:
+        """Every unit packed before set-up returns, and with compression encoded as it is packed (or read from the
+        payload file); compressed only, each unit's raw bytes leave RAM for its raw home once its payload is made."""
+        h, plan = self.handle, self.handle.config.storage
         compressed_only = plan.compressed_only
         homes = h.host.keep_raw_in(self._raw_home or self._home_in_cache_dir()) if compressed_only else None
         window = PACKING_WINDOW if compressed_only and h.cuda else None  # the CPU encoder asks for all at once
@@ -172,7 +190,48 @@ class SetUp:
                 homes.pin_the_rest()
             given = h.planning.profiles.given
             h.planning.check_budget(h.budget_bytes, given.profile if given is not None else None)  # staging room now
-        self._finish()
+
+    def _home_then_encode_between_forwards(self, pin: bool) -> bool:
+        """Compressed only, encoding between forwards, when there is no usable payload file (False: there is one, and
+        set-up reads it as it packs, `_pack_and_encode`; or, ``raw_copies="none"``, a unit is not still the pages of
+        its weight files, and set-up encodes it all first, `_pack_and_encode`, since that unit's payload is to be its
+        only host copy): each unit whose tensors are still the pages of the
+        weight files it was loaded from waits there with nothing read (`RawHomes.settle_as_loaded`); every other
+        one is packed and its raw bytes handed to its raw home at once (the weight files, compared byte for byte;
+        else the raw cache file), the packing a few units ahead, so that RAM holds a few raw units at most and
+        set-up encodes nothing. The model then streams its raw bytes from the raw home while the units are encoded
+        between its forwards (`CompressedCopies.start_encoding`); an edit meanwhile begins the encoding again."""
+        h, plan = self.handle, self.handle.config.storage
+        if plan.compression_cache:
+            self.payload_cache = self._payload_cache()  # named before packing moves tensors
+            if h.host.compressed.set_up.usable_records(self.payload_cache):
+                return False
+        if h.cuda:  # one unit over the budget: refused now, before anything is packed
+            refuse_without_room(largest_to_encode(h.units), 0, h.budget_bytes, h.device)
+        homes = h.host.keep_raw_in(self._raw_home or self._home_in_cache_dir())
+        every_unit = plan.between_forwards_needs_weight_files
+        moved = homes.settle_as_loaded(every_unit)  # still their weight files' pages: nothing to read
+        if moved is None:  # payloads only: a unit the files do not hold has no raw bytes to stream meanwhile
+            logger.warning(
+                "%s is encoded before enable returns, not between forwards: with raw_copies='none' a block its weight "
+                "files do not hold as loaded (weights built or edited in memory) keeps its compressed copy only; "
+                "raw_copies='disk' streams it from a cache file meanwhile",
+                type(h.model).__name__,
+            )
+            return False
+        as_loaded = frozenset(moved)
+        packing = h.host.start_packing(pin=False, window=PACKING_WINDOW, skip=as_loaded)
+        try:
+            for unit in h.units:  # in order: the window packs only a few units past the one asked for
+                if unit.index + 1 not in as_loaded:
+                    h.host.host_of(unit)
+                    homes.home_raw(unit.index)
+        finally:
+            h.setup_times.pack = 1e3 * packing.finish()
+        if pin:
+            homes.pin_the_rest()
+        h.host.compressed.start_encoding(self.payload_cache, pin, restart_on_edit=True)
+        return True
 
     def _finish(self) -> None:
         """The steps after packing began: edit counts recorded, shared weights published, boundaries hooked."""

@@ -671,7 +671,10 @@ def _offload_component(state: PipelineOffload, request: OffloadRequest, name: st
         tier.room_for_packing(request.packed[name])
     on_forward = state.forward_begins if state.last_forward is not None else None
     # any component over budget refuses every component's next call
-    hooks = HandleHooks(on_activate=state.activate, on_forward=on_forward, budget_refusal=state.budget_error)
+    room = tier.encoding_room if tier is not None else None  # payloads made between forwards: within the budget
+    hooks = HandleHooks(
+        on_activate=state.activate, on_forward=on_forward, budget_refusal=state.budget_error, encoding_room=room
+    )
     try:
         if request.shared_host is None:
             home = _raw_home(name, module, request) if cfg.compressed_only else None

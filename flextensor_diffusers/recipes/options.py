@@ -311,8 +311,10 @@ def add_memory(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="with --compression lossless and no compressed copies to read (--compression-cache): start at once "
         "and compress the blocks on the GPU between the forwards of the first generations, which stream them raw "
-        "meanwhile, instead of compressing every block first (not with a sized --host-budget). Default: on a GPU "
-        "whose budget holds the encoder's room for one block, without a sized --host-budget; else off",
+        "meanwhile (from RAM, or with --host-budget or --raw-copies from the weight files or a cache file; with "
+        "--raw-copies none, the default with --host-budget, only blocks the weight files all hold, else first), "
+        "instead of compressing every block first. Default: on a GPU whose budget holds the encoder's room for one "
+        "block; else off",
     )
     parser.add_argument(
         "--verify-loads",
@@ -528,7 +530,7 @@ def storage_refusal(exc: StorageOptionError, ns: argparse.Namespace) -> str:
         Rule.CACHE_WITHOUT_COMPRESSION: "--compression-cache caches compressed copies, and there are none: add "
         "--compression lossless",
         Rule.BACKGROUND_WITHOUT_RAW_STREAM: "--background-encoding compresses while the raw copies stream: add "
-        f"--compression lossless and drop --raw-copies {ns.raw_copies}",
+        "--compression lossless",
         Rule.COMPRESSION_WITH_SHARED_HOST: f"--compression {ns.compression} cannot be combined with {gpus} yet (the "
         "ranks share one raw host copy of the weights): drop --compression, or run on one GPU",
         Rule.HOST_BUDGET_WITH_SHARED_HOST: f"--host-budget cannot be combined with {gpus} yet (the ranks share one "
@@ -536,11 +538,6 @@ def storage_refusal(exc: StorageOptionError, ns: argparse.Namespace) -> str:
         Rule.TIER_KEEPS_COMPRESSED_ONLY: "--host-budget with --compression keeps the compressed copies only (the raw "
         "ones wait on disk): drop --raw-copies ram",
     }
-    if exc.rule is Rule.TIER_HOLDS_NO_SECOND_COPY and exc.option == "background_encoding":
-        return (
-            "--background-encoding keeps the raw copies in RAM beside the compressed ones, which --host-budget "
-            "would not hold to: drop one of them"
-        )
     return words.get(exc.rule, str(exc))
 
 

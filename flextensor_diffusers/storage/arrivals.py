@@ -40,6 +40,14 @@ from .host_memory import page_locked
 from .payload_cache import CacheRecord, PayloadCache
 from .setup_threads import PACK_THREADS
 
+#: The host memory the encoder works in beside the payloads it made, at most, in units of the largest unit it encodes
+#: next: on CUDA the unit gathered from where its raw bytes wait (one; none when in RAM) and the two staging buffers
+#: its payloads come back through (`device_encoding.STAGING_BUFFERS`, each an eighth larger than a payload, which
+#: may be somewhat larger than its unit where coding does not pay); on the CPU the gathered unit and the host
+#: encoder's slices and payload (`codec.device_encoding_need` at `codec.HOST_SLICE_BYTES`: under three units). What a
+#: host tier makes room for before a gap (`EncodingBetweenForwards.room_needed`).
+ENCODER_HOST_UNITS = 4
+
 
 @dataclasses.dataclass(frozen=True)
 class ArrivingPayload:
@@ -193,6 +201,7 @@ class EncodingBetweenForwards:
         if device.type == "cuda":  # one unit alone over the budget: refused at set-up, before anything is packed
             refuse_without_room(max(self._nbytes, default=0), 0, budget_bytes, device)
         self._made: dict[int, ArrivingPayload] = {}
+        self._made_bytes = 0  # of ``_made`` until it is taken and kept: read on other threads (`made_bytes`)
         self._failure: str | None = None
 
     @property
@@ -205,19 +214,44 @@ class EncodingBetweenForwards:
         """How many units were encoded so far (kept or not worth it)."""
         return self._next
 
-    def encode_for(self, seconds: float, now: Callable[[], float] = time.perf_counter) -> None:
+    @property
+    def made_bytes(self) -> int:
+        """Host RAM of the payloads made so far, until they are dropped or kept (`ArrivingPayloads.adopt` drops this
+        arrival once they are): read by a host tier on other threads."""
+        return self._made_bytes
+
+    def room_needed(self) -> tuple[list[int], int]:
+        """What encoding the units left takes in host RAM: per unit, in order, the most its payload keeps (its raw
+        bytes: a payload kept is smaller, `codec.worth_compressing`), and the encoder's working memory beside them
+        (`ENCODER_HOST_UNITS` of the largest unit left)."""
+        left = self._nbytes[self._next :]
+        return left, ENCODER_HOST_UNITS * max(left, default=0)
+
+    def restart(self) -> None:
+        """Drop the payloads made so far and begin again from the first unit at the next gap: an edit made them
+        stale, or a host tier needed their room. A failure said before is forgotten."""
+        self._made, self._made_bytes = {}, 0
+        self._next = 0
+        self._failure = None
+
+    def encode_for(
+        self, seconds: float, now: Callable[[], float] = time.perf_counter, limit: int | None = None
+    ) -> None:
         """Encode the next units for about ``seconds`` (at least one) by the clock ``now`` (the handle's, which
-        measured the forward), on the caller's thread. Interrupted (Ctrl-C), the unit under way is encoded again at
-        the next call."""
-        if self.done:
+        measured the forward), on the caller's thread; at most ``limit`` of them (None: no bound; 0: none), where a
+        host tier made room for that many (`room_needed`). Interrupted (Ctrl-C), the unit under way is encoded again
+        at the next call."""
+        if self.done or limit == 0:
             return
         started = now()
         encode = self._on_device if self._device.type == "cuda" else self._on_host
+        end = len(self._jobs) if limit is None else self._next + limit
         try:
-            with contextlib.closing(encode(self._jobs[self._next :])) as units:
+            with contextlib.closing(encode(self._jobs[self._next : end])) as units:
                 for count, (index, made) in enumerate(units, start=1):
                     if made is not None:
                         self._made[index] = made
+                        self._made_bytes += made.encoded.payload.numel()
                     self._next += 1
                     elapsed = now() - started
                     if elapsed + elapsed / count > seconds:  # the next unit would end after the gap's time
@@ -258,7 +292,7 @@ class EncodingBetweenForwards:
     def abandon(self) -> None:
         """Encode no more; the payloads made so far are dropped (those locked in place are unlocked as their
         mappings go: `host_memory.host_buffer`)."""
-        self._made = {}
+        self._made, self._made_bytes = {}, 0
         self._next = len(self._jobs)
 
 

@@ -103,6 +103,13 @@ class RawCacheFile:
     def prepare(self, position: int, unit: Unit) -> None:
         """Nothing to do ahead: `stand_in` writes the unit's bytes."""
 
+    def stand_in_as_loaded(self, position: int, unit: Unit) -> None:
+        """A cache file holds nothing before `stand_in` writes it: every unit is packed first."""
+        return None
+
+    def forget(self, position: int) -> None:
+        """`stand_in_as_loaded` gave nothing to forget."""
+
     def stand_in(self, position: int, unit: Unit) -> torch.Tensor:
         """Copy ``unit``'s bytes (``unit.host``) into its room in the file; that room, as a tensor."""
         mapped = self._open()

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from ..engine.units import Unit
+from .arrivals import EncodingBetweenForwards
 from .arriving_payloads import ArrivingPayloads
 from .codec import EncodedUnit
 from .file_reads import SERIAL, PieceReader
@@ -104,8 +105,9 @@ class CompressedCopies:
 
     @property
     def payload_bytes(self) -> int:
-        """Host RAM of the payloads (those waiting in the file are not in RAM)."""
-        return self.disk.payload_bytes
+        """Host RAM of the payloads (those waiting in the file are not in RAM), those made between forwards and not
+        kept yet included."""
+        return self.disk.payload_bytes + self.arrivals.arriving_bytes
 
     @property
     def stored_bytes(self) -> int:
@@ -160,13 +162,26 @@ class CompressedCopies:
         against raw's 0.128 s, first step 4.14 s against 3.37 s)."""
         self.arrivals.begin()
 
-    def start_encoding(self, cache: PayloadCache | None, pin: bool) -> None:
+    def start_encoding(self, cache: PayloadCache | None, pin: bool, restart_on_edit: bool = False) -> None:
         """Set-up without waiting for the encoder (``background_encoding``): the units are encoded between the
         model's forwards (`encode_between_forwards`) while it streams raw, on its device within ``budget_bytes``;
         the payloads are kept once all are made (`adopt_arrival`), each to be proven at its first decoded load,
-        and then written to ``cache``'s file."""
+        and then written to ``cache``'s file. ``restart_on_edit`` (the raw copies wait on disk, where raw loads are
+        slow): an edit meanwhile begins the encoding again instead of leaving the model raw."""
         self.release()
-        self.arrivals.start_encoding(cache, pin)
+        self.arrivals.start_encoding(cache, pin, restart_on_edit)
+
+    def restart_encoding(self, why: str) -> bool:
+        """Drop the payloads made between forwards so far, to be made again from the first unit at the next gap (a
+        host tier needs their room); False when none are being made (`ArrivingPayloads.restart`)."""
+        return self.arrivals.restart(why)
+
+    def encoding_room_needed(self) -> tuple[list[int], int]:
+        """What encoding the units left between forwards takes in host RAM
+        (`arrivals.EncodingBetweenForwards.room_needed`)."""
+        current = self.arrivals.current
+        assert isinstance(current, EncodingBetweenForwards), "no encoding between forwards"
+        return current.room_needed()
 
     def encode_if_no_file(self) -> bool:
         """The payload file checked as its reads began (`start_arrival_else_encoding`) was missing or refused:
@@ -183,10 +198,10 @@ class CompressedCopies:
         """Units are left to encode between the model's forwards (`start_encoding`)."""
         return self.arrivals.encoding_between_forwards
 
-    def encode_between_forwards(self, seconds: float, now: Callable[[], float]) -> None:
-        """After a forward, the model's device memory given back: encode the next units for about ``seconds`` by the
-        clock ``now`` (`ArrivingPayloads.encode_for`)."""
-        self.arrivals.encode_for(seconds, now)
+    def encode_between_forwards(self, seconds: float, now: Callable[[], float], limit: int | None = None) -> None:
+        """After a forward, the model's device memory given back: encode the next units (at most ``limit``) for
+        about ``seconds`` by the clock ``now`` (`ArrivingPayloads.encode_for`)."""
+        self.arrivals.encode_for(seconds, now, limit)
 
     @property
     def arriving(self) -> bool:
@@ -198,13 +213,13 @@ class CompressedCopies:
         """The payloads read or made since set-up are all here (or one failed): `adopt_arrival` takes them."""
         return self.arrivals.arrived
 
-    def adopt_arrival(self) -> bool:
+    def adopt_arrival(self, refusal: Callable[[int], str | None] | None = None) -> bool:
         """Keep the payloads read or made since set-up (the model inactive), every one unproven; True when kept
-        (`ArrivingPayloads.adopt`). A file found missing or refused as its reads began (after the caller's
-        `encode_if_no_file`) keeps none: the units are encoded between forwards from now on."""
+        (`ArrivingPayloads.adopt`, which asks ``refusal`` first). A file found missing or refused as its reads began
+        (after the caller's `encode_if_no_file`) keeps none: the units are encoded between forwards from now on."""
         if self.encode_if_no_file():
             return False
-        return self.arrivals.adopt()
+        return self.arrivals.adopt(refusal)
 
     def cancel_arrival(self, why: str | None) -> None:
         """Stop reading or making payloads, keeping none: an edit made them stale (``why`` says so), or the copies

@@ -125,10 +125,10 @@ class HostCopies:
 
     # ------------------------------------------------------------------------------------ packing
 
-    def start_packing(self, pin: bool, window: int | None = None) -> Packing:
-        """Start copying every unit and the base into the form's flat host buffers on threads
-        (`packing.start_packing`)."""
-        return start_packing(self, pin, window)
+    def start_packing(self, pin: bool, window: int | None = None, skip: frozenset[int] = frozenset()) -> Packing:
+        """Start copying every unit and the base (but the positions in ``skip``) into the form's flat host buffers
+        on threads (`packing.start_packing`)."""
+        return start_packing(self, pin, window, skip)
 
     def start_progressive_packing(self, pin: bool, on_done: Callable[[float], None]) -> ProgressivePacking:
         """Start packing every unit and the base, each adopted as first asked for (`ProgressivePacking`): set-up

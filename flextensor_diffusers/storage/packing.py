@@ -68,18 +68,26 @@ class Packing:
     """Units being packed on threads (`HostCopies.start_packing`): its gate on ``gates`` is open meanwhile."""
 
     def __init__(
-        self, gates: HostGates, work: ThreadedWork[Unit], positions: dict[int, int], window: PackingWindow | None
+        self,
+        gates: HostGates,
+        work: ThreadedWork[Unit],
+        positions: dict[int, int],
+        window: PackingWindow | None,
+        tasks: dict[int, int],
     ) -> None:
         self._work = work
         self._positions = positions
         self._window = window
+        self._tasks = tasks  # by unit index: its task in ``work`` (a unit not packed here has none)
         self._opened = gates.open(self.gate)
 
     def gate(self, unit: Unit) -> None:
-        position = self._positions[unit.index]
+        task = self._tasks.get(unit.index)
+        if task is None:
+            return
         if self._window is not None:
-            self._window.ask(position)
-        self._work.wait_for(position)
+            self._window.ask(self._positions[unit.index])
+        self._work.wait_for(task)
 
     def finish(self) -> float:
         """Wait for every unit, lift the gate, raise the first failure; seconds the packing took."""
@@ -239,7 +247,9 @@ class ProgressivePacking:
         self._host.packing_done(self)
 
 
-def start_packing(host: HostCopies, pin: bool, window: int | None = None) -> Packing:
+def start_packing(
+    host: HostCopies, pin: bool, window: int | None = None, skip: frozenset[int] = frozenset()
+) -> Packing:
     """Start copying every unit and the base of ``host`` into the flat host buffers its form gives (or attaching
     them to the bytes another process packed: `HostForm.attached`), each page-locked by the task that packed it
     when ``pin``, the form told of each (`HostForm.unit_packed`); set-up goes on meanwhile, and
@@ -250,9 +260,11 @@ def start_packing(host: HostCopies, pin: bool, window: int | None = None) -> Pac
     and the copies and ``cudaHostRegister`` release the GIL, so one thread's registration overlaps the
     others' copies. Host memory grows by at most one unit per thread. A failure is raised by
     `Packing.finish` once every task has ended: the caller restores whatever was packed. With ``window``, a
-    unit is packed only within that many positions of the furthest one asked for (`PackingWindow`)."""
+    unit is packed only within that many positions of the furthest one asked for (`PackingWindow`). Positions in
+    ``skip`` have their host bytes already (`RawHomes.settle_as_loaded`) and are not packed."""
     gate = PackingWindow(window) if window is not None else None
     positions = {unit.index: position for position, unit in enumerate(host.positions)}
+    todo = [unit for position, unit in enumerate(host.positions) if position not in skip]
     form = host.form
 
     def pack_one(unit: Unit) -> None:
@@ -269,5 +281,5 @@ def start_packing(host: HostCopies, pin: bool, window: int | None = None) -> Pac
         form.unit_packed(positions[unit.index], unit)  # while its bytes are at hand
 
     verb = "attaching to shared weights" if form.attached else "packing weights"
-    work = ThreadedWork(pack_one, host.positions, f"{verb} and pinning them" if pin else verb)
-    return Packing(host.gates, work, positions, gate)
+    work = ThreadedWork(pack_one, todo, f"{verb} and pinning them" if pin else verb)
+    return Packing(host.gates, work, positions, gate, {unit.index: task for task, unit in enumerate(todo)})

@@ -49,6 +49,13 @@ class PayloadsOnlyHome:
     def prepare(self, position: int, unit: Unit) -> None:
         """Nothing to do ahead."""
 
+    def stand_in_as_loaded(self, position: int, unit: Unit) -> None:
+        """No file holds the unit's bytes: each one is packed, and (encoded first) keeps its payload only."""
+        return None
+
+    def forget(self, position: int) -> None:
+        """`stand_in_as_loaded` gave nothing to forget."""
+
     def stand_in(self, position: int, unit: Unit) -> NoRawBytes | torch.Tensor:
         """A `NoRawBytes` of the unit's size; its RAM buffer when its tensors cannot refuse reads."""
         if unit.wrappers or not eligible(packed.tensor for packed in unit.tensors):

@@ -16,7 +16,10 @@ made silently.
 Defaults, stated here once: ``compression="none"``; every other option ``None``, the plan's choice: raw copies in
 RAM, no payload file, progressive packing, no load checks and background encoding on CUDA where the encoder's room
 fits the budget; under a host tier with compression, compressed copies only with their payload file and no raw copy
-written (``raw_copies="none"``), packed before set-up returns and, on CUDA, every load verified.
+written (``raw_copies="none"``), packed before set-up returns (the raw bytes of each unit handed to its weight files,
+or with ``raw_copies="disk"`` a cache file, as it is packed), encoded between forwards like raw copies in RAM are (on
+CUDA where the encoder's room fits; with ``raw_copies="none"`` only a component whose weight files hold every unit,
+else at set-up) and, on CUDA, every load verified.
 """
 
 from __future__ import annotations
@@ -77,6 +80,13 @@ class Encoding(Enum):
     AT_SET_UP = "at set-up"  # before set-up returns (or read from the payload file)
     BETWEEN_FORWARDS = "between forwards"  # while the model streams raw (`arrivals`)
     WHERE_ROOM = "between forwards where the encoder fits"  # the default on CUDA: as set-up finds the encoder's room
+    #: ``raw_copies="none"``: as above for a model whose weight files hold every unit (loaded from its folder, not
+    #: edited), decided at set-up where the raw homes are known; any other model is encoded at set-up, since a unit
+    #: the files do not hold keeps its payload as its only host copy and has no raw bytes to stream meanwhile.
+    FILES = "between forwards where the weight files hold every unit, else at set-up"
+    WHERE_ROOM_AND_FILES = (
+        "between forwards where the encoder fits and the weight files hold every unit, else at set-up"
+    )
 
 
 @dataclass(frozen=True)
@@ -103,12 +113,14 @@ class StorageRequest:
             still packed on threads, and the first forward waits only for the units it reaches (`packing_line`:
             the host peak is the weights plus one unit). False packs every unit before set-up returns; a host
             tier does (it holds host memory to a budget), and refuses True.
-        background_encoding: with compression, raw copies in RAM and progressive packing, a set-up that finds no
-            payload file to read returns as a raw one does and the units are encoded between the model's forwards
-            (`arrivals`), proven at their first decoded load, then written to the payload file. False encodes
-            before set-up returns. None: on CUDA where it can be and the encoder's room for the largest unit fits
-            the budget (`Encoding.WHERE_ROOM`); on the CPU the encoder would share the cores with the forwards.
-            Refused under a host tier (the raw copies would stay in RAM beside the compressed ones).
+        background_encoding: with compression, a set-up that finds no payload file to read returns with nothing
+            encoded and the units are encoded between the model's forwards (`arrivals`) while it streams its raw
+            copies (from RAM, packed progressively; or compressed only, and under a host tier, from where they wait
+            on disk, each unit's raw bytes handed there as set-up packs it), proven at their first decoded load, then
+            written to the payload file. False encodes before set-up returns. None: on CUDA where it can be and the
+            encoder's room for the largest unit fits the budget (`Encoding.WHERE_ROOM`); on the CPU the encoder would
+            share the cores with the forwards. With ``raw_copies="none"`` only a model whose weight files hold every
+            unit is encoded between forwards; set-up encodes any other one first, and logs it (`Encoding.FILES`).
         verify_loads: check on the device, before and after every unit call, that the bytes the unit computes with
             are its weights (`load_checks`): a wrong load raises instead of giving a wrong output. Costs two reads
             of each unit's bytes on the device per call. On under a host tier with compression on CUDA (one
@@ -252,13 +264,21 @@ class StoragePlan:
     def encodes_between_forwards(self, encoder_fits: bool) -> bool:
         """Whether a set-up that finds no payload file to read encodes between forwards; ``encoder_fits``: the
         device encoder's room for the largest unit fits the budget (what `Encoding.WHERE_ROOM` waits on)."""
-        if self.encoding is Encoding.WHERE_ROOM:
+        if self.encoding in (Encoding.WHERE_ROOM, Encoding.WHERE_ROOM_AND_FILES):
             return encoder_fits
-        return self.encoding is Encoding.BETWEEN_FORWARDS
+        return self.encoding in (Encoding.BETWEEN_FORWARDS, Encoding.FILES)
+
+    @property
+    def between_forwards_needs_weight_files(self) -> bool:
+        """Encoding between forwards holds only for a model whose every unit waits in its weight files (`SetUp`
+        checks it, and encodes any other one before set-up returns): ``raw_copies="none"``."""
+        return self.encoding in (Encoding.FILES, Encoding.WHERE_ROOM_AND_FILES)
 
     def config_options(self) -> dict[str, Any]:
         """The resolved options as `OffloadConfig` keywords (a pipeline's components take them)."""
-        background = {Encoding.BETWEEN_FORWARDS: True, Encoding.AT_SET_UP: False}.get(self.encoding)
+        background = {Encoding.BETWEEN_FORWARDS: True, Encoding.FILES: True, Encoding.AT_SET_UP: False}.get(
+            self.encoding
+        )
         return {
             "compression": self.compression,
             "raw_copies": self.raw_copies,
@@ -320,14 +340,10 @@ def _refuse_combinations(request: StorageRequest) -> None:
             "compression_cache=True caches compressed copies, and there are none: pass compression='lossless'",
             Rule.CACHE_WITHOUT_COMPRESSION,
         )
-    compressed_only = request.raw_copies in COMPRESSED_ONLY_PLACES
-    streams_raw = request.compressed and not compressed_only and request.progressive_packing is not False
-    if request.background_encoding and not streams_raw:
-        raise StorageOptionError(
-            "background_encoding=True encodes while the model streams its raw copies, packed as it runs: it needs "
-            "compression='lossless', raw_copies='ram' and progressive_packing=True",
-            Rule.BACKGROUND_WITHOUT_RAW_STREAM,
-        )
+    if request.background_encoding and not (
+        request.compressed and (request.raw_copies != "ram" or request.progressive_packing is not False)
+    ):
+        _refuse_background_without_raw_stream()
     if request.compressed and request.shared_host:
         raise StorageOptionError(
             "compression and shared_host cannot be combined yet: pass one of them", Rule.COMPRESSION_WITH_SHARED_HOST
@@ -338,6 +354,14 @@ def _refuse_combinations(request: StorageRequest) -> None:
             'RAM): drop host_budget (its default, "auto", keeps the shared copy in RAM)',
             Rule.HOST_BUDGET_WITH_SHARED_HOST,
         )
+
+
+def _refuse_background_without_raw_stream() -> None:
+    raise StorageOptionError(
+        "background_encoding=True encodes while the model streams its raw copies (from RAM, packed as it runs, or from "
+        "where they wait on disk): it needs compression='lossless', and with raw_copies='ram' progressive_packing=True",
+        Rule.BACKGROUND_WITHOUT_RAW_STREAM,
+    )
 
 
 def _ram_needed(request: StorageRequest, copies: HostCopiesSize) -> int:
@@ -379,6 +403,8 @@ def _plain(request: StorageRequest, machine: MachineFacts) -> StoragePlan:
     """No host tier: every option as asked, its default where not."""
     progressive = request.progressive_packing is not False
     raw = request.raw_copies or "ram"
+    if request.background_encoding and raw == "ram" and not progressive:
+        _refuse_background_without_raw_stream()
     return StoragePlan(
         compression=request.compression,
         raw_copies=raw,
@@ -393,20 +419,28 @@ def _plain(request: StorageRequest, machine: MachineFacts) -> StoragePlan:
 
 def _encoding(request: StorageRequest, machine: MachineFacts, raw: str, progressive: bool) -> Encoding:
     """As asked; by default (None) between forwards on CUDA wherever it can be (compression with the raw copies in
-    RAM, packed progressively, no shared weights) and the encoder's room fits (known at set-up). On the CPU the
-    encoder would share the cores with the forwards for minutes, so there it encodes before set-up returns."""
+    RAM packed progressively, or waiting on disk; no shared weights) and the encoder's room fits (known at set-up).
+    On the CPU the encoder would share the cores with the forwards for minutes, so there it encodes before set-up
+    returns. With ``raw_copies="none"`` only a model whose every unit waits in its weight files can stream raw while
+    it is encoded (`Encoding.FILES`); set-up encodes any other one first (its units' payloads are their only copy).
+    """
     if not request.compressed:
         return Encoding.NONE
-    if request.background_encoding is not None:
-        return Encoding.BETWEEN_FORWARDS if request.background_encoding else Encoding.AT_SET_UP
-    can = raw == "ram" and progressive and not request.shared_host
-    return Encoding.WHERE_ROOM if can and machine.device_kind == "cuda" else Encoding.AT_SET_UP
+    if request.background_encoding is False:
+        return Encoding.AT_SET_UP
+    can = (raw in COMPRESSED_ONLY_PLACES or progressive) and not request.shared_host
+    if request.background_encoding is None and not (can and machine.device_kind == "cuda"):
+        return Encoding.AT_SET_UP
+    if raw == "none":  # a unit the weight files do not hold has no raw bytes to stream: `SetUp` decides per model
+        return Encoding.FILES if request.background_encoding else Encoding.WHERE_ROOM_AND_FILES
+    return Encoding.BETWEEN_FORWARDS if request.background_encoding else Encoding.WHERE_ROOM
 
 
 def _under_a_tier(request: StorageRequest, machine: MachineFacts, tier: HostTierPlan) -> StoragePlan:
     """A host tier holds host memory to its budget: packed before set-up returns; with compression, compressed
-    copies only, waiting on disk in their payload file, and on CUDA every load verified. Options asked otherwise
-    are refused, naming the fix; those left to the plan are chosen and stated."""
+    copies only, waiting on disk in their payload file, encoded as without a tier with the raw copies on disk (by
+    default between forwards on CUDA where the encoder fits: `_encoding`), and on CUDA every load verified. Options
+    asked otherwise are refused, naming the fix; those left to the plan are chosen and stated."""
     _refuse_under_a_tier(request, tier)
     why_tier = (
         'host_budget="auto" turned the host tier on (the host copies do not all fit in the RAM available)'
@@ -428,12 +462,13 @@ def _under_a_tier(request: StorageRequest, machine: MachineFacts, tier: HostTier
         ]
         verify, warnings, verified = _verified_under_a_compressed_tier(request, machine)
         choices += [verified] if verified is not None else []
+    raw = (request.raw_copies or "none") if request.compressed else (request.raw_copies or "ram")
     return StoragePlan(
         compression=request.compression,
-        raw_copies=(request.raw_copies or "none") if request.compressed else (request.raw_copies or "ram"),
+        raw_copies=raw,
         compression_cache=request.compressed,
         progressive_packing=False,
-        encoding=Encoding.AT_SET_UP if request.compressed else Encoding.NONE,
+        encoding=_encoding(request, machine, raw, progressive=False),
         shared_host=request.shared_host,
         verify_loads=verify,
         host_budget=request.host_budget,
@@ -460,18 +495,13 @@ def _refuse_under_a_tier(request: StorageRequest, tier: HostTierPlan) -> None:
                     Rule.TIER_KEEPS_COMPRESSED_ONLY,
                     option,
                 )
-    why_not = {
-        "progressive_packing": "it keeps a few units twice until they are used",
-        "background_encoding": "it keeps the raw copies in RAM beside the compressed ones",
-    }
-    for option, why in why_not.items():
-        if getattr(request, option):
-            raise StorageOptionError(
-                f"{option}=True cannot hold host memory to a host budget ({why}): drop {option}, or pass "
-                "host_budget=None (--host-budget none)",
-                Rule.TIER_HOLDS_NO_SECOND_COPY,
-                option,
-            )
+    if request.progressive_packing:
+        raise StorageOptionError(
+            "progressive_packing=True cannot hold host memory to a host budget (it keeps a few units twice until they "
+            "are used): drop progressive_packing, or pass host_budget=None (--host-budget none)",
+            Rule.TIER_HOLDS_NO_SECOND_COPY,
+            "progressive_packing",
+        )
 
 
 def _verified_under_a_compressed_tier(

@@ -33,11 +33,13 @@ import torch
 from ..engine.units import Unit
 from .cache_files import RawCacheFile, drop_cached_pages
 from .host_bytes import DecodedPayload, Flat, InPayloadsOnly, InRam
+from .mapped_weights import MappedFiles, kept_bytes, mapped_places
 from .payloads_only import PayloadsOnlyHome
 from .raw_homes import Moved, at_home
 from .weight_files import (
     FileStamp,
     NotSafetensors,
+    ScatteredHost,
     TensorEntry,
     TensorPlace,
     changed_file,
@@ -69,6 +71,7 @@ class WeightFilesHome:
         self._ranges: dict[int, list[tuple[int, int]]] = {}  # per position: its tensors' addresses in the mappings
         self._found: dict[int, tuple[list[TensorPlace] | None, str]] = {}  # per position: `prepare`'s answer
         self._lock = threading.Lock()  # `prepare` runs on packing threads
+        self._files: MappedFiles | None = None  # the process's file mappings, read once all files are mapped
 
     def _entries_of(self, index: int) -> dict[str, TensorEntry]:
         with self._lock:
@@ -112,6 +115,38 @@ class WeightFilesHome:
             for fd in fds.values():
                 os.close(fd)
         self._found[position] = found
+
+    def stand_in_as_loaded(self, position: int, unit: Unit) -> Flat | None:
+        """Before ``unit`` is packed: its tensors in its weight files, when every one they hold is already a view of
+        those very bytes, none written since (`mapped_weights.mapped_places`): nothing is read, compared nor packed,
+        and the tensors the files lack are copied into RAM. None otherwise (it is packed and compared)."""
+        if self._files is None:  # every file mapped first: the mappings read next are those looked up
+            for index in range(len(self._checkpoints)):
+                for path in {entry.file for entry in self._entries_of(index).values()}:
+                    self._mapping(path)
+            self._files = MappedFiles()
+        for index in range(len(self._checkpoints)):
+            places = mapped_places(unit, self._entries_of(index), self._files, self._mapping)
+            if places is None:
+                continue
+            by_key = {(p.offset, p.offset + p.nbytes): p for p in unit.tensors}
+            views = {
+                p.key: kept_bytes(by_key[p.key])
+                if p.entry is None
+                else self._maps[p.entry.file][p.entry.start : p.entry.start + p.nbytes]
+                for p in places
+            }
+            self._kept[position] = sum(p.nbytes for p in places if p.entry is None)
+            self._ranges[position] = [
+                (self._maps[p.entry.file].data_ptr() + p.entry.start, p.nbytes) for p in places if p.entry
+            ]
+            return ScatteredHost(views, kept_bytes=self._kept[position])
+        return None
+
+    def forget(self, position: int) -> None:
+        """The stand-in `stand_in_as_loaded` gave for ``position`` is not used: what it recorded goes."""
+        self._kept.pop(position, None)
+        self._ranges.pop(position, None)
 
     def stand_in(self, position: int, unit: Unit) -> Flat:
         """The unit's tensors in its weight files when `prepare` found them all there, byte for byte; else the

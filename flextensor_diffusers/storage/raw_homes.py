@@ -61,6 +61,16 @@ class RawHome(Protocol):
         can run there, in parallel with other units' (comparing its bytes with a file's, say)."""
         ...
 
+    def stand_in_as_loaded(self, position: int, unit: Unit) -> Flat | None:
+        """Before ``unit`` is packed (its tensors still as loaded): a stand-in as `stand_in` gives, when the home holds
+        its bytes where its tensors already view them (`mapped_weights`), read and written nothing; None: it is
+        packed, and handed over by `stand_in`."""
+        ...
+
+    def forget(self, position: int) -> None:
+        """A stand-in `stand_in_as_loaded` gave for ``position`` will not be used (`RawHomes.settle_as_loaded`)."""
+        ...
+
     def stand_in(self, position: int, unit: Unit) -> Flat:
         """A stand-in for ``unit``'s flat host buffer (``unit.host``, in RAM now, holds its current bytes) that
         holds the same bytes outside RAM: a tensor, or an object that gives each tensor's bytes when sliced at
@@ -147,6 +157,42 @@ class RawHomes:
     def set_up_done(self) -> None:
         """Set-up kept every payload: the records hold them, nothing more is held here."""
         self.held = {}
+
+    def settle_as_loaded(self, every_unit: bool = False) -> set[int] | None:
+        """Before packing: every unit whose bytes the home holds where its tensors already view them moves there
+        without being packed, compared or read (`RawHome.stand_in_as_loaded`). The positions moved. ``every_unit``
+        (payloads only, to encode between forwards): all units or none; None, with nothing moved, when one is not
+        held so (it would keep its payload as its only copy, so the model is encoded at set-up)."""
+        found: dict[int, Flat] = {}
+        for position, unit in enumerate(self._positions):
+            stand_in = self.home.stand_in_as_loaded(position, unit) if unit.index >= 0 else None
+            if stand_in is not None:
+                found[position] = stand_in
+            elif every_unit and unit.index >= 0:
+                for taken in found:
+                    self.home.forget(taken)
+                return None
+        for position, stand_in in found.items():
+            unit = self._positions[position]
+            self._binding.to_host(unit, stand_in)
+            unit.stored = AtRawHome(stand_in)
+            self.homed.add(position)
+        return set(found)
+
+    def home_raw(self, index: int) -> None:
+        """Encoding between forwards: unit ``index``, just packed and not encoded yet, moves its raw bytes to the
+        home (which must keep them: the weight files or a cache file, never payloads only) and frees its RAM
+        buffer; the model streams them from there until its payload is kept."""
+        position = index + 1
+        unit = self._positions[position]
+        if position in self.homed:
+            return
+        stand_in = self.home.stand_in(position, unit)
+        assert not isinstance(stand_in, NoRawBytes), f"{unit.name} has no payload to be its only copy yet"
+        self._binding.to_host(unit, stand_in)
+        unpin_unit(unit)
+        unit.stored = AtRawHome(stand_in)
+        self.homed.add(position)
 
     def pin_the_rest(self) -> None:
         """Once set-up encoded everything: page-lock what stays in RAM raw (the base, units not worth

@@ -85,14 +85,53 @@ class Placement:
         self._files: list[Path] = []  # cache files written, deleted by `delete_files`
         self._reads = reads
         self._pool = pool
+        #: RAM held for the encoder while the active component's units are encoded between its forwards: its
+        #: working memory and the most the payloads made in that gap take (`room_to_encode`); 0 between gaps.
+        self.encoding_held = 0
+        self._no_room_said: set[str] = set()
         #: The locked pool held to the share, on this placement's count of RAM (`ram_bytes`: all it reads is set).
         self.pool_room = PoolRoom(pool, budget, self.ram_bytes, reads.readings)
 
     def ram_bytes(self) -> int:
-        """Host RAM of the host copies now, what the reads under way may hold (reserved ahead), and what the
-        locked pool's lent buffers hold beyond their reads' pages."""
+        """Host RAM of the host copies now (payloads made between forwards and not kept yet included), what the
+        reads under way may hold (reserved ahead), what the locked pool's lent buffers hold beyond their reads'
+        pages, and what is held for the encoder during a gap (`encoding_held`)."""
         copies = sum(h.host.host_ram_bytes for h in self.handles.values())
-        return copies + self._reads.reserved_bytes + self._pool.slack_bytes
+        return copies + self._reads.reserved_bytes + self._pool.slack_bytes + self.encoding_held
+
+    def room_to_encode(self, name: str, bounds: list[int], working: int, say: bool = True) -> int:
+        """How many of the units left of ``name`` (active) may be encoded between its forwards now: room for the
+        encoder's ``working`` memory and those units' payloads at their most (``bounds``, in order), made where
+        needed as `make_room` makes it. That room is held (`encoding_held`) until
+        `encoding_done`. 0: no room for one unit now (a warning says so when ``say``, once per component)."""
+        if not bounds:
+            return 0
+        first = working + bounds[0]
+        self.make_room({name}, first)
+        free = self.budget.weights_budget - self.ram_bytes()
+        count, held = 0, working
+        while count < len(bounds) and held + bounds[count] <= free:
+            held, count = held + bounds[count], count + 1
+        if count:
+            self.encoding_held = held
+            self.pool_room.trim()  # idle pool buffers beyond the room left go now, before the encoder takes it
+            self.note_peak()
+        elif say and name not in self._no_room_said:
+            self._no_room_said.add(name)
+            logger.warning(
+                "host tier: no room in the host budget to compress %s's weights between its forwards now (%s for "
+                "one block and the encoder, beside what RAM holds): it streams them raw from where they wait on disk "
+                "until there is; pass a larger host_budget, or background_encoding=False to compress them at enable "
+                "(which names the smallest workable host budget)",
+                name,
+                format_bytes(first),
+            )
+        return count
+
+    def encoding_done(self) -> None:
+        """The gap `room_to_encode` held room for is over: the payloads made in it are counted as host copies."""
+        self.encoding_held = 0
+        self.note_peak()
 
     def note_peak(self) -> None:
         """The peak of `ram_bytes` and of the pool's idle buffers no read will take: RAM kept for the reads to come."""
@@ -145,15 +184,26 @@ class Placement:
         self.recency.remove(name)
         self.recency.append(name)
 
-    def make_room(self, keep: set[str], nbytes: int) -> None:
+    def make_room(self, keep: set[str], nbytes: int, drop_made: bool = True) -> None:
         """Move least recently used components out (never those in ``keep`` nor an active one) until
-        ``nbytes`` more fit, or none is left to move."""
+        ``nbytes`` more fit, or none is left to move; then, as a last resort and unless ``drop_made`` is False (a
+        read ahead, which is optional), drop the payloads the others made between their forwards and did not keep
+        yet (made again from their first unit when next they run: `CompressedCopies.restart_encoding`)."""
         for other in list(self.recency):
-            if self.ram_bytes() + nbytes + self.pool_room.held_beyond(nbytes) <= self.budget.weights_budget:
+            if self._fits(nbytes):
                 return
             if self._movable(other, keep):
                 self._move_out(other)
                 self.pool_room.trim()
+        for other in list(self.recency) if drop_made else []:  # what others made between forwards, made again later
+            if self._fits(nbytes):
+                return
+            handle = self.handles[other]
+            if other not in keep and not handle.active and handle.host.compressed.arrivals.arriving_bytes:
+                handle.host.compressed.restart_encoding(f"host tier: {other}'s room is needed")
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.ram_bytes() + nbytes + self.pool_room.held_beyond(nbytes) <= self.budget.weights_budget
 
     def _movable(self, name: str, keep: set[str]) -> bool:
         handle = self.handles[name]

@@ -102,7 +102,7 @@ class ReadAheads:
         job = self._jobs.get(name)
         missing = self._placement.stored_bytes(name) - (job.reserved_bytes if job is not None else 0)
         try:
-            self._placement.make_room(keep, missing)
+            self._placement.make_room(keep, missing, drop_made=False)
         except FlexTensorError as exc:
             logger.warning("host tier: no read ahead of %s: %s", name, exc)
 

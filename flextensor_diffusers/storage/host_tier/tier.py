@@ -6,7 +6,9 @@ and at the end (`stop`, `close`); the engine calls only the gate a read back set
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -178,6 +180,25 @@ class HostTier:
             self._hand_over = current
             self.hand_overs.append(current.record)
             return current.unit_done
+
+    @contextlib.contextmanager
+    def encoding_room(self, handle: OffloadHandle) -> Iterator[int]:
+        """Before units of ``handle`` (active) are encoded between its forwards (`HandleHooks.encoding_room`): how
+        many of those left fit in the host budget with the encoder's working memory, others moved out to make room
+        where needed (`Placement.room_to_encode`), and the read aheads given up when even one would not fit
+        otherwise; that room is held until the gap ends."""
+        with self._lock, self._pool_room.changing():
+            name = self._placement.name_of(handle)
+            needed = handle.host.compressed.encoding_room_needed()
+            count = self._placement.room_to_encode(name, *needed, say=False)
+            if not count:  # what is read ahead is only a guess: the room goes to the encoding first
+                self._aheads.give_up_all()
+                count = self._placement.room_to_encode(name, *needed)
+        try:
+            yield count
+        finally:
+            with self._lock, self._pool_room.changing():
+                self._placement.encoding_done()
 
     def _room_freed(self, active: str) -> None:
         """A payload of ``active`` was handed over: the read ahead of the next component goes on into its room."""
