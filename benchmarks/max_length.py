@@ -551,7 +551,13 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--fit-frames", nargs=2, type=int, default=[193, 385])
     parser.add_argument("--max-frames", type=int, default=2001, help="longest length tried")
     parser.add_argument("--no-quality", dest="quality", action="store_false", help="skip the native comparison")
-    parser.add_argument("--deadline", type=int, default=0, help="seconds after which no trial starts (0: none)")
+    parser.add_argument(
+        "--deadline",
+        type=int,
+        default=0,
+        help="seconds from the script's start, the model's build included (about 85 s for full-size LTX-2 on a GPU "
+        "machine), after which no trial starts (0: none)",
+    )
     parser.add_argument("--simulate-oom-above", type=int, help="CPU check: trials longer than this run out of memory")
     parser.add_argument("--video-dir", type=Path, help="where each trial's mp4 is written (default: a temp folder)")
     parser.add_argument("--out", type=Path)
