@@ -4,12 +4,15 @@ whatever the machine's speed or load, and no test sleeps or bounds a wall-clock 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from flextensor_diffusers.engine import handle as handle_module
 from flextensor_diffusers.engine.profiler import Clock
+from flextensor_diffusers.storage import arrivals
+from flextensor_diffusers.storage.device_encoding import EncodeJob
 
 
 class ManualClock:
@@ -41,3 +44,16 @@ def drive_handles_by(monkeypatch: pytest.MonkeyPatch, clock: ManualClock) -> Non
         return Clock(device, now=clock)
 
     monkeypatch.setattr(handle_module, "Clock", clock_for)
+
+
+def encoding_takes(monkeypatch: pytest.MonkeyPatch, clock: ManualClock, seconds: float) -> None:
+    """Each unit the host encoder makes between forwards advances ``clock`` by ``seconds``, so that how many a gap
+    encodes (paced by the forward before it, on the same clock) is known exactly."""
+    real = arrivals.EncodingBetweenForwards._on_host
+
+    def taking_seconds_each(jobs: list[EncodeJob]) -> Iterator[tuple[int, object]]:
+        for made in real(jobs):
+            clock.advance(seconds)
+            yield made
+
+    monkeypatch.setattr(arrivals.EncodingBetweenForwards, "_on_host", staticmethod(taking_seconds_each))

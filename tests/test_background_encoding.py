@@ -22,7 +22,7 @@ from flextensor_diffusers.storage.codec import Segment, device_encoding_need
 from flextensor_diffusers.storage.device_encoding import EncodeJob
 from flextensor_diffusers.storage.payload_cache import PayloadCache
 from flextensor_diffusers.storage.plan import MachineFacts, StorageRequest, resolve_storage
-from tests.clocks import ManualClock, drive_handles_by
+from tests.clocks import ManualClock, drive_handles_by, encoding_takes
 from tests.models import Stack, assert_same, snapshot
 from tests.test_compression import make, planned_from_fixed_figures
 from tests.test_payload_arrival import (
@@ -148,14 +148,7 @@ def test_units_are_encoded_only_between_forwards_each_gap_for_about_as_long_as_t
     (0.45 s: after four, a fifth would end at 0.5 s; 0.05 s: one, though it ends after the forward's time)."""
     clock = ManualClock()
     drive_handles_by(monkeypatch, clock)
-    real = arrivals.EncodingBetweenForwards._on_host
-
-    def taking_a_tenth_of_a_second_each(jobs: list[EncodeJob]) -> Iterator[tuple[int, object]]:
-        for made in real(jobs):
-            clock.advance(0.1)
-            yield made
-
-    monkeypatch.setattr(arrivals.EncodingBetweenForwards, "_on_host", staticmethod(taking_a_tenth_of_a_second_each))
+    encoding_takes(monkeypatch, clock, 0.1)
     torch.manual_seed(0)
     model, x = Stack(dim=256, depth=12, dtype=torch.bfloat16).eval(), torch.randint(0, 50, (2, 16))
     with torch.inference_mode():

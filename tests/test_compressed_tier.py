@@ -42,11 +42,17 @@ def smallest_host_budget(pipe, cache: Path, gpu_budget: int = BUDGET, **options)
     pipe.enable_flextensor_offload(
         budget=gpu_budget, device="cpu", compression="lossless", host_budget="1GiB", cache_dir=cache, **options
     )
-    handles = ft.pipeline_offload(pipe).handles
-    stored = {name: h.host.stored_bytes for name, h in handles.items()}
-    raw = {name: h.host.where().ram_raw_bytes for name, h in handles.items()}
+    host_budget = one_component_in_ram(ft.pipeline_offload(pipe).handles)
     assert not ft.pipeline_offload(pipe).host_tier.report()["on_disk"]
     pipe.disable_flextensor_offload()
+    return host_budget
+
+
+def one_component_in_ram(handles: dict[str, ft.OffloadHandle]) -> int:
+    """The host budget that holds the largest component's host copies in RAM next to what every other one keeps in
+    RAM while its compressed copies wait on disk (its raw base), read from handles set up with room for all."""
+    stored = {name: h.host.stored_bytes for name, h in handles.items()}
+    raw = {name: h.host.where().ram_raw_bytes for name, h in handles.items()}
     return max(stored[n] + sum(raw[o] for o in stored if o != n) for n in stored)
 
 
@@ -396,11 +402,9 @@ def test_on_cuda_the_experts_take_turns_on_disk_compressed_bitwise(saved, tmp_pa
         background_encoding=False,
     )  # fmt: skip
     handles = ft.pipeline_offload(pipe).handles
-    stored = {name: h.host.stored_bytes for name, h in handles.items()}
-    raw = {name: h.host.where().ram_raw_bytes for name, h in handles.items()}
+    host_budget = one_component_in_ram(handles)
     assert all(h.host.where().raw_disk_bytes for n, h in handles.items() if n in EXPERTS)
     pipe.disable_flextensor_offload()
-    host_budget = max(stored[n] + sum(raw[o] for o in stored if o != n) for n in stored)
     caplog.clear()
     pipe.enable_flextensor_offload(
         budget=budget, device="cuda", compression="lossless", host_budget=host_budget, cache_dir=cache,

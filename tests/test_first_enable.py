@@ -10,7 +10,6 @@ encoded takes a second, so every gap between forwards encodes exactly one block,
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,8 +18,7 @@ import torch
 import flextensor_diffusers as ft
 from flextensor_diffusers.recipes.models import build_pipeline
 from flextensor_diffusers.storage import arrivals
-from flextensor_diffusers.storage.device_encoding import EncodeJob
-from tests.clocks import ManualClock, drive_handles_by
+from tests.clocks import ManualClock, drive_handles_by, encoding_takes
 from tests.models import assert_same, set_host_overhead, snapshot, wan_latents
 from tests.test_compression import planned_from_fixed_figures
 from tests.test_host_tier import digest, load, save
@@ -38,14 +36,7 @@ def one_block_a_gap(monkeypatch) -> ManualClock:
     planned_from_fixed_figures(monkeypatch, compute_ms=10.0)
     clock = ManualClock()
     drive_handles_by(monkeypatch, clock)
-    real = arrivals.EncodingBetweenForwards._on_host
-
-    def a_second_each(jobs: list[EncodeJob]) -> Iterator[tuple[int, object]]:
-        for made in real(jobs):
-            clock.advance(1.0)
-            yield made
-
-    monkeypatch.setattr(arrivals.EncodingBetweenForwards, "_on_host", staticmethod(a_second_each))
+    encoding_takes(monkeypatch, clock, 1.0)
     return clock
 
 
@@ -110,6 +101,16 @@ def all_kept(state: ft.PipelineOffload) -> bool:
     return all(h.encoded and not h.compressed.arriving and not h.compressed.unproven for h in hosts)
 
 
+def generate_until_kept(pipe, state: ft.PipelineOffload, expected: torch.Tensor, tries: int) -> None:
+    """Generations bitwise equal to ``expected`` until every payload is kept and proven (at most ``tries``), then one
+    more from the kept payloads."""
+    for _ in range(tries):
+        assert torch.equal(wan_latents(pipe), expected)
+        if all_kept(state):
+            break
+    assert all_kept(state) and torch.equal(wan_latents(pipe), expected)
+
+
 def test_the_first_forwards_run_before_any_block_is_encoded_bitwise_within_the_host_budget(saved, tmp_path) -> None:
     """Enable encodes nothing: every block's raw bytes wait in the weight files (nothing raw is written), RAM holds no
     payload. Each component's first forward runs with none of its blocks encoded, each later one with one more (one
@@ -138,11 +139,7 @@ def test_the_first_forwards_run_before_any_block_is_encoded_bitwise_within_the_h
     for name in EXPERTS:  # the payloads made and not kept yet are the host copies' RAM, counted by the tier
         made, counted = zip(*watch.counted[name], strict=True)
         assert made == counted and made[0] == 0 and made[-1] > 0, (name, watch.counted[name])
-    for _ in range(4):
-        assert torch.equal(wan_latents(pipe), reference)
-        if all_kept(state):
-            break
-    assert all_kept(state) and torch.equal(wan_latents(pipe), reference)
+    generate_until_kept(pipe, state, reference, 4)
     assert all(state.handles[n].device_copies.decoding for n in EXPERTS)
     assert not watch.over_share
     assert state.host_tier.report()["peak_host_ram_bytes"] <= state.host_tier.weights_budget
@@ -178,11 +175,7 @@ def test_an_edit_while_blocks_are_encoded_begins_the_encoding_again_and_the_outp
     native = load(folder)
     getattr(native, name).load_state_dict(edited)
     expected = wan_latents(native)
-    for _ in range(4):
-        assert torch.equal(wan_latents(pipe), expected)
-        if all_kept(state):
-            break
-    assert all_kept(state) and torch.equal(wan_latents(pipe), expected)
+    generate_until_kept(pipe, state, expected, 4)
     assert all(torch.equal(t, edited[k]) for k, t in getattr(pipe, name).state_dict().items())
     pipe.disable_flextensor_offload()
     assert all(torch.equal(t, edited[k]) for k, t in getattr(pipe, name).state_dict().items())
@@ -212,11 +205,7 @@ def test_under_a_tight_host_budget_the_experts_take_turns_and_the_encoding_makes
     assert host_budget < sum(payloads.values()) + sum(raw.values())  # not both experts in RAM
     state = enable(pipe, cache, host_budget=host_budget)
     watch = Watch(state)
-    for _ in range(6):
-        assert torch.equal(wan_latents(pipe), reference)
-        if all_kept(state):
-            break
-    assert all_kept(state) and torch.equal(wan_latents(pipe), reference)
+    generate_until_kept(pipe, state, reference, 6)
     tier = state.host_tier.report()
     assert set(EXPERTS) & set(tier["on_disk"])  # they took turns
     assert not watch.over_share and tier["peak_host_ram_bytes"] <= host_budget

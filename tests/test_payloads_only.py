@@ -19,7 +19,13 @@ from flextensor_diffusers.storage import payload_cache
 from flextensor_diffusers.storage.host_bytes import InPayloadsOnly
 from flextensor_diffusers.storage.read_guard import WeightReadRefused
 from tests.models import assert_same, set_host_overhead, set_ram_available, snapshot, wan_latents
-from tests.test_compressed_tier import BUDGET, EXPERTS, enable_one_expert_in_ram, smallest_host_budget
+from tests.test_compressed_tier import (
+    BUDGET,
+    EXPERTS,
+    enable_one_expert_in_ram,
+    one_component_in_ram,
+    smallest_host_budget,
+)
 
 COMPONENTS = ("transformer", "transformer_2", "text_encoder", "vae")
 
@@ -252,11 +258,8 @@ def test_on_cuda_weights_built_in_memory_run_from_their_payloads_alone_bitwise(t
     pipe.enable_flextensor_offload(
         budget=budget, device="cuda", compression="lossless", host_budget="1GiB", cache_dir=cache
     )
-    handles = ft.pipeline_offload(pipe).handles
-    stored = {name: h.host.stored_bytes for name, h in handles.items()}
-    raw = {name: h.host.where().ram_raw_bytes for name, h in handles.items()}
+    host_budget = one_component_in_ram(ft.pipeline_offload(pipe).handles)
     pipe.disable_flextensor_offload()
-    host_budget = max(stored[n] + sum(raw[o] for o in stored if o != n) for n in stored)
     pipe.enable_flextensor_offload(
         budget=budget, device="cuda", compression="lossless", host_budget=host_budget, cache_dir=cache
     )
