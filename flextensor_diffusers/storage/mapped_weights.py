@@ -94,21 +94,31 @@ class MappedFiles:
 
 
 def unwritten(address: int, nbytes: int) -> bool:
-    """Whether no page of ``[address, address + nbytes)`` (of a private file mapping) was written: none present that
-    is not a file page, none swapped out. False where `/proc/self/pagemap` cannot be read."""
-    if nbytes <= 0:
-        return True
-    first, last = address // _PAGE, (address + nbytes - 1) // _PAGE
+    """Whether no page of ``[address, address + nbytes)`` (of a private file mapping) was written (`any_written`)."""
+    return not any_written([(address, nbytes)])
+
+
+def any_written(ranges: list[tuple[int, int]]) -> bool:
+    """Whether any page of the address ``ranges`` (of private file mappings) was written: present and no longer the
+    file's page, or swapped out, which only a written page of such a mapping can be (`/proc/self/pagemap`'s flags,
+    readable without privileges). True where that file cannot be read, so that a caller packs or moves the unit,
+    which is always right."""
     try:
         with open("/proc/self/pagemap", "rb") as pagemap:
-            pagemap.seek(first * 8)
-            flags = np.frombuffer(pagemap.read((last - first + 1) * 8), dtype=np.uint64)
+            for address, nbytes in ranges:
+                if nbytes <= 0:
+                    continue
+                first, last = address // _PAGE, (address + nbytes - 1) // _PAGE
+                pagemap.seek(first * 8)
+                flags = np.frombuffer(pagemap.read((last - first + 1) * 8), dtype=np.uint64)
+                if flags.size != last - first + 1:
+                    return True
+                written = ((flags & _PRESENT) != 0) & ((flags & _FILE_PAGE) == 0)
+                if np.any(written | ((flags & _SWAPPED) != 0)):
+                    return True
     except (OSError, ValueError):
-        return False
-    if flags.size != last - first + 1:
-        return False
-    written = ((flags & _PRESENT) != 0) & ((flags & _FILE_PAGE) == 0)
-    return not bool(np.any(written | ((flags & _SWAPPED) != 0)))
+        return True
+    return False
 
 
 def mapped_places(

@@ -11,8 +11,8 @@ each: with ``raw_copies="none"`` it keeps its payload only (`payloads_only.Paylo
 with ``"disk"`` its raw bytes go to a cache file in ``cache_dir`` (`RawCacheFile`).
 
 An edit made later through those views lands in private copy-on-write pages: anonymous memory, which the host
-budget does not see. After every edit the home looks for such pages (`/proc/self/pagemap` flags: present and
-no longer the file's) and moves each unit that has any to the fallback (`moved_if_written`), giving the
+budget does not see. After every edit the home looks for such pages (`mapped_weights.any_written`: present and
+no longer the file's, or swapped out) and moves each unit that has any to the fallback (`moved_if_written`), giving the
 written pages back to the kernel once the unit's tensors point at their new place.
 """
 
@@ -27,13 +27,12 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..engine.units import Unit
 from .cache_files import RawCacheFile, drop_cached_pages
 from .host_bytes import DecodedPayload, Flat, InPayloadsOnly, InRam
-from .mapped_weights import MappedFiles, kept_bytes, mapped_places
+from .mapped_weights import MappedFiles, any_written, kept_bytes, mapped_places
 from .payloads_only import PayloadsOnlyHome
 from .raw_homes import Moved, at_home
 from .weight_files import (
@@ -211,24 +210,6 @@ class WeightFilesHome:
 
 
 _PAGE = mmap.PAGESIZE
-_PRESENT, _FILE_PAGE = np.uint64(1 << 63), np.uint64(1 << 61)
-
-
-def any_written(ranges: list[tuple[int, int]]) -> bool:
-    """Whether any page of the address ``ranges`` (of private file mappings) was written: present, and no longer
-    the file's page (`/proc/self/pagemap`'s flags, readable without privileges). True where that file cannot be
-    read: a unit then moves to the cache file, which is always right."""
-    try:
-        with open("/proc/self/pagemap", "rb") as pagemap:
-            for address, nbytes in ranges:
-                first, last = address // _PAGE, (address + max(nbytes, 1) - 1) // _PAGE
-                pagemap.seek(first * 8)
-                flags = np.frombuffer(pagemap.read((last - first + 1) * 8), dtype=np.uint64)
-                if np.any((flags & _PRESENT != 0) & (flags & _FILE_PAGE == 0)):
-                    return True
-    except (OSError, ValueError):
-        return True
-    return False
 
 
 def give_back(ranges: list[tuple[int, int]]) -> None:
