@@ -153,6 +153,25 @@ def test_the_last_expert_hands_over_in_the_first_generation_though_the_vae_comes
     pipe.disable_flextensor_offload()
 
 
+def test_a_generation_that_ends_with_latents_ends_the_hand_over(saved, tmp_path, caplog) -> None:  # noqa: F811
+    """``output_type="latent"``: no VAE runs after the low-noise expert's last forward, so no switch ends its
+    hand-over; the end of the generation does. An edit of that expert then goes through no hand-over's gate: it
+    takes no unit back and warns of no wrong forecast (it once did both); the outputs follow the edit, bitwise."""
+    folder, reference = saved
+    pipe = load(folder)
+    enable_one_expert_in_ram(pipe, tmp_path / "cache")
+    assert torch.equal(wan_latents(pipe), reference)
+    tier = ft.pipeline_offload(pipe).host_tier
+    expert = pipe.transformer_2
+    weights = {k: v.clone() for k, v in expert.state_dict().items()}
+    with caplog.at_level(logging.WARNING, logger="flextensor_diffusers"):
+        expert.load_state_dict(weights)  # the same weights: an edit all the same
+    assert all(h["taken_back_units"] == 0 for h in tier.report()["hand_overs"])
+    assert "ran again after the forward expected to be its last" not in caplog.text
+    assert torch.equal(wan_latents(pipe), reference)
+    pipe.disable_flextensor_offload()
+
+
 def test_without_the_hand_over_the_switches_find_less_read_ahead(saved, tmp_path, monkeypatch) -> None:  # noqa: F811
     """The same run with no forecast: the budget leaves the next expert no room until the switch."""
     monkeypatch.setattr(LastForwardForecast, "is_last", lambda self, name: False)

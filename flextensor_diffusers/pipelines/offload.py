@@ -187,7 +187,7 @@ class PipelineOffload:
         shortfall measured by a component's profiling forward, inside the generation the user asked for, refuses
         the very next forward of any component: the generation stops in the step that measured it, not at its end,
         and the model is left as it was (offload enabled; disable restores every weight). It is asked at the end
-        of every generation too (`_checking_budget`), for a component profiled by its last forward."""
+        of every generation too (`_at_end_of_generation`), for a component profiled by its last forward."""
         short = {name: h.shortfall for name, h in self.handles.items() if h.shortfall is not None}
         if not short:
             return None
@@ -727,10 +727,10 @@ def _finish(state: PipelineOffload, vae_tiling: bool | None) -> None:
 
 
 def _guard(pipeline: Any, state: PipelineOffload) -> None:
-    """Shortfalls checked at the end of every generation of ``pipeline``, ``pipeline.to`` refused, and its LoRA fuse
-    and unfuse run inside the components' ``editing()``."""
+    """Shortfalls checked (and the host tier told) at the end of every generation of ``pipeline``, ``pipeline.to``
+    refused, and its LoRA fuse and unfuse run inside the components' ``editing()``."""
     if callable(getattr(pipeline, END_OF_GENERATION, None)):
-        setattr(pipeline, END_OF_GENERATION, _checking_budget(getattr(pipeline, END_OF_GENERATION), state))
+        setattr(pipeline, END_OF_GENERATION, _at_end_of_generation(getattr(pipeline, END_OF_GENERATION), state))
     setattr(pipeline, MOVE, _refuse_move)
     for name in PIPELINE_EDIT_METHODS:
         if callable(getattr(pipeline, name, None)):
@@ -840,13 +840,15 @@ def _load_checks_record(handle: OffloadHandle) -> dict[str, Any] | None:
     return {"checks": summary.checks, "faults": [fault.line() for fault in summary.faults]}
 
 
-def _checking_budget(end_of_generation: Any, state: PipelineOffload) -> Any:
-    """Diffusers' end-of-generation call, followed by `PipelineOffload.check_loads` (a wrong load refuses the
-    output) and `PipelineOffload.check_budget`."""
+def _at_end_of_generation(end_of_generation: Any, state: PipelineOffload) -> Any:
+    """Diffusers' end-of-generation call, followed by the host tier's `HostTier.generation_ended`,
+    `PipelineOffload.check_loads` (a wrong load refuses the output) and `PipelineOffload.check_budget`."""
 
     @functools.wraps(end_of_generation)
     def call(*args: Any, **kwargs: Any) -> Any:
         result = end_of_generation(*args, **kwargs)
+        if state.host_tier is not None:
+            state.host_tier.generation_ended()
         state.check_loads()
         state.check_budget()
         return result

@@ -181,6 +181,13 @@ class HostTier:
             self.hand_overs.append(current.record)
             return current.unit_done
 
+    def generation_ended(self) -> None:
+        """The pipeline's generation returned: a hand-over still open ends. A switch ends it otherwise, and with
+        latents as the output no VAE switches in after the last expert; left open, its gate would take every unit let
+        go back from the payload file at the expert's next edit, warning of a wrong forecast."""
+        with self._lock, self._pool_room.changing():
+            self._finish_hand_over()
+
     @contextlib.contextmanager
     def encoding_room(self, handle: OffloadHandle) -> Iterator[int]:
         """Before units of ``handle`` (active) are encoded between its forwards (`HandleHooks.encoding_room`): how
