@@ -252,6 +252,30 @@ def test_removal_while_blocks_are_encoded_restores_every_tensor_and_leaves_the_f
     assert digest(folder) == before_folder
 
 
+def test_a_refused_encoder_room_after_the_blocks_moved_to_their_files_leaves_the_model_as_it_was(
+    saved, tmp_path, monkeypatch
+) -> None:
+    """The device encoder's room is checked once set-up knows the blocks will be encoded between forwards (every one
+    still its weight files' pages, moved there): a refusal then leaves every tensor as it was, the folder untouched,
+    and the pipeline still runs natively. (On the CPU nothing is refused: the check is made to refuse here.)"""
+    from flextensor_diffusers.engine import setup
+
+    def refuse(nbytes: int, held: int, budget_bytes: int | None, device: torch.device) -> None:
+        raise ft.BudgetError(f"refused: encoding {nbytes} bytes needs more", required_bytes=nbytes)
+
+    monkeypatch.setattr(setup, "refuse_without_room", refuse)
+    folder, reference = saved
+    before_folder = digest(folder)
+    pipe = load(folder)
+    before = {name: snapshot(getattr(pipe, name)) for name in EXPERTS}
+    with pytest.raises(ft.BudgetError, match="refused: encoding"):
+        enable(pipe, tmp_path / "cache")
+    for name, snap in before.items():
+        assert_same(snap, getattr(pipe, name))
+    assert digest(folder) == before_folder
+    assert torch.equal(wan_latents(pipe), reference)
+
+
 def test_a_tensor_is_its_files_bytes_only_where_it_views_them_and_no_page_was_written(tmp_path) -> None:
     """`mapped_weights`: a tensor viewing a private mapping of a file holds that file's bytes at its offset while no
     page of it was written; one byte written (a copy-on-write page), another file of the same size and bytes, another

@@ -147,8 +147,8 @@ class SetUp:
         if plan.may_read_payloads_later:
             self.payload_cache = self._payload_cache()  # named before packing moves tensors
             if background:  # the file checked once packing is over: read then, or (missing, refused) encoded
-                if h.cuda:  # one unit over the budget: refused now, not at the forward that finds no payload file
-                    refuse_without_room(largest_to_encode(h.units), 0, h.budget_bytes, h.device)
+                # one unit over the budget: refused now, not at the forward that finds no payload file
+                refuse_without_room(largest_to_encode(h.units), 0, h.budget_bytes, h.device)
                 h.host.compressed.start_arrival_else_encoding(self.payload_cache, pin)
             if background or h.host.compressed.start_arrival(self.payload_cache, pin):
                 h.host.start_progressive_packing(pin, self._packed_then_read_payloads)
@@ -206,8 +206,6 @@ class SetUp:
             self.payload_cache = self._payload_cache()  # named before packing moves tensors
             if h.host.compressed.set_up.usable_records(self.payload_cache):
                 return False
-        if h.cuda:  # one unit over the budget: refused now, before anything is packed
-            refuse_without_room(largest_to_encode(h.units), 0, h.budget_bytes, h.device)
         homes = h.host.keep_raw_in(self._raw_home or self._home_in_cache_dir())
         every_unit = plan.between_forwards_needs_weight_files
         moved = homes.settle_as_loaded(every_unit)  # still their weight files' pages: nothing to read
@@ -218,7 +216,9 @@ class SetUp:
                 "raw_copies='disk' streams it from a cache file meanwhile",
                 type(h.model).__name__,
             )
-            return False
+            return False  # the set-up encoder measures its own need (this formula's bound would refuse too soon)
+        # one unit over the budget: refused now, before anything is packed (the handle undoes the moves)
+        refuse_without_room(largest_to_encode(h.units), 0, h.budget_bytes, h.device)
         as_loaded = frozenset(moved)
         packing = h.host.start_packing(pin=False, window=PACKING_WINDOW, skip=as_loaded)
         try:

@@ -163,8 +163,9 @@ def encoder_room(nbytes: int, held: int = 0) -> int:
 
 def refuse_without_room(nbytes: int, held: int, budget_bytes: int | None, device: torch.device) -> None:
     """Raise `BudgetError` when encoding a unit of ``nbytes`` on ``device`` beside the ``held`` bytes the process
-    holds there would go over the budget (`encoder_room`)."""
-    if budget_bytes is None or not nbytes:
+    holds there would go over the budget (`encoder_room`). The host encoder (a CPU ``device``) takes no device
+    memory: nothing to refuse."""
+    if budget_bytes is None or not nbytes or device.type != "cuda":
         return
     need = encoder_room(nbytes, held)
     if need > budget_bytes:
@@ -198,8 +199,8 @@ class EncodingBetweenForwards:
         self._budget_bytes = budget_bytes
         self._nbytes = [job.nbytes for job in jobs]
         self._next = 0  # jobs[:_next] are encoded
-        if device.type == "cuda":  # one unit alone over the budget: refused at set-up, before anything is packed
-            refuse_without_room(max(self._nbytes, default=0), 0, budget_bytes, device)
+        # one unit alone over the budget: refused at set-up, before anything is packed
+        refuse_without_room(max(self._nbytes, default=0), 0, budget_bytes, device)
         self._made: dict[int, ArrivingPayload] = {}
         self._made_bytes = 0  # of ``_made`` until it is taken and kept: read on other threads (`made_bytes`)
         self._failure: str | None = None
