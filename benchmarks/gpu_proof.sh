@@ -31,6 +31,10 @@
 #                native,ram,host32_compressed,host24_compressed,flextensor; NAME:first for no later run) from its
 #                set-up to its mp4, phase by phase, $TTV_STEPS steps (default 40), no run started that cannot finish
 #                                                             -> $OUT/time_to_video_<card>.json, .log
+#   ltx2_peaks80, ltx2_peaks40  max_length.py: the offloaded LTX-2 maximum's one trial at 80 GB (2,473 frames) or 40 GB
+#                (1,185 frames), 1 step, its peak model from ltx2_max_length_h200.json: the peak from the true maximum
+#                since enable (issue 46; those trials ran before the peak fold)
+#                                                             -> $OUT/ltx2_peaks_<cap>_<card>.json, .log
 # Each step runs under its own time limit (seconds, env STEP_LIMIT_S, default 420; the tests' own TESTS_LIMIT_S
 # when set) so that one hung step cannot take the whole call; the code's commit is written to $OUT/code.txt.
 set -uo pipefail
@@ -72,6 +76,12 @@ for step in "$@"; do
     time_to_video) timeout "$limit" python3 benchmarks/time_to_video.py \
         --configs "${TTV_CONFIGS:-native,ram,host32_compressed,host24_compressed,flextensor}" --steps "${TTV_STEPS:-40}" \
         --time-limit $((limit - 30)) --out "$OUT/time_to_video_${card}.json" >"$OUT/time_to_video_${card}.log" 2>&1 ;;
+    ltx2_peaks80|ltx2_peaks40) cap=${step#ltx2_peaks}GB; frames=$([ "$cap" = 40GB ] && echo 1185 || echo 2473)
+      timeout "$limit" python3 benchmarks/max_length.py --modes offload --steps 1 --profiling-steps 0 --no-quality \
+        --fit-from benchmarks/results/ltx2_max_length_h200.json --x264-preset ultrafast --video-dir /tmp/ltx2_videos \
+        --deadline $((limit - 60)) --caps "$cap" --offload-start-frames "$frames" --max-frames "$frames" \
+        --out "$OUT/ltx2_peaks_${cap}_${card}.json" >"$OUT/ltx2_peaks_${cap}_${card}.log" 2>&1
+      rm -rf /tmp/ltx2_videos ;;
     *) echo "unknown step $step" ;;
   esac
   echo "step $step: exit $? after $(($(date +%s) - start)) s" | tee -a "$OUT/code.txt"
