@@ -29,7 +29,9 @@
 #                                                             -> $OUT/tiers_setup_<card>.json, .log
 #   time_to_video  time_to_video.py: the full Wan2.2-T2V-A14B pipeline built once, then each of $TTV_CONFIGS (default
 #                native,ram,host32_compressed,host24_compressed,flextensor; NAME:first for no later run) from its
-#                set-up to its mp4, phase by phase, $TTV_STEPS steps (default 40), no run started that cannot finish
+#                set-up to its mp4, phase by phase, $TTV_STEPS steps (default 40), no run started that cannot finish;
+#                $TTV_WORKDIR kept for a later call's NAME:later (a warm machine keeps /tmp), $TTV_REFERENCE: an
+#                earlier call's JSON whose native frames' digest every row is compared with
 #                                                             -> $OUT/time_to_video_<card>.json, .log
 #   ltx2_peaks80, ltx2_peaks40  max_length.py: the offloaded LTX-2 maximum's one trial at 80 GB (2,473 frames) or 40 GB
 #                (1,185 frames), 1 step, its peak model from ltx2_max_length_h200.json: the peak from the true maximum
@@ -75,6 +77,7 @@ for step in "$@"; do
         ${SETUP_RUNS:+--setup-runs "$SETUP_RUNS"} --setup-repeats "${SETUP_REPEATS:-0}" --time-limit $((limit - 15)) --out "$OUT/tiers_setup_${card}.json" >"$OUT/tiers_setup_${card}.log" 2>&1 ;;
     time_to_video) timeout "$limit" python3 benchmarks/time_to_video.py \
         --configs "${TTV_CONFIGS:-native,ram,host32_compressed,host24_compressed,flextensor}" --steps "${TTV_STEPS:-40}" \
+        ${TTV_REFERENCE:+--reference "$TTV_REFERENCE"} ${TTV_WORKDIR:+--workdir "$TTV_WORKDIR" --keep-workdir} \
         --time-limit $((limit - 30)) --out "$OUT/time_to_video_${card}.json" >"$OUT/time_to_video_${card}.log" 2>&1 ;;
     ltx2_peaks80|ltx2_peaks40) cap=${step#ltx2_peaks}GB; frames=$([ "$cap" = 40GB ] && echo 1185 || echo 2473)
       timeout "$limit" python3 benchmarks/max_length.py --modes offload --steps 1 --profiling-steps 0 --no-quality \

@@ -18,7 +18,12 @@ configuration of ``--configs`` on it in turn, each as the recipe runs it (`recip
   in and out whole by accelerate's model hooks; not importable: a row that says so, with no figures.
 
 ``--later-runs`` (default 1) later runs follow each first run of ``ram`` and the host configurations (none after
-``NAME:first`` in ``--configs``).
+``NAME:first`` in ``--configs``). ``NAME:later``: later runs only, in a new process, from the profile and payload
+file an earlier process left in ``--workdir`` (``NAME:first`` with the same ``--workdir`` and ``--keep-workdir``):
+a user's second command. At 40 steps one configuration takes most of a 10-minute GPU call, so the rows of one
+benchmark come from several processes: ``--reference`` takes the frames' digest (``frames_sha256``, the SHA-256 of
+the decoded float frames) from an earlier run's JSON (its native row), and every row here is compared with it
+(native's own frames too: native is deterministic across processes, or this says it is not).
 
 Per row, seconds: ``load_s`` (the build, once per process and the same in every row: built in the process, not read
 from disk: ``load`` says so), ``enable_s`` (placing or enabling), ``profiling_s`` (a separate profiling generation:
@@ -34,7 +39,8 @@ sampled every ``--sample-ms`` on a thread over the configuration), ``peak_alloca
 (`bench_common.PeakWatch`: the engine's resets folded in) against ``budget_bytes``; ``cache_dir_bytes``: the run's
 cache folder after the generation, bytes by file suffix (payload files only: no raw cache file for weights built in
 memory). ``bitwise_equal``: the decoded
-frames against native's (``torch.equal``; against the first row's where native did not run: ``bitwise_against``).
+frames against native's (``torch.equal``; against the first row's where native did not run: ``bitwise_against``;
+against ``--reference``'s digest where given).
 
 ``--time-limit``: a configuration starts only with the longest one so far (x 1.25) left; the JSON is written after
 every row, so a run cut off keeps its rows. ``--small``: tiny random weights on the CPU (9 frames of 32 x 32 unless
@@ -52,6 +58,8 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -104,15 +112,37 @@ class Run:
 
 def planned_runs(configs: list[str], later_runs: int) -> list[Run]:
     """Native first (its frames are the reference), then each configuration's first run and its later ones (none
-    for ``NAME:first``); flextensor last, since its offload may leave state of its own in the experts."""
+    for ``NAME:first``; no first run for ``NAME:later``); flextensor last, since its offload may leave state of its
+    own in the experts."""
     runs = [Run("native", True)] if "native" in configs else []
     for item in sorted(configs, key=lambda c: c == "flextensor"):
         name, _, only = item.partition(":")
         if name == "native":
             continue
-        runs.append(Run(name, True))
+        if only != "later":
+            runs.append(Run(name, True))
         runs += [Run(name, False) for _ in range(later_runs if name in REPEATED and only != "first" else 0)]
     return runs
+
+
+def frames_digest(video: np.ndarray) -> str:
+    """SHA-256 of the decoded frames' bytes, their dtype and shape: equal digests, bitwise equal frames."""
+    frames = np.ascontiguousarray(video)
+    digest = hashlib.sha256(f"{frames.dtype}:{frames.shape}:".encode())
+    digest.update(frames.tobytes())
+    return digest.hexdigest()
+
+
+def reference_digest(path: Path) -> tuple[str, str]:
+    """The frames' digest of ``path``'s native row (else its first row with one), and how rows name it."""
+    result = json.loads(path.read_text())
+    rows = [r for r in result.get("runs", []) if r.get("frames_sha256")]
+    native = [r for r in rows if r["config"] == "native"]
+    if not rows:
+        raise SystemExit(f"--reference {path}: no row with frames_sha256 (a result of this script since it has one)")
+    row = (native or rows)[0]
+    label = f"{row['config']}:{'first' if row['first_run'] else 'later'} of {path.name} ({row.get('code_commit')})"
+    return label, row["frames_sha256"]
 
 
 # ---------------------------------------------------------------------------------------- measuring
@@ -335,6 +365,8 @@ class TimeToVideo:
             "skipped": [],
         }
         self.reference: tuple[str, np.ndarray] | None = None
+        #: ``--reference``: the frames' digest every row is compared with, and its label.
+        self.reference_sha256 = reference_digest(args.reference) if args.reference else None
         self.longest_s = 0.0
 
     # -- the pipeline
@@ -358,6 +390,11 @@ class TimeToVideo:
         if run.first_run:
             shutil.rmtree(profiles, ignore_errors=True)
             shutil.rmtree(cache, ignore_errors=True)
+        elif not any(profiles.glob("*")):  # NAME:later in a process of its own
+            raise FileNotFoundError(
+                f"{run.label}: no saved profile in {profiles}: run {name}:first with the same --workdir and "
+                "--keep-workdir first"
+            )
         cache.mkdir(parents=True, exist_ok=True)
         host_budget: str | int | None = None
         if name in HOST_BUDGETS:
@@ -478,7 +515,15 @@ class TimeToVideo:
         return row
 
     def compare(self, run: Run, video: np.ndarray) -> dict[str, Any]:
-        """Bitwise against native's frames (or the first row's where native did not run)."""
+        """Bitwise against native's frames (or the first row's where native did not run), or ``--reference``'s
+        digest of them; the row carries its own frames' digest."""
+        digest = frames_digest(video)
+        if self.reference_sha256 is not None:
+            label, expected = self.reference_sha256
+            return {"bitwise_equal": digest == expected, "bitwise_against": label, "frames_sha256": digest}
+        return self._compare_in_process(run, video) | {"frames_sha256": digest}
+
+    def _compare_in_process(self, run: Run, video: np.ndarray) -> dict[str, Any]:
         if self.reference is None:
             self.reference = (run.label, video)
             return {"bitwise_equal": True if run.config == "native" else None, "bitwise_against": run.label}
@@ -604,7 +649,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--configs",
         default=",".join(CONFIGS),
-        help=f"comma list of {', '.join(CONFIGS)} (NAME:first: no later runs of NAME)",
+        help=f"comma list of {', '.join(CONFIGS)} (NAME:first: no later runs of NAME; NAME:later: its later runs only, "
+        "from --workdir's files of an earlier process)",
     )
     parser.add_argument("--later-runs", type=int, default=1, help="later runs after each first run of " + str(REPEATED))
     parser.add_argument("--steps", type=int, default=RECIPE_STEPS, help="denoising steps (the recipe's 40)")
@@ -624,13 +670,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sample-ms", type=float, default=20.0, help="host memory sampling interval")
     parser.add_argument("--workdir", type=Path, default=None, help="profiles, payload files, videos (default: temp)")
     parser.add_argument("--keep-workdir", action="store_true", help="keep the videos, profiles and payload files")
+    parser.add_argument(
+        "--reference", type=Path, default=None, help="an earlier result: every row compared with its native frames"
+    )
     parser.add_argument("--small", action="store_true", help="tiny random weights on the CPU: the smoke test")
     parser.add_argument("--out", type=Path, default=None, help="the JSON (written after every row)")
     args = parser.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
-    unknown = sorted({c.removesuffix(":first") for c in args.configs} - set(CONFIGS))
+    unknown = sorted({c.partition(":")[0] for c in args.configs} - set(CONFIGS))
     if unknown:
         parser.error(f"--configs {','.join(unknown)}: not one of {', '.join(CONFIGS)}")
+    suffixes = sorted({c for c in args.configs if c.partition(":")[2] not in ("", "first", "later")})
+    if suffixes:
+        parser.error(f"--configs {','.join(suffixes)}: NAME, NAME:first or NAME:later")
+    later = [c for c in args.configs if c.endswith(":later")]
+    if any(c.partition(":")[0] not in REPEATED for c in later):
+        parser.error(f"--configs {','.join(later)}: only {', '.join(REPEATED)} have later runs")
+    if later and args.workdir is None:
+        parser.error(f"--configs {','.join(later)} reads an earlier run's files: pass its --workdir")
+    if args.reference is not None and not args.reference.is_file():
+        parser.error(f"--reference {args.reference}: no such file")
     args.frames = args.frames or (9 if args.small else 81)
     args.height = args.height or (32 if args.small else 480)
     args.width = args.width or (32 if args.small else 832)

@@ -39,15 +39,21 @@ FIELDS = (
 PHASES = ("load_s", "enable_s", "profiling_s", "text_encoding_s", "steps_s", "decode_s", "mp4_s")
 
 
-def test_time_to_video_small_writes_a_row_per_run_with_the_schema(tmp_path: Path) -> None:
-    out = tmp_path / "ttv.json"
+def run_small(tmp_path: Path, out: Path, *args: str) -> dict:
+    """time_to_video.py --small at 2 steps of 5 x 16 x 16 frames, its work folder in ``tmp_path``: its result."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "time_to_video.py"), "--small", "--steps", "2"]
-    cmd += ["--configs", "native,ram,host32_compressed:first", "--frames", "5", "--height", "16", "--width", "16"]
-    cmd += ["--workdir", str(tmp_path / "work"), "--out", str(out)]
+    cmd += ["--frames", "5", "--height", "16", "--width", "16", "--workdir", str(tmp_path / "work"), "--out", str(out)]
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env, check=False)
+    proc = subprocess.run([*cmd, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_time_to_video_small_writes_a_row_per_run_with_the_schema(tmp_path: Path) -> None:
+    """Then a second process, as the GPU calls run it (one configuration a call at 40 steps): later runs only, from
+    the first process's profile and payload file, compared with its native frames' digest (``--reference``)."""
+    out = tmp_path / "ttv.json"
+    result = run_small(tmp_path, out, "--configs", "native,ram,host32_compressed:first", "--keep-workdir")
     assert result["skipped"] == [], result["skipped"]
     rows = result["runs"]
     assert [(r["config"], r["first_run"]) for r in rows] == [
@@ -69,3 +75,16 @@ def test_time_to_video_small_writes_a_row_per_run_with_the_schema(tmp_path: Path
     assert [r["profiled_in"] for r in rows] == [None, "generation", "saved profile", "generation"]
     assert ".raw" not in rows[-1]["cache_dir_bytes"] and rows[-1]["cache_dir_bytes"][".payloads"] > 0  # built in memory
     assert all(r["budget_bytes"] == 400_000 for r in rows[1:]) and rows[0]["budget_bytes"] is None
+    second = run_small(
+        tmp_path, tmp_path / "later.json", "--configs", "native,host32_compressed:later", "--reference", str(out)
+    )
+    assert second["skipped"] == [], second["skipped"]
+    later = second["runs"]
+    assert [(r["config"], r["first_run"], r["profiled_in"]) for r in later] == [
+        ("native", True, None),
+        ("host32_compressed", False, "saved profile"),
+    ]
+    assert all(
+        r["bitwise_equal"] is True and r["bitwise_against"].startswith("native:first of ttv.json") for r in later
+    )
+    assert {r["frames_sha256"] for r in [*rows, *later]} == {rows[0]["frames_sha256"]}
