@@ -71,6 +71,7 @@ def test_time_to_video_small_writes_a_row_per_run_with_the_schema(tmp_path: Path
         assert (row["frames"], row["height"], row["width"], row["steps"]) == (5, 16, 16, 2)
         assert len(row["step_s"]) == 2 and "fewer than the recipe's 40" in row["steps_note"]
         assert row["peak_host_anon_bytes"] > 0 and row["peak_host_file_bytes"] > 0
+        assert 0 < row["peak_host_anon_after_enable_bytes"] <= row["peak_host_anon_bytes"]
         assert "not read from disk" in row["load"]
     assert [r["profiled_in"] for r in rows] == [None, "generation", "saved profile", "generation"]
     assert ".raw" not in rows[-1]["cache_dir_bytes"] and rows[-1]["cache_dir_bytes"][".payloads"] > 0  # built in memory
