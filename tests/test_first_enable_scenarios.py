@@ -21,7 +21,7 @@ from flextensor_diffusers.storage.read_guard import WeightReadRefused
 from tests.clocks import ManualClock, drive_handles_by, encoding_takes
 from tests.models import assert_same, set_host_overhead, snapshot, wan_latents
 from tests.test_compression import planned_from_fixed_figures
-from tests.test_first_enable import ENCODED, all_kept, enable
+from tests.test_first_enable import ENCODED, EXPERTS, all_kept, enable
 from tests.test_host_tier import digest, load, save
 
 RAW_COPIES = pytest.mark.parametrize("raw_copies", ["none", "disk"])
@@ -407,3 +407,50 @@ def test_weights_edited_between_two_enables_are_not_read_from_the_old_payload_fi
     other.do(write_in_place)
     other.state = enable(other.offloaded, cache, raw_copies="disk")
     other.until_kept()
+
+
+def one_expert_payloads_in_ram(folder: Path, cache: Path) -> int:
+    """`tests.test_first_enable`'s tight host budget: one expert's payloads and the encoder's working memory, not
+    both experts' (measured from a run kept, then its payload files deleted)."""
+    pipe = load(folder)
+    state = enable(pipe, cache)
+    until_kept(pipe, state)
+    payloads = {n: h.host.compressed.stored_bytes for n, h in state.handles.items()}
+    raw = {n: h.host.where().ram_raw_bytes for n, h in state.handles.items()}
+    largest = max(u.nbytes for n in ENCODED for u in state.handles[n].units)
+    pipe.disable_flextensor_offload()
+    working = arrivals.ENCODER_HOST_UNITS * largest
+    return max(payloads[n] + sum(raw[o] for o in payloads if o != n) for n in payloads) + working + largest
+
+
+@RAW_COPIES
+def test_under_a_tight_host_budget_a_lora_an_interrupt_and_reads_mid_encoding_follow_native(
+    saved, tmp_path, raw_copies
+) -> None:
+    """The experts taking turns on disk while encoded: a LoRA loaded into the second mid-encoding, a generation
+    interrupted in it, ``state_dict()`` of both; generations native's, disable gives the true weights."""
+    pytest.importorskip("peft")
+    from tests.test_lora_methods import load as load_lora
+    from tests.test_lora_methods import lora_state_dict
+
+    host_budget = one_expert_payloads_in_ram(saved[0], tmp_path / "measured")
+    pair = Pair(saved[0], tmp_path / "cache", raw_copies=raw_copies, host_budget=host_budget)
+    pair.same()
+    assert mid_encoding(pair.state)
+    pair.do(load_lora("transformer_2", lora_state_dict(pair.native, 1), "a"))
+    pair.same()
+
+    def interrupt(*args) -> None:
+        raise Interrupted
+
+    hook = pair.offloaded.transformer_2.blocks[1].register_forward_pre_hook(interrupt)
+    with pytest.raises(Interrupted):
+        latents(pair.offloaded)
+    hook.remove()
+    for _ in range(2):
+        pair.same()
+    for name in EXPERTS:
+        expected = getattr(pair.native, name).state_dict()
+        assert all(torch.equal(v, expected[k]) for k, v in getattr(pair.offloaded, name).state_dict().items())
+    pair.offloaded.disable_flextensor_offload()
+    pair.same()
