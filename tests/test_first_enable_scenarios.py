@@ -454,3 +454,42 @@ def test_under_a_tight_host_budget_a_lora_an_interrupt_and_reads_mid_encoding_fo
         assert all(torch.equal(v, expected[k]) for k, v in getattr(pair.offloaded, name).state_dict().items())
     pair.offloaded.disable_flextensor_offload()
     pair.same()
+
+
+def test_two_pipelines_encoded_at_once_into_one_cache_dir_then_a_third_reads_their_files(saved, tmp_path) -> None:
+    """Two pipelines from one folder enabled on one ``cache_dir``, generating in turn while both encode: each kept,
+    each native's; both write the same payload files, and a third pipeline's enable reads them, native's."""
+    folder, _ = saved
+    cache = tmp_path / "cache"
+    reference = latents(load(folder))
+    first, second = load(folder), load(folder)
+    states = [enable(first, cache), enable(second, cache)]
+    for _ in range(3):
+        assert torch.equal(latents(first), reference) and torch.equal(latents(second), reference)
+    assert all(all_kept(state) for state in states)
+    first.disable_flextensor_offload()
+    second.disable_flextensor_offload()
+    third = load(folder)
+    state = enable(third, cache)
+    assert all(state.handles[n].payload_cache.status == "read" for n in ENCODED)
+    assert torch.equal(latents(third), reference)
+    third.disable_flextensor_offload()
+
+
+def test_a_direct_write_into_experts_waiting_on_disk_mid_encoding_reaches_the_outputs(saved, tmp_path) -> None:
+    """Under the tight host budget, mid-encoding: weights written in place in both experts (each waiting on disk or
+    being encoded): every generation after, and disable, native's with the same writes."""
+    host_budget = one_expert_payloads_in_ram(saved[0], tmp_path / "measured")
+    pair = Pair(saved[0], tmp_path / "cache", host_budget=host_budget)
+    pair.same()
+
+    def write(pipe) -> None:
+        with torch.no_grad():
+            pipe.transformer_2.blocks[0].attn1.to_q.weight[0, 0] += 1.0
+            pipe.transformer.blocks[3].ffn.net[2].weight[0, 0] -= 1.0
+
+    pair.do(write)
+    for _ in range(3):
+        pair.same()
+    pair.offloaded.disable_flextensor_offload()
+    pair.same()
