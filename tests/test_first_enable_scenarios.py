@@ -18,31 +18,14 @@ import torch
 import flextensor_diffusers as ft
 from flextensor_diffusers.storage import arrivals, payload_cache
 from flextensor_diffusers.storage.read_guard import WeightReadRefused
-from tests.clocks import ManualClock, drive_handles_by, encoding_takes
-from tests.models import assert_same, set_host_overhead, snapshot, wan_latents
-from tests.test_compression import planned_from_fixed_figures
+from tests import test_first_enable
+from tests.models import assert_same, snapshot, wan_latents
 from tests.test_first_enable import ENCODED, EXPERTS, all_kept, enable
-from tests.test_host_tier import digest, load, save
+from tests.test_host_tier import digest, load
 
+#: `tests.test_first_enable`'s fixtures: its pacing (one block encoded a gap, autouse) and its folder.
+one_block_a_gap, saved = test_first_enable.one_block_a_gap, test_first_enable.saved
 RAW_COPIES = pytest.mark.parametrize("raw_copies", ["none", "disk"])
-
-
-@pytest.fixture(autouse=True)
-def one_block_a_gap(monkeypatch) -> None:
-    """As `tests.test_first_enable.one_block_a_gap`: host budgets in host copies' bytes, fixed plans, each gap
-    between forwards encodes one block."""
-    set_host_overhead(monkeypatch, own=0, reserve=0)
-    planned_from_fixed_figures(monkeypatch, compute_ms=10.0)
-    clock = ManualClock()
-    drive_handles_by(monkeypatch, clock)
-    encoding_takes(monkeypatch, clock, 1.0)
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> tuple[Path, torch.Tensor]:
-    """The tiny pipeline's folder (experts in two shards each) and its native latents (four steps)."""
-    folder = save(tmp_path_factory.mktemp("tiny") / "wan22", "200KB")
-    return folder, wan_latents(load(folder))
 
 
 def latents(pipe, **overrides: object) -> torch.Tensor:
