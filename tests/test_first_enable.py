@@ -18,6 +18,7 @@ import torch
 import flextensor_diffusers as ft
 from flextensor_diffusers.recipes.models import build_pipeline
 from flextensor_diffusers.storage import arrivals
+from flextensor_diffusers.storage.host_bytes import InPayloadsOnly, InRam
 from tests.clocks import ManualClock, drive_handles_by, encoding_takes
 from tests.models import assert_same, set_host_overhead, snapshot, wan_latents
 from tests.test_compression import planned_from_fixed_figures
@@ -167,9 +168,7 @@ def test_an_edit_while_blocks_are_encoded_begins_the_encoding_again_and_the_outp
     name = "transformer"
     encoding = state.handles[name].host.compressed.arrivals.current
     assert isinstance(encoding, arrivals.EncodingBetweenForwards) and 0 < encoding.encoded_units < 4
-    torch.manual_seed(5)
-    edited = {k: v + 0.01 * torch.randn_like(v) for k, v in getattr(pipe, name).state_dict().items()}
-    getattr(pipe, name).load_state_dict(edited)
+    edited = edit(getattr(pipe, name), seed=5)
     assert state.handles[name].host.compressed.arrivals.current is encoding and encoding.encoded_units == 0
     assert ".raw" in {p.suffix for p in cache.iterdir()}  # the written pages of the weight files moved out of RAM
     native = load(folder)
@@ -179,6 +178,62 @@ def test_an_edit_while_blocks_are_encoded_begins_the_encoding_again_and_the_outp
     assert all(torch.equal(t, edited[k]) for k, t in getattr(pipe, name).state_dict().items())
     pipe.disable_flextensor_offload()
     assert all(torch.equal(t, edited[k]) for k, t in getattr(pipe, name).state_dict().items())
+
+
+def test_payloads_only_an_edit_while_blocks_are_encoded_leaves_the_edited_blocks_their_payloads_alone_once_proven(
+    saved, tmp_path
+) -> None:
+    """The same edit under the default ``raw_copies="none"``: the edited blocks leave the weight files' written pages
+    for RAM (no file holds them; nothing raw is written to disk), raw there beside their payloads only until those
+    are kept and proven at their first decoded load; then they go back to their payloads alone, as set-up leaves a
+    block no file holds: read-guarded stand-ins, their RAM buffers gone, the host tier's count down by their raw
+    bytes. Every generation (while encoded, as they are released, after), ``state_dict()``, a later edit and disable
+    are bitwise native's with the same edits. On the old code they stayed raw in RAM beside their payloads for good."""
+    folder, _ = saved
+    pipe = load(folder)
+    cache = tmp_path / "cache"
+    state = enable(pipe, cache)
+    wan_latents(pipe, num_inference_steps=2)  # two of the expert's four blocks encoded
+    name = "transformer"
+    host = state.handles[name].host
+    assert state.handles[name].config.storage.raw_copies == "none"
+    edited = edit(getattr(pipe, name), seed=5)
+    assert host.compressed.encoding_between_forwards and not host.encoded
+    assert all(isinstance(u.stored, InRam) for u in host.units)  # every block written: out of its files, into RAM
+    raw_bytes = sum(u.nbytes for u in host.units)
+    native = load(folder)
+    getattr(native, name).load_state_dict(edited)
+    expected = wan_latents(native)
+    kept = None  # (the tier's RAM, the expert's) once its payloads are kept, before any is proven
+    for _ in range(6):
+        if kept is None and host.encoded and not host.compressed.arriving:
+            assert host.compressed.unproven == set(host.encoded)
+            assert all(isinstance(u.stored, InRam) for u in host.units)  # kept, none proven: raw in RAM still
+            kept = (state.host_tier.ram_bytes(), host.host_ram_bytes)
+        assert torch.equal(wan_latents(pipe), expected)
+        if all_kept(state):
+            break
+    assert all_kept(state) and kept is not None and set(host.encoded) == {u.index for u in host.units}
+    assert all(isinstance(u.stored, InPayloadsOnly) for u in host.units)
+    assert host.host_ram_bytes == kept[1] - raw_bytes and host.where().payloads_only_bytes == raw_bytes
+    assert state.host_tier.ram_bytes() <= kept[0] - raw_bytes
+    assert all(torch.equal(wan_latents(pipe), expected) for _ in range(2))
+    assert all(torch.equal(t, edited[k]) for k, t in getattr(pipe, name).state_dict().items())
+    again = edit(getattr(pipe, name), seed=6)  # as any block kept as its payload only: decoded, edited, encoded
+    getattr(native, name).load_state_dict(again)
+    assert all(isinstance(u.stored, InPayloadsOnly) for u in host.units)
+    assert torch.equal(wan_latents(pipe), wan_latents(native))
+    assert not any(p.suffix == ".raw" for p in cache.iterdir())
+    pipe.disable_flextensor_offload()
+    assert all(torch.equal(t, again[k]) for k, t in getattr(pipe, name).state_dict().items())
+
+
+def edit(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Load into ``model`` (``load_state_dict``) its weights each moved by a little seeded noise; what it loaded."""
+    torch.manual_seed(seed)
+    edited = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(edited)
+    return edited
 
 
 def test_under_a_tight_host_budget_the_experts_take_turns_and_the_encoding_makes_room_within_it(

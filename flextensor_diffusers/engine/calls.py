@@ -193,6 +193,7 @@ class BoundaryCalls:
                 self._encode_between_forwards()
                 if h.host.compressed.arrived:  # the last unit made: kept now, so that a host tier may move them
                     self._take_arrived_payloads()
+            h.host.form.release_raw_for_edits()  # payloads only: edited raw bytes go once their payloads are proven
 
     def _encode_between_forwards(self) -> None:
         """``background_encoding``: the workload is over; encode the next units for as long as it took (so the raw

@@ -127,6 +127,10 @@ class RawCacheFile:
         room.copy_(host)
         return room
 
+    def stand_in_without_bytes(self, position: int, unit: Unit) -> None:
+        """The file keeps the raw bytes of every unit kept compressed: none waits as its payload only."""
+        return None
+
     def ram_bytes(self) -> int:
         return 0
 

@@ -247,6 +247,11 @@ class HostForm:
     def before_restore(self, unit: Unit) -> None:
         """``unit`` is about to be restored (removal): payloads only, its raw bytes are decoded to be copied from."""
 
+    def release_raw_for_edits(self) -> None:
+        """Payloads only: units whose raw bytes an edit left in RAM while they had no payload (one made while the
+        model was encoded between forwards) go back to their payload alone once it is kept and proven. Called at
+        the end of each workload call."""
+
 
 class RawInRam(HostForm):
     """Raw bytes in RAM, the truth; they leave RAM as a whole (`spill`) and come back unit by unit."""
@@ -480,11 +485,23 @@ class CompressedOnly(HostForm):
 
     def close_decoded(self, units: list[Unit] | None = None) -> None:
         positions = None if units is None else [unit.index + 1 for unit in units]
-        self.raw_homes.close_opened(lambda index: index in self._host.compressed.encoded, positions)
+        compressed = self._host.compressed
+        self.raw_homes.close_opened(lambda index: index in compressed.encoded, positions, compressed.arriving)
 
     def before_restore(self, unit: Unit) -> None:
         if isinstance(unit.stored, InPayloadsOnly):
             self.raw_homes.open(unit)
+
+    def release_raw_for_edits(self) -> None:
+        proven = self._host.compressed.proven
+        homes = self.raw_homes
+        ready = sorted(p for p in homes.raw_for_edits if p - 1 in proven)
+        if not ready:
+            return
+        host = self._host
+        if host.cuda:  # a raw load issued before (a slot, a read ahead, a proof) may still read a buffer about to go
+            torch.cuda.synchronize(host.device)
+        homes.release_to_payloads(ready, lambda index: index in host.compressed.proven)
 
     @property
     def spill_is_current(self) -> bool:

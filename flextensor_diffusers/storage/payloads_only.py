@@ -58,12 +58,20 @@ class PayloadsOnlyHome:
 
     def stand_in(self, position: int, unit: Unit) -> NoRawBytes | torch.Tensor:
         """A `NoRawBytes` of the unit's size; its RAM buffer when its tensors cannot refuse reads."""
+        stand_in = self.stand_in_without_bytes(position, unit)
+        if stand_in is not None:
+            return stand_in
+        logger.info("%s keeps its raw bytes in RAM: a tensor subclass cannot refuse reads", unit.name)
+        buffer = unit.buffer
+        assert buffer is not None, f"{unit.name} is kept in RAM from a flat buffer"
+        self._kept[position] = unit.nbytes
+        return buffer
+
+    def stand_in_without_bytes(self, position: int, unit: Unit) -> NoRawBytes | None:
+        """A `NoRawBytes` of the unit's size, its payload to be its host copy; None when its tensors cannot refuse
+        reads (a tensor subclass), so that it keeps raw bytes."""
         if unit.wrappers or not eligible(packed.tensor for packed in unit.tensors):
-            logger.info("%s keeps its raw bytes in RAM: a tensor subclass cannot refuse reads", unit.name)
-            buffer = unit.buffer
-            assert buffer is not None, f"{unit.name} is kept in RAM from a flat buffer"
-            self._kept[position] = unit.nbytes
-            return buffer
+            return None
         return NoRawBytes(unit.nbytes)
 
     def ram_bytes(self) -> int:

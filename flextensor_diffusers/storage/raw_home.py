@@ -35,6 +35,7 @@ from .host_bytes import DecodedPayload, Flat, InPayloadsOnly, InRam
 from .mapped_weights import MappedFiles, any_written, kept_bytes, mapped_places
 from .payloads_only import PayloadsOnlyHome
 from .raw_homes import Moved, at_home
+from .read_guard import NoRawBytes
 from .weight_files import (
     FileStamp,
     NotSafetensors,
@@ -170,6 +171,11 @@ class WeightFilesHome:
             logger.info("%s: %s waits %s (%s), not in its weight files", self.component, unit.name, where, reason)
             self._fallback_used = True
         return self._fallback.stand_in(position, unit)
+
+    def stand_in_without_bytes(self, position: int, unit: Unit) -> NoRawBytes | None:
+        """For a unit the files do not hold (edited since): the fallback's answer (payloads only: a `NoRawBytes`;
+        a cache file keeps raw bytes: None)."""
+        return self._fallback.stand_in_without_bytes(position, unit)
 
     def ram_bytes(self) -> int:
         return sum(self._kept.values()) + self._fallback.ram_bytes()

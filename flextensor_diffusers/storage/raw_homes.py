@@ -12,7 +12,9 @@ A unit kept as payloads only has no raw bytes to read: whatever needs them has i
 (`RawHomes.open`, a `DecodedPayload`), and once its payload says what those bytes say it goes back to its payload
 alone (`RawHomes.close_opened`). Until set-up kept every payload (the device encoder keeps them all at the end), the
 payload of a unit that lost its raw bytes is held here too (`held`): a set-up that fails or is interrupted after
-that still restores it.
+that still restores it. An edit while the payloads are made between forwards leaves the units it wrote raw in RAM,
+with no payload to go back to (`raw_for_edits`); once their new payloads are kept and proven (at their first decoded
+load), the end of a workload call lets them go to their payloads alone (`release_to_payloads`), as set-up would have.
 
 `HostCopies` owns the one `RawHomes` of a model compressed only; this module knows nothing of where the home is.
 """
@@ -78,6 +80,12 @@ class RawHome(Protocol):
         copy)."""
         ...
 
+    def stand_in_without_bytes(self, position: int, unit: Unit) -> NoRawBytes | None:
+        """For ``unit``, whose raw bytes no file of the home holds (an edit wrote them into RAM): a `NoRawBytes`
+        when the home keeps no raw bytes for such a unit, its payload being its only host copy (payloads only, its
+        tensors able to refuse reads); None when it keeps them (a cache file), or the unit cannot go without."""
+        ...
+
     def ram_bytes(self) -> int:
         """What its stand-ins keep in RAM (tensors the files lack)."""
         ...
@@ -115,6 +123,10 @@ class RawHomes:
         self.opened: set[int] = set()
         #: Until set-up is done (`set_up_done`): the payload of each unit that lost its raw bytes, by unit index.
         self.held: dict[int, EncodedUnit] = {}
+        #: Positions whose raw bytes are in RAM only because an edit wrote them there while the payloads were being
+        #: made between forwards (`close_opened`): `release_to_payloads` lets them go once a payload of theirs is
+        #: proven.
+        self.raw_for_edits: set[int] = set()
 
     @property
     def homed_bytes(self) -> int:
@@ -213,11 +225,14 @@ class RawHomes:
         unit.stored = DecodedPayload(buffer, closed)
         self.opened.add(unit.index + 1)
 
-    def close_opened(self, has_payload: Callable[[int], bool], positions: list[int] | None = None) -> None:
+    def close_opened(
+        self, has_payload: Callable[[int], bool], positions: list[int] | None = None, payloads_coming: bool = False
+    ) -> None:
         """Units decoded for now (``positions``, default all) whose payload says what their bytes say now (made again
         after an edit, or never changed) go back to their payload alone: their tensors view their `NoRawBytes` again
-        and the RAM buffer goes. One without a payload any more (an edit made it not worth compressing, unit index
-        by ``has_payload``) keeps the buffer for good, raw in RAM."""
+        and the RAM buffer goes. One without a payload any more (unit index by ``has_payload``) keeps the buffer,
+        raw in RAM: for good when an edit made it not worth compressing; until its payload is proven
+        (`release_to_payloads`) when ``payloads_coming``, the payloads being made between forwards."""
         for position in sorted(self.opened if positions is None else set(positions) & self.opened):
             unit = self._positions[position]
             stored = unit.stored
@@ -228,7 +243,32 @@ class RawHomes:
             else:
                 unit.stored = InRam(stored.tensor)
                 self.homed.discard(position)
+                if payloads_coming:
+                    self.raw_for_edits.add(position)
             self.opened.discard(position)
+
+    def release_to_payloads(self, positions: list[int], ready: Callable[[int], bool]) -> None:
+        """Units of ``positions`` kept raw in RAM for an edit (`raw_for_edits`) whose payload ``ready(unit index)``
+        says is kept and proven go back to their payload alone, as set-up leaves a unit payloads only (`settle`):
+        their tensors view a `NoRawBytes` (one that views a device copy keeps it, and gets the stand-in when it
+        goes back to the host) and the RAM buffer goes. The caller made sure no copy issued before still reads
+        those buffers. An edit found in one first (`Binding.check`) is handled before ``ready`` is asked: it may
+        have left the unit without a payload. A unit the home cannot leave without raw bytes stays as it is."""
+        released: set[int] = set()
+        for position in positions:
+            unit = self._positions[position]
+            self._binding.check(unit)
+            if position not in self.raw_for_edits or not isinstance(unit.stored, InRam) or not ready(unit.index):
+                continue
+            self.raw_for_edits.discard(position)
+            stand_in = self.home.stand_in_without_bytes(position, unit)
+            if stand_in is None:
+                continue
+            self._binding.rehost(unit, stand_in)
+            unpin_unit(unit)
+            unit.stored = InPayloadsOnly(stand_in)
+            released.add(position)
+        self.homed = self.homed | released  # a new set: a host tier counting RAM on another thread reads the old one
 
     def rehome_written(self, positions: list[int] | None = None) -> None:
         """After an edit: units whose raw bytes the edit wrote into copy-on-write pages of the weight files
@@ -248,4 +288,4 @@ class RawHomes:
     def close(self) -> None:
         """Every unit restored from the home: it deletes what it wrote."""
         self.home.close()
-        self.homed, self.opened, self.held = set(), set(), {}
+        self.homed, self.opened, self.held, self.raw_for_edits = set(), set(), {}, set()
