@@ -110,6 +110,21 @@ def raise_at_step(step: int):
     return callback
 
 
+def interrupted_in(pipe, block: torch.nn.Module) -> None:
+    """A generation of ``pipe`` interrupted by an exception from ``block``'s forward pre-hook (inside an expert's
+    forward, its units streaming)."""
+
+    def interrupt(*args) -> None:
+        raise Interrupted
+
+    hook = block.register_forward_pre_hook(interrupt)
+    try:
+        with pytest.raises(Interrupted):
+            latents(pipe)
+    finally:
+        hook.remove()
+
+
 @RAW_COPIES
 @pytest.mark.parametrize("where", ["callback", "block hook"])
 def test_a_generation_interrupted_while_encoding_leaves_the_next_ones_bitwise(
@@ -127,14 +142,7 @@ def test_a_generation_interrupted_while_encoding_leaves_the_next_ones_bitwise(
         with pytest.raises(Interrupted):
             wan_latents(pipe, **call)
     else:
-
-        def interrupt(*args) -> None:
-            raise Interrupted
-
-        hook = pipe.transformer.blocks[2].register_forward_pre_hook(interrupt)
-        with pytest.raises(Interrupted):
-            latents(pipe)
-        hook.remove()
+        interrupted_in(pipe, pipe.transformer.blocks[2])
     assert torch.equal(latents(pipe), reference)
     assert torch.equal(pair.until_kept(), reference)
     pipe.disable_flextensor_offload()
@@ -349,14 +357,7 @@ def test_right_after_adoption_before_any_payload_is_proven(saved, tmp_path, raw_
     before = snapshot(pair.offloaded.transformer)
     adopted_unproven(pair)
     if then == "interrupt":
-
-        def interrupt(*args) -> None:
-            raise Interrupted
-
-        hook = pair.offloaded.transformer.blocks[2].register_forward_pre_hook(interrupt)
-        with pytest.raises(Interrupted):
-            latents(pair.offloaded)
-        hook.remove()
+        interrupted_in(pair.offloaded, pair.offloaded.transformer.blocks[2])
         pair.until_kept()
     elif then == "disable":
         pair.offloaded.disable_flextensor_offload()
@@ -422,14 +423,7 @@ def test_under_a_tight_host_budget_a_lora_an_interrupt_and_reads_mid_encoding_fo
     assert mid_encoding(pair.state)
     pair.do(load_lora("transformer_2", lora_state_dict(pair.native, 1), "a"))
     pair.same()
-
-    def interrupt(*args) -> None:
-        raise Interrupted
-
-    hook = pair.offloaded.transformer_2.blocks[1].register_forward_pre_hook(interrupt)
-    with pytest.raises(Interrupted):
-        latents(pair.offloaded)
-    hook.remove()
+    interrupted_in(pair.offloaded, pair.offloaded.transformer_2.blocks[1])
     for _ in range(2):
         pair.same()
     for name in EXPERTS:
