@@ -299,6 +299,28 @@ def test_offloading_twice_is_refused() -> None:
     ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**9, device="cpu").remove()
 
 
+@pytest.mark.parametrize(
+    "cast",
+    [lambda m: m.to(torch.float64), lambda m: m.half(), lambda m: m.to("meta"), lambda m: m.to(torch.bfloat16)],
+    ids=["to-float64", "half", "to-meta", "to-bfloat16"],
+)
+def test_a_cast_or_move_of_an_offloaded_model_is_refused_before_anything_changes(cast) -> None:
+    """``model.to(dtype)`` and kin would give each parameter new data that the next call's load would undo without
+    a word (the cast dropped): refused at once in one line naming the fix, every tensor as it was, the outputs
+    still native's; a ``.to()`` that changes nothing passes; once removed, the model casts as any module does."""
+    model, x = make()
+    reference = native(model, x, "cpu")
+    handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**9, device="cpu")
+    before = snapshot(model)
+    with pytest.raises(ft.OffloadStateError, match=r"disable offload .* cast or move, then enable it again"):
+        cast(model)
+    assert_same(before, model)
+    assert model.to("cpu", torch.float32) is model  # as it is: nothing to change
+    assert all(torch.equal(out, reference) for out in run(model, x, "cpu", 2))
+    handle.remove()
+    assert cast(model) is model and "_apply" not in vars(model)
+
+
 def test_autograd_is_refused_with_the_fix() -> None:
     model, x = make()
     handle = ft.offload(model, include_patterns=["blocks.*"], gpu_budget=10**9, device="cpu")

@@ -36,6 +36,7 @@ from ..storage.payloads_only import PayloadsOnlyHome
 from ..storage.raw_homes import RawHome
 from .binding import Binding
 from .boundaries import Boundaries, Crossing, hidden
+from .cast_guard import CastGuard
 from .config import cache_folder
 from .device_copies import DeviceCopies
 from .edits import Edits
@@ -120,6 +121,7 @@ class SetUp:
     def __init__(self, handle: SetUpContext, raw_home: RawHome | None = None) -> None:
         self.handle = handle
         self.boundaries = Boundaries()
+        self.cast_guard = CastGuard(handle.model)  # model.to(dtype) and kin refused while offloaded
         self.payload_cache: PayloadCache | None = None  # compression_cache: the file of the compressed copies
         self._raw_home = raw_home  # compressed only: where raw bytes go (None: `_home_in_cache_dir`)
         self._folder: Path | None = None  # `cache_folder`, checked once
@@ -240,6 +242,7 @@ class SetUp:
         h.host.form.publish(h.fingerprint["sha256"])
         hooking = time.perf_counter()
         self._hook()
+        self.cast_guard.install()
         h.setup_times.hooks = 1e3 * (time.perf_counter() - hooking)
 
     def _packed(self, seconds: float) -> None:
@@ -252,9 +255,11 @@ class SetUp:
         self.handle.host.compressed.begin_arrival()
 
     def undo(self) -> None:
-        """Undo what set-up added besides packing: boundaries, state-dict hooks, the claim on the payload file's
-        name (the files the host copies' form kept, shared or raw, went with the host copies: `HostForm.restored`)."""
+        """Undo what set-up added besides packing: boundaries, the cast guard, state-dict hooks, the claim on the
+        payload file's name (the files the host copies' form kept, shared or raw, went with the host copies:
+        `HostForm.restored`)."""
         self.boundaries.remove()
+        self.cast_guard.remove()
         for hook in self._state_dict_hooks:
             hook.remove()
         self._state_dict_hooks = []
