@@ -158,12 +158,17 @@ class RawHomes:
             self.close_opened(lambda i: payload is not None, [position])
         if payload is None or position in self.homed:
             return
+        self._move_home(position, unit)
+        if isinstance(unit.stored, InPayloadsOnly):
+            self.held[index] = payload  # its only copy now; the records may keep it only once all are made
+
+    def _move_home(self, position: int, unit: Unit) -> None:
+        """``unit``, in RAM, moves its raw bytes to the home (`RawHome.stand_in`: none at all, payloads only) and
+        frees its RAM buffer."""
         stand_in = self.home.stand_in(position, unit)
         self._binding.to_host(unit, stand_in)
         unpin_unit(unit)
         unit.stored = at_home(stand_in)
-        if isinstance(unit.stored, InPayloadsOnly):
-            self.held[index] = payload  # its only copy now; the records may keep it only once all are made
         self.homed.add(position)
 
     def set_up_done(self) -> None:
@@ -199,12 +204,8 @@ class RawHomes:
         unit = self._positions[position]
         if position in self.homed:
             return
-        stand_in = self.home.stand_in(position, unit)
-        assert not isinstance(stand_in, NoRawBytes), f"{unit.name} has no payload to be its only copy yet"
-        self._binding.to_host(unit, stand_in)
-        unpin_unit(unit)
-        unit.stored = AtRawHome(stand_in)
-        self.homed.add(position)
+        self._move_home(position, unit)
+        assert isinstance(unit.stored, AtRawHome), f"{unit.name} has no payload to be its only copy yet"
 
     def pin_the_rest(self) -> None:
         """Once set-up encoded everything: page-lock what stays in RAM raw (the base, units not worth
